@@ -1,0 +1,29 @@
+# The two commands of the README, and the tools behind them. Each target does its own set-up.
+.PHONY: run test e2e lint crd lock clean-cache
+
+MANIFEST ?= examples/tiny-local.yaml
+
+# Run the main job on the embedded default: the local colocated loop, no cluster, no GPU.
+run:
+	@bash hack/venv.sh
+	.venv/bin/rljob run $(MANIFEST)
+
+# The whole test suite (what CI runs): venv, control plane binaries, ruff, mypy, pytest.
+test:
+	@bash hack/test.sh
+
+lint:
+	@bash hack/venv.sh
+	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy
+
+# Regenerate the checked-in CRD from the API models (a unit test fails when they drift).
+crd:
+	@bash hack/venv.sh
+	.venv/bin/rljob crd > crds/rljob.dev_rljobs.yaml
+	cp crds/rljob.dev_rljobs.yaml charts/rljob/crds/
+
+lock:
+	@bash hack/lock.sh
+
+clean-cache:
+	rm -rf "$${RLJOB_CACHE_DIR:-$$HOME/.cache/rljob}"

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The whole test suite with all its set-up: venv, control-plane binaries, lint, types, pytest.
+# This is the README's test command (`make test`) and exactly what .ci/run runs.
+# Extra arguments go to pytest (e.g. `hack/test.sh -m controlplane -k smoke`).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+declare -a PHASES=()
+phase() {  # phase NAME CMD...: run a step, time it, stop the run on failure
+  local name=$1 start end rc
+  shift
+  echo "==> $name"
+  start=$(date +%s)
+  "$@"
+  rc=$?
+  end=$(date +%s)
+  PHASES+=("$(printf '%-14s %4ss  %s' "$name" "$((end - start))" "$([[ $rc == 0 ]] && echo ok || echo "FAILED ($rc)")")")
+  if [[ $rc != 0 ]]; then
+    summary
+    exit "$rc"
+  fi
+}
+summary() {
+  echo "==> phase times"
+  printf '  %s\n' "${PHASES[@]}"
+}
+
+run_pytest() {
+  local rc
+  PYTHONPATH=hack .venv/bin/python -m pytest -p pytest_layer_guard -rs --timeout=1200 "$@"
+  rc=$?
+  if [[ $rc == 5 ]]; then
+    echo "pytest collected no tests: that is a failure here, not a pass" >&2
+    return 1
+  fi
+  return $rc
+}
+
+phase venv bash hack/venv.sh
+phase controlplane bash hack/controlplane.sh install
+if [[ $# == 0 ]]; then
+  phase ruff .venv/bin/ruff check .
+  phase ruff-format .venv/bin/ruff format --check .
+  phase mypy .venv/bin/mypy
+fi
+phase pytest run_pytest "$@"
+summary

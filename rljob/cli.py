@@ -1,0 +1,76 @@
+"""The `rljob` command: one entry point that dispatches to the operator, the worker and tools.
+
+Each subcommand imports its side lazily, so `rljob operator` never imports torch and
+`rljob run` never imports kopf.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+USAGE = """usage: rljob COMMAND [ARGS...]
+
+commands:
+  run MANIFEST [--out DIR]   run an RLJob manifest locally (CPU or GPU; no cluster needed)
+  operator [ARGS...]         run the kopf operator (reconciles RLJobs into KubeRay RayJobs)
+  crd                        print the RLJob CustomResourceDefinition generated from the models
+  driver [ARGS...]           the Ray driver (the RayJob's entrypoint inside the cluster)
+  version                    print the version
+"""
+
+
+def _run(argv: list[str]) -> int:
+    from rljob_worker.cli_run import main
+
+    return main(argv)
+
+
+def _operator(argv: list[str]) -> int:
+    from rljob_operator.main import main
+
+    return main(argv)
+
+
+def _crd(argv: list[str]) -> int:
+    from rljob_operator.crdgen import main
+
+    return main(argv)
+
+
+def _driver(argv: list[str]) -> int:
+    from rljob_worker.driver.ray_main import main
+
+    return main(argv)
+
+
+def _version(argv: list[str]) -> int:
+    from rljob import __version__
+
+    print(__version__)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "run": _run,
+    "operator": _operator,
+    "crd": _crd,
+    "driver": _driver,
+    "version": _version,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command = COMMANDS.get(args[0])
+    if command is None:
+        print(f"rljob: unknown command {args[0]!r}\n\n{USAGE}", end="", file=sys.stderr)
+        return 2
+    return command(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The memory report the worker sends back: canonical stage names, per-rank samples, OOM records.
+
+Shared by the worker (which produces it), the drivers (which aggregate it) and the operator
+(which publishes it); it imports neither torch nor kopf.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+
+class Stage(StrEnum):
+    """The stages of one colocated iteration, in staged-awake order (see DESIGN.md).
+
+    These names are the ones in code, logs, status, metrics and plots.
+    """
+
+    TRAIN = "train"
+    OFFLOAD_OPTIMIZER = "offload_optimizer"
+    WAKE_WEIGHTS = "wake_weights"
+    OFFLOAD_TRAIN = "offload_train"
+    WAKE_KV_CACHE = "wake_kv_cache"
+    ROLLOUT = "rollout"
+    SLEEP = "sleep"
+
+
+STAGE_ORDER: tuple[Stage, ...] = tuple(Stage)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+MemoryKind = Literal["cuda", "host"]
+
+
+class StageSample(_Model):
+    """One rank's memory and time for one stage of one iteration.
+
+    On CUDA the byte counts come from torch.cuda memory stats (peak reset at the stage's start)
+    and `torch.cuda.mem_get_info`; on CPU they come from the process RSS and the host's
+    memory, and `kind` says "host" so nobody mistakes them for GPU figures.
+    """
+
+    iteration: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    stage: Stage
+    kind: MemoryKind
+    device: str = Field(description="Device name, e.g. 'NVIDIA H100 80GB HBM3' or 'cpu'.")
+    start_seconds: float = Field(description="Wall-clock start, seconds since the epoch.")
+    seconds: float = Field(ge=0)
+    peak_allocated_bytes: int = Field(ge=0)
+    peak_reserved_bytes: int = Field(ge=0)
+    allocated_bytes: int = Field(ge=0, description="Allocated at the stage's end.")
+    reserved_bytes: int = Field(ge=0, description="Reserved at the stage's end.")
+    device_used_bytes: int = Field(
+        ge=0, description="Device total minus free at the stage's end (all processes)."
+    )
+    device_peak_used_bytes: int = Field(
+        ge=0,
+        description="Highest device-wide use seen during the stage (allocator peak plus memory "
+        "held outside the allocator, e.g. torch_memory_saver regions).",
+    )
+    device_total_bytes: int = Field(ge=0)
+    node: str = ""
+
+
+OOMKind = Literal["CUDAOutOfMemory", "OOMKilled"]
+
+
+class OOMRecord(_Model):
+    """An out-of-memory event, as the worker (CUDA) or the operator (container) saw it."""
+
+    time: str = Field(description="RFC 3339 time.")
+    kind: OOMKind
+    stage: Stage | None = None
+    iteration: int | None = None
+    rank: int | None = None
+    pod: str = ""
+    container: str = ""
+    node: str = ""
+    requested_bytes: int | None = None
+    free_bytes: int | None = None
+    limit_bytes: int | None = None
+    message: str = ""
+
+
+class IterationReport(_Model):
+    """Everything the ranks reported for one iteration."""
+
+    iteration: int = Field(ge=0)
+    reward_mean: float | None = None
+    kl_mean: float | None = None
+    samples: list[StageSample] = Field(default_factory=list)
+
+
+class StageMemory(_Model):
+    """The worst rank's figures for one stage: what `status.memory.stages` lists."""
+
+    name: Stage
+    peak_bytes: int = Field(ge=0)
+    peak_fraction: float = Field(ge=0)
+    seconds: float = Field(ge=0)
+    rank: int = Field(ge=0)
+
+
+class MemorySummary(_Model):
+    """`status.memory`: the latest iteration, worst rank per stage, with device and capacity."""
+
+    iteration: int = Field(ge=0)
+    kind: MemoryKind
+    device: str
+    capacity_bytes: int = Field(ge=0)
+    stages: list[StageMemory]
+
+    @property
+    def worst_fraction(self) -> float:
+        return max((s.peak_fraction for s in self.stages), default=0.0)
+
+
+def summarize(report: IterationReport) -> MemorySummary | None:
+    """Reduce all ranks' samples of an iteration to the worst rank per stage, in stage order.
+
+    The peak counted is the device-wide peak use, since that is what an OOM is measured
+    against; capacity is the smallest device total seen (ranks on one kind of GPU agree).
+    """
+    if not report.samples:
+        return None
+    worst: dict[Stage, StageSample] = {}
+    for sample in report.samples:
+        held = worst.get(sample.stage)
+        if held is None or sample.device_peak_used_bytes > held.device_peak_used_bytes:
+            worst[sample.stage] = sample
+    capacity = min(s.device_total_bytes for s in report.samples)
+    first = report.samples[0]
+    stages = [
+        StageMemory(
+            name=stage,
+            peak_bytes=worst[stage].device_peak_used_bytes,
+            peak_fraction=round(worst[stage].device_peak_used_bytes / capacity, 4)
+            if capacity
+            else 0.0,
+            seconds=round(worst[stage].seconds, 4),
+            rank=worst[stage].rank,
+        )
+        for stage in STAGE_ORDER
+        if stage in worst
+    ]
+    return MemorySummary(
+        iteration=report.iteration,
+        kind=first.kind,
+        device=first.device,
+        capacity_bytes=capacity,
+        stages=stages,
+    )

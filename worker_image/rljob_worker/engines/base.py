@@ -1,0 +1,66 @@
+"""The rollout-engine interface the stage machine drives, and the memory tags it uses.
+
+An engine shares its GPU with FSDP training, so it must release and resume its memory by tag
+(weights, KV cache, CUDA graphs) with stable addresses, and take weights in place, bucket by
+bucket. SGLang's Engine and the torch reference engine both fit it without change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+# Memory tags, with SGLang's spelling (sglang.srt.constants GPU_MEMORY_TYPE_*).
+TAG_WEIGHTS = "weights"
+TAG_KV_CACHE = "kv_cache"
+TAG_CUDA_GRAPH = "cuda_graph"
+ALL_TAGS: tuple[str, ...] = (TAG_WEIGHTS, TAG_KV_CACHE, TAG_CUDA_GRAPH)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one generate call samples with (from the spec's rollout.sampling)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A rollout engine colocated with training on one rank's GPU(s)."""
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds, as sized from mem_fraction_static."""
+        ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[int]]:
+        """Sample one response (token ids, without the prompt) for each prompt."""
+        ...
+
+    def release(self, tags: Sequence[str]) -> None:
+        """Give the memory of these tags back to the device; contents are lost."""
+        ...
+
+    def resume(self, tags: Sequence[str]) -> None:
+        """Re-acquire the memory of these tags at the same addresses."""
+        ...
+
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy one bucket of full (unsharded) named tensors into the engine's weights in place."""
+        ...
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes computed with the old weights."""
+        ...
+
+    def shutdown(self) -> None:
+        """Free everything; the engine is unusable afterwards."""
+        ...
