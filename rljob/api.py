@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -83,6 +84,7 @@ class ModelSpec(_Spec):
     path: str = Field(
         default="builtin:tiny-qwen2",
         min_length=1,
+        max_length=4096,
         description="Model to load with transformers' from_pretrained: a local directory, a "
         "mounted volume path, or a Hugging Face id (verl: actor_rollout_ref.model.path). "
         "'builtin:tiny-qwen2' builds a tiny randomly initialised Qwen2 model and tokenizer "
@@ -300,11 +302,16 @@ class Toleration(_Spec):
         }
     )
 
-    key: str | None = Field(default=None, description="Taint key; empty matches all keys.")
+    # Bounded lengths keep the apiserver's CEL cost estimate of this list's rule small.
+    key: str | None = Field(
+        default=None, max_length=253, description="Taint key; empty matches all keys."
+    )
     operator: Literal["Exists", "Equal"] | None = Field(
         default=None, description="Exists or Equal (the default)."
     )
-    value: str | None = Field(default=None, description="Taint value (operator Equal).")
+    value: str | None = Field(
+        default=None, max_length=63, description="Taint value (operator Equal)."
+    )
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect to match; empty matches all effects."
     )
@@ -423,8 +430,8 @@ class RLJobSpec(_Spec):
     ttl_seconds_after_finished: int | None = Field(
         default=None,
         ge=0,
-        description="Delete the RayJob (and its pods) this long after it finishes; the RLJob "
-        "and its status stay. Unset keeps the RayJob until the RLJob is deleted.",
+        description="Delete the Ray cluster (its pods) this long after the job finishes; the "
+        "RayJob and the RLJob with its status stay. Unset means 0: as soon as it finishes.",
     )
 
     @model_validator(mode="after")
@@ -498,6 +505,26 @@ class RLJobStatus(_Spec):
         default=None, ge=0, description="Highest peak fraction of any stage in status.memory."
     )
     oom_total: int | None = Field(default=None, ge=0, description="Sum of status.oomCounts.")
+
+
+JOB_CONFIG_DIR = "/etc/rljob"
+JOB_CONFIG_FILE = "job.yaml"
+
+
+class JobConfig(_Spec):
+    """What the worker is given (the ConfigMap mounted at /etc/rljob/job.yaml): the validated
+    spec plus the RLJob's identity, so the driver knows whose status to write."""
+
+    name: str = Field(min_length=1, description="The RLJob's name.")
+    namespace: str = Field(min_length=1, description="The RLJob's namespace.")
+    spec: RLJobSpec
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(by_alias=True, mode="json"), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> JobConfig:
+        return cls.model_validate(yaml.safe_load(text))
 
 
 def parse_manifest(doc: dict[str, Any]) -> tuple[str, RLJobSpec]:

@@ -1,0 +1,175 @@
+"""Generates the RLJob CustomResourceDefinition from the pydantic models in rljob.api.
+
+The models are the single source of truth; this turns their JSON schema into a structural
+OpenAPI v3 schema (refs inlined, nullable instead of anyOf-null, defaults for nested sections).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from rljob.api import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, RLJobSpec, RLJobStatus
+
+CRD_NAME = f"{PLURAL}.{GROUP}"
+CRD_PATH = "crds/rljob.dev_rljobs.yaml"
+
+# JSON-schema keywords that carry over to OpenAPI v3 as they are.
+_KEPT = {
+    "type",
+    "description",
+    "enum",
+    "minimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "required",
+    "default",
+    "format",
+}
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Iteration", "type": "integer", "jsonPath": ".status.iteration"},
+    {
+        "name": "Worst-Stage",
+        "type": "number",
+        "jsonPath": ".status.worstStageFraction",
+        "description": "Highest per-stage peak memory fraction of the latest iteration.",
+    },
+    {"name": "OOMs", "type": "integer", "jsonPath": ".status.oomTotal"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """One JSON-schema node -> one structural OpenAPI v3 node."""
+    node = dict(node)
+    if "$ref" in node:
+        target = defs[node.pop("$ref").split("/")[-1]]
+        # Siblings of $ref (default, description) win over the referenced schema's own.
+        node = {**copy.deepcopy(target), **node}
+    if "anyOf" in node:
+        # `X | None` is the only union the models use: it becomes X with nullable: true.
+        options = node.pop("anyOf")
+        kept = [o for o in options if o.get("type") != "null"]
+        if len(kept) != 1:
+            raise ValueError(f"cannot make a structural schema of a union: {options}")
+        return _structural({**kept[0], **node, "_nullable": len(kept) < len(options)}, defs)
+    nullable = bool(node.pop("_nullable", False))
+    out: dict[str, Any] = {k: v for k, v in node.items() if k in _KEPT}
+    if "const" in node:
+        out["enum"] = [node["const"]]
+    # Draft 2020 exclusive bounds are numbers; OpenAPI v3 (as Kubernetes reads it) uses booleans.
+    for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if bound in node:
+            out[plain] = node[bound]
+            out[bound] = True
+    if "properties" in node:
+        out["properties"] = {name: _property(sub, defs) for name, sub in node["properties"].items()}
+    if isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = _structural(node["additionalProperties"], defs)
+    if "items" in node:
+        out["items"] = _structural(node["items"], defs)
+    for key, value in node.items():
+        if key.startswith("x-kubernetes-"):
+            out[key] = value
+    if out.get("default") is None:
+        out.pop("default", None)
+    if nullable:
+        out["nullable"] = True
+    return out
+
+
+def _property(sub: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    prop = _structural(sub, defs)
+    # A section with its own defaults (default_factory=Model in pydantic) defaults to {} so the
+    # apiserver fills its fields; a user who omits `rollout` gets the same spec pydantic builds.
+    if prop.get("type") == "object" and "properties" in prop and not prop.get("nullable"):
+        prop.setdefault("default", {})
+    return prop
+
+
+def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of one model (camelCase, as on the wire)."""
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.pop("$defs", {})
+    return _structural(raw, defs)
+
+
+def crd() -> dict[str, Any]:
+    """The RLJob CustomResourceDefinition as a dict."""
+    spec = openapi_schema(RLJobSpec)
+    spec["default"] = {}
+    status = openapi_schema(RLJobStatus)
+    root = {
+        "type": "object",
+        "description": "RLJob: a colocated RL job (FSDP training and a rollout engine sharing "
+        "the GPUs with staged wake-up), run as a KubeRay RayJob.",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME},
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["rljob"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    """The CRD as the YAML checked in at crds/rljob.dev_rljobs.yaml."""
+    header = "# Generated by `rljob crd` from rljob/api.py. Do not edit by hand.\n"
+    return header + yaml.safe_dump(crd(), sort_keys=False, width=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`rljob crd [--out PATH]`: print (or write) the generated CRD."""
+    parser = argparse.ArgumentParser(prog="rljob crd", description=main.__doc__)
+    parser.add_argument("--out", help="write to this file instead of stdout")
+    args = parser.parse_args(argv)
+    text = crd_yaml()
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The operator's few API calls: server-side apply of children and of status, and reads.
+
+One field manager for everything the operator writes, so repeated applies are no-ops and
+the driver's status fields (its own field manager) are never clobbered.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
+from rljob.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
+
+FIELD_MANAGER = "rljob-operator"
+APPLY = "application/apply-patch+yaml"
+# Statuses worth retrying: conflicts, throttling, apiserver trouble.
+TRANSIENT = {409, 429, 500, 502, 503, 504}
+
+
+def _apply_fn(kind: str) -> Callable[..., Any]:
+    core, rbac = client.CoreV1Api(), client.RbacAuthorizationV1Api()
+    table: dict[str, Callable[..., Any]] = {
+        "ServiceAccount": core.patch_namespaced_service_account,
+        "ConfigMap": core.patch_namespaced_config_map,
+        "Role": rbac.patch_namespaced_role,
+        "RoleBinding": rbac.patch_namespaced_role_binding,
+    }
+    return table[kind]
+
+
+def _plain(result: Any) -> dict[str, Any]:
+    """A client model or dict as a plain camelCase dict."""
+    if isinstance(result, dict):
+        return result
+    plain: dict[str, Any] = client.ApiClient().sanitize_for_serialization(result)
+    return plain
+
+
+def apply(obj: dict[str, Any]) -> dict[str, Any]:
+    """Server-side apply one manifest; returns the object as stored."""
+    meta = obj["metadata"]
+    kwargs: dict[str, Any] = {"field_manager": FIELD_MANAGER, "force": True, "_content_type": APPLY}
+    if obj["kind"] == "RayJob":
+        group, version = obj["apiVersion"].split("/")
+        result = client.CustomObjectsApi().patch_namespaced_custom_object(
+            group, version, meta["namespace"], "rayjobs", meta["name"], obj, **kwargs
+        )
+        return _plain(result)
+    return _plain(_apply_fn(obj["kind"])(meta["name"], meta["namespace"], obj, **kwargs))
+
+
+def apply_status(namespace: str, name: str, status: dict[str, Any]) -> None:
+    """Server-side apply the operator's status fields on the status subresource."""
+    body = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "status": status,
+    }
+    client.CustomObjectsApi().patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, name, body,
+        field_manager=FIELD_MANAGER, force=True, _content_type=APPLY,
+    )  # fmt: skip
+
+
+def get_rljob(namespace: str, name: str) -> dict[str, Any] | None:
+    return _get(lambda: client.CustomObjectsApi().get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name))  # fmt: skip
+
+
+def get_rayjob(namespace: str, name: str) -> dict[str, Any] | None:
+    return _get(lambda: client.CustomObjectsApi().get_namespaced_custom_object(
+        "ray.io", "v1", namespace, "rayjobs", name))  # fmt: skip
+
+
+def get_config_map_data(namespace: str, name: str) -> dict[str, str] | None:
+    found = _get(lambda: client.CoreV1Api().read_namespaced_config_map(name, namespace))
+    return None if found is None else dict(found.get("data") or {})
+
+
+def _get(call: Callable[[], Any]) -> dict[str, Any] | None:
+    """The object, or None when it does not exist."""
+    try:
+        result = call()
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return _plain(result)
+
+
+def as_kopf_error(exc: Exception, what: str) -> kopf.TemporaryError | kopf.PermanentError:
+    """Translate an API failure into kopf's retry (transient) or stop (the request is wrong)."""
+    if isinstance(exc, HTTPError):
+        return kopf.TemporaryError(f"{what}: API unreachable ({exc})", delay=5)
+    if isinstance(exc, ApiException):
+        if exc.status in TRANSIENT:
+            return kopf.TemporaryError(f"{what}: HTTP {exc.status} {exc.reason}", delay=5)
+        if exc.status in (401, 403):
+            # RBAC may be fixed by an admin; keep trying, slowly.
+            return kopf.TemporaryError(f"{what}: forbidden ({exc.reason})", delay=60)
+        return kopf.PermanentError(f"{what}: HTTP {exc.status}: {_api_message(exc)}")
+    return kopf.TemporaryError(f"{what}: {exc}", delay=10)
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+    except ValueError:
+        return str(exc.reason)

@@ -1,0 +1,157 @@
+"""`rljob operator`: runs the kopf operator as a process, with peering so one replica acts.
+
+Checks at startup that KubeRay's RayJob CRD is served, ensures the peering object exists, and
+runs the handlers of rljob_operator.handlers cluster-wide or in the given namespaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable
+
+import kopf
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+PEERING_NAME = "rljob-operator"
+
+log = logging.getLogger("rljob.operator")
+
+
+def peering_priority(now_seconds: float | None = None) -> int:
+    """A priority that is higher the earlier this replica started.
+
+    kopf pauses an operator that sees a live peer of higher priority, and pauses *every*
+    operator when two share a priority (kopf 1.45: "Pausing all operators, including self"),
+    so equal priorities would mean nobody acts. With start-time priorities the oldest live
+    replica acts and a newcomer starts paused (peering is mandatory, so kopf starts paused until
+    it has read the peers); the random tail breaks ties between replicas started in the same
+    millisecond.
+    """
+    started_ms = int((time.time() if now_seconds is None else now_seconds) * 1000)
+    return -started_ms * 1000 + random.randint(0, 999)
+
+
+def load_kube_config() -> None:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+def kuberay_problem() -> str | None:
+    """Why the operator cannot run (KubeRay's RayJob API not served), or None."""
+    try:
+        resources = client.CustomObjectsApi().get_api_resources("ray.io", "v1")
+    except ApiException as exc:
+        if exc.status == 404:
+            return (
+                "KubeRay's RayJob CRD (rayjobs.ray.io, v1) is not installed: install the "
+                "KubeRay operator (helm chart kuberay-operator >= 1.1) first"
+            )
+        return f"cannot check for KubeRay's RayJob CRD: HTTP {exc.status} {exc.reason}"
+    names = {r.name for r in (resources.resources if resources else [])}
+    if "rayjobs" not in names:
+        return "the ray.io/v1 API is served but has no rayjobs: install KubeRay >= 1.1"
+    return None
+
+
+def ensure_peering(name: str, namespaces: list[str]) -> None:
+    """Create the peering object(s) kopf keeps alive in, if missing (409 means it exists)."""
+    api = client.CustomObjectsApi()
+    try:
+        for ns in namespaces:
+            body = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name}}
+            _ignore_conflict(
+                functools.partial(
+                    api.create_namespaced_custom_object, "kopf.dev", "v1", ns, "kopfpeerings", body
+                )
+            )
+        if not namespaces:
+            body = {
+                "apiVersion": "kopf.dev/v1",
+                "kind": "ClusterKopfPeering",
+                "metadata": {"name": name},
+            }
+            _ignore_conflict(
+                lambda: api.create_cluster_custom_object(
+                    "kopf.dev", "v1", "clusterkopfpeerings", body
+                )
+            )
+    except ApiException as exc:
+        if exc.status == 404:
+            raise SystemExit(
+                "kopf's peering CRDs are missing: kubectl apply -f crds/kopf-peering.yaml "
+                "(or run with --standalone for a single replica)"
+            ) from exc
+        raise
+
+
+def _ignore_conflict(create: Callable[[], object]) -> None:
+    try:
+        create()
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+@kopf.on.startup()
+def _configure(settings: kopf.OperatorSettings, **_: object) -> None:
+    # Keep kopf's own bookkeeping in annotations only (no status.kopf field to race with the
+    # status apply), and post Events for handler outcomes.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rljob.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="rljob.dev")
+    settings.posting.level = logging.WARNING
+    settings.peering.stealth = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`rljob operator [--namespace NS ...] [--standalone]`."""
+    parser = argparse.ArgumentParser(prog="rljob operator", description=__doc__)
+    parser.add_argument(
+        "--namespace", action="append", default=[], help="watch only this namespace (repeatable)"
+    )
+    parser.add_argument(
+        "--standalone", action="store_true", help="no peering (a single replica; dev and tests)"
+    )
+    parser.add_argument("--peering-name", default=PEERING_NAME)
+    parser.add_argument("--liveness", default=None, help="e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    load_kube_config()
+    problem = kuberay_problem()
+    if problem:
+        log.error(problem)
+        print(f"rljob operator: {problem}", file=sys.stderr)
+        return 2
+    if not args.standalone:
+        ensure_peering(args.peering_name, args.namespace)
+    import rljob_operator.handlers  # noqa: F401  (registers the handlers)
+
+    priority = peering_priority()
+    log.info(f"starting: namespaces={args.namespace or 'all'} peering priority={priority}")
+    asyncio.run(
+        kopf.operator(
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            standalone=args.standalone,
+            priority=priority,
+            peering_name=None if args.standalone else args.peering_name,
+            liveness_endpoint=args.liveness,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Pure builders: an RLJob's spec in, the manifests of its children out (no API calls).
+
+Children: the job-config ConfigMap, the KubeRay RayJob, and the job's own ServiceAccount, Role
+and RoleBinding. Every child carries a controller owner reference to the RLJob, so the
+garbage collector deletes them with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rljob.api import (
+    API_VERSION,
+    JOB_CONFIG_DIR,
+    JOB_CONFIG_FILE,
+    KIND,
+    JobConfig,
+    RLJobSpec,
+)
+from rljob_operator.rbac import job_rules
+
+# The Ray driver the RayJob runs (built in worker_image/rljob_worker/driver/ray_main.py).
+DRIVER_MODULE = "rljob_worker.driver.ray_main"
+DRIVER_ENTRYPOINT = f"python -m {DRIVER_MODULE} --config {JOB_CONFIG_DIR}/{JOB_CONFIG_FILE}"
+RAY_VERSION = "2.60.0"
+RAY_API_VERSION = "ray.io/v1"
+JOB_LABEL = "rljob.dev/job"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "rljob-operator"}
+# KubeRay names the RayCluster after the RayJob plus a suffix and refuses longer RayJob names.
+MAX_RAYJOB_NAME_LENGTH = 47
+WORKER_GROUP = "workers"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The RLJob that owns the children (what kopf.adopt would read from the body)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def config_map_name(job: str) -> str:
+    return f"{job}-job-config"
+
+
+def job_account_name(job: str) -> str:
+    """Name of the per-job ServiceAccount, Role and RoleBinding."""
+    return f"{job}-job"
+
+
+def _metadata(name: str, owner: Owner) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": {JOB_LABEL: owner.name, **MANAGED_BY},
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def config_map(owner: Owner, spec: RLJobSpec) -> dict[str, Any]:
+    """The worker's job config: the validated spec and whose status to write."""
+    config = JobConfig(name=owner.name, namespace=owner.namespace, spec=spec)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(config_map_name(owner.name), owner),
+        "data": {JOB_CONFIG_FILE: config.to_yaml()},
+    }
+
+
+def _volumes(owner: Owner, spec: RLJobSpec) -> list[dict[str, Any]]:
+    return [
+        {"name": "job-config", "configMap": {"name": config_map_name(owner.name)}},
+        # NCCL and Ray's object store use /dev/shm; the container default (64 MiB) is too small.
+        {
+            "name": "dshm",
+            "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory},
+        },
+    ]
+
+
+_MOUNTS: list[dict[str, Any]] = [
+    {"name": "job-config", "mountPath": JOB_CONFIG_DIR, "readOnly": True},
+    {"name": "dshm", "mountPath": "/dev/shm"},
+]
+
+
+def _pod_template(
+    owner: Owner,
+    spec: RLJobSpec,
+    container: dict[str, Any],
+) -> dict[str, Any]:
+    res = spec.resources
+    pod: dict[str, Any] = {
+        "serviceAccountName": job_account_name(owner.name),
+        "containers": [container],
+        "volumes": _volumes(owner, spec),
+    }
+    if res.node_selector:
+        pod["nodeSelector"] = dict(res.node_selector)
+    if res.tolerations:
+        pod["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True, mode="json") for t in res.tolerations
+        ]
+    if res.priority_class_name:
+        pod["priorityClassName"] = res.priority_class_name
+    return {"metadata": {"labels": {JOB_LABEL: owner.name}}, "spec": pod}
+
+
+def _container(
+    name: str, spec: RLJobSpec, limits: dict[str, Any], env: list[dict[str, str]]
+) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": name,
+        "image": spec.resources.image,
+        "imagePullPolicy": spec.resources.image_pull_policy,
+        "resources": {"requests": dict(limits), "limits": dict(limits)},
+        "volumeMounts": [dict(m) for m in _MOUNTS],
+    }
+    if env:
+        container["env"] = env
+    return container
+
+
+def worker_env(spec: RLJobSpec) -> list[dict[str, str]]:
+    env: list[dict[str, str]] = []
+    if spec.rollout.tensor_parallel_size > 1:
+        # SGLang refuses to start TP>1 when ranks see unequal free memory, which is always the
+        # case while FSDP shares the GPUs (verl and slime set the same switch).
+        env.append({"name": "SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK", "value": "True"})
+    return env
+
+
+def ray_job(owner: Owner, spec: RLJobSpec) -> dict[str, Any]:
+    """The KubeRay RayJob: a head (runs the driver, no ranks) and one worker group (the ranks)."""
+    res = spec.resources
+    worker_limits: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
+    worker_start: dict[str, str] = {}
+    if res.gpus_per_worker > 0:
+        worker_limits["nvidia.com/gpu"] = res.gpus_per_worker
+    else:
+        # On CPU one Ray actor per rank: advertise exactly cpuRanksPerWorker CPUs to Ray.
+        worker_start["num-cpus"] = str(res.cpu_ranks_per_worker)
+    head = _container("ray-head", spec, {"cpu": res.head_cpu, "memory": res.head_memory}, env=[])
+    head["ports"] = [
+        {"containerPort": 6379, "name": "gcs-server"},
+        {"containerPort": 8265, "name": "dashboard"},
+        {"containerPort": 10001, "name": "client"},
+    ]
+    worker = _container("ray-worker", spec, worker_limits, env=worker_env(spec))
+    return {
+        "apiVersion": RAY_API_VERSION,
+        "kind": "RayJob",
+        "metadata": _metadata(owner.name, owner),
+        "spec": {
+            "entrypoint": DRIVER_ENTRYPOINT,
+            "submissionMode": "K8sJobMode",
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished or 0,
+            "suspend": spec.suspend,
+            "rayClusterSpec": {
+                "rayVersion": RAY_VERSION,
+                "headGroupSpec": {
+                    # num-cpus 0: no rank is ever placed on the head; it only runs the driver.
+                    "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+                    "template": _pod_template(owner, spec, head),
+                },
+                "workerGroupSpecs": [
+                    {
+                        "groupName": WORKER_GROUP,
+                        "replicas": res.workers,
+                        "minReplicas": res.workers,
+                        "maxReplicas": res.workers,
+                        "rayStartParams": worker_start,
+                        "template": _pod_template(owner, spec, worker),
+                    }
+                ],
+            },
+        },
+    }
+
+
+def service_account(owner: Owner) -> dict[str, Any]:
+    """The job's own identity: its pods write only their RLJob's status with it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(job_account_name(owner.name), owner),
+    }
+
+
+def job_role(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(job_account_name(owner.name), owner),
+        "rules": job_rules(owner.name),
+    }
+
+
+def job_role_binding(owner: Owner) -> dict[str, Any]:
+    name = job_account_name(owner.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(name, owner),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+    }
+
+
+def children(owner: Owner, spec: RLJobSpec) -> list[dict[str, Any]]:
+    """All children in creation order: identity and config before the RayJob that uses them."""
+    return [
+        service_account(owner),
+        job_role(owner),
+        job_role_binding(owner),
+        config_map(owner, spec),
+        ray_job(owner, spec),
+    ]
+
+
+def deeper_problems(name: str, spec: RLJobSpec) -> list[tuple[str, str]]:
+    """Problems admission cannot see: (field path, message). Empty when the job can run."""
+    problems: list[tuple[str, str]] = []
+    if len(name) > MAX_RAYJOB_NAME_LENGTH:
+        problems.append(
+            (
+                "metadata.name",
+                f"must be at most {MAX_RAYJOB_NAME_LENGTH} characters (KubeRay names the Ray "
+                f"cluster after it); got {len(name)}",
+            )
+        )
+    return problems

@@ -1,0 +1,216 @@
+"""Status computation: what the operator observes (RLJob, applied spec, RayJob) in, the
+operator-owned status fields out. Pure; computed each time from observations, never accumulated.
+
+The operator owns phase, observedGeneration, conditions, rayJob and the derived printer-column
+fields; the job's driver owns iteration, memory and CUDA OOMs (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rljob.api import Phase, RLJobSpec
+
+# Condition types (metav1.Condition.type).
+CREATED = "Created"
+RUNNING = "Running"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+SUSPENDED = "Suspended"
+SPEC_APPLIED = "SpecApplied"
+CONDITION_TYPES = (CREATED, RUNNING, SUCCEEDED, FAILED, SUSPENDED, SPEC_APPLIED)
+
+# Reasons (CamelCase, as metav1.Condition requires).
+REASON_RAYJOB_CREATED = "RayJobCreated"
+REASON_RAYJOB_MISSING = "RayJobNotCreated"
+REASON_INVALID_SPEC = "InvalidSpec"
+REASON_JOB_PENDING = "RayJobPending"
+REASON_JOB_RUNNING = "RayJobRunning"
+REASON_JOB_SUCCEEDED = "RayJobSucceeded"
+REASON_JOB_FAILED = "RayJobFailed"
+REASON_JOB_STOPPED = "RayJobStopped"
+REASON_SUSPENDED = "SuspendedByUser"
+REASON_NOT_SUSPENDED = "NotSuspended"
+REASON_APPLIED = "Applied"
+REASON_UPDATE_REFUSED = "UpdateRefused"
+REASON_NOT_FINISHED = "NotFinished"
+
+# Spec fields an update may change on a live job; any other change is refused.
+MUTABLE_SPEC_FIELDS = ("suspend", "ttlSecondsAfterFinished")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything status is computed from."""
+
+    generation: int
+    spec: RLJobSpec | None  # None: the spec failed validation (see problems)
+    applied_spec: RLJobSpec | None  # the spec in the job-config ConfigMap, if it exists
+    rayjob: dict[str, Any] | None  # the RayJob as read from the API, if it exists
+    previous_conditions: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (field path, message)
+    memory: dict[str, Any] | None = None  # status.memory, written by the driver
+    oom_counts: dict[str, int] = field(default_factory=dict)  # status.oomCounts
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A condition that changed, for an Event."""
+
+    type: str
+    status: str
+    reason: str
+    message: str
+
+    @property
+    def event_type(self) -> str:
+        return "Warning" if self.type == FAILED and self.status == "True" else "Normal"
+
+
+def refused_fields(spec: RLJobSpec, applied: RLJobSpec | None) -> list[str]:
+    """Spec paths that differ from what the job runs with and cannot be applied to it."""
+    if applied is None:
+        return []
+    new = spec.model_dump(by_alias=True, mode="json")
+    old = applied.model_dump(by_alias=True, mode="json")
+    return sorted(
+        f"spec.{path}"
+        for path in _diff(new, old, "")
+        if path.split(".")[0] not in MUTABLE_SPEC_FIELDS
+    )
+
+
+def _diff(new: Any, old: Any, prefix: str) -> list[str]:
+    if isinstance(new, dict) and isinstance(old, dict):
+        paths: list[str] = []
+        for key in sorted(set(new) | set(old)):
+            sub = f"{prefix}.{key}" if prefix else key
+            paths += _diff(new.get(key), old.get(key), sub)
+        return paths
+    return [] if new == old else [prefix]
+
+
+def applied_after_update(spec: RLJobSpec, applied: RLJobSpec | None) -> RLJobSpec:
+    """The spec to run after an update: the running spec with only the mutable fields taken."""
+    if applied is None:
+        return spec
+    return applied.model_copy(
+        update={
+            "suspend": spec.suspend,
+            "ttl_seconds_after_finished": spec.ttl_seconds_after_finished,
+        }
+    )
+
+
+def _phase_and_reasons(obs: Observed) -> tuple[Phase, dict[str, tuple[bool, str, str]]]:
+    """Phase plus, per condition type, (status, reason, message)."""
+    if obs.problems or obs.spec is None:
+        text = "; ".join(f"{path}: {msg}" for path, msg in obs.problems) or "invalid spec"
+        return Phase.FAILED, {
+            CREATED: (False, REASON_INVALID_SPEC, text),
+            FAILED: (True, REASON_INVALID_SPEC, text),
+        }
+    conditions: dict[str, tuple[bool, str, str]] = {}
+    refused = refused_fields(obs.spec, obs.applied_spec)
+    conditions[SPEC_APPLIED] = (
+        (False, REASON_UPDATE_REFUSED, "cannot change a live job: " + ", ".join(refused))
+        if refused
+        else (True, REASON_APPLIED, "the RayJob reflects the spec")
+    )
+    if obs.rayjob is None:
+        conditions[CREATED] = (False, REASON_RAYJOB_MISSING, "RayJob not created yet")
+        return Phase.PENDING, conditions
+    name = obs.rayjob.get("metadata", {}).get("name", "")
+    conditions[CREATED] = (True, REASON_RAYJOB_CREATED, f"RayJob {name} created")
+    rj = obs.rayjob.get("status") or {}
+    job_status = rj.get("jobStatus", "")
+    deployment = rj.get("jobDeploymentStatus", "")
+    detail = rj.get("message") or rj.get("reason") or ""
+    suspended = deployment in ("Suspended", "Suspending") or (
+        obs.spec.suspend and deployment in ("", "New")
+    )
+    conditions[SUSPENDED] = (
+        (True, REASON_SUSPENDED, f"RayJob {deployment or 'suspend requested'}")
+        if suspended
+        else (False, REASON_NOT_SUSPENDED, "")
+    )
+    if job_status == "SUCCEEDED" or (deployment == "Complete" and job_status != "FAILED"):
+        phase = Phase.SUCCEEDED
+        conditions[SUCCEEDED] = (True, REASON_JOB_SUCCEEDED, detail or "the job succeeded")
+        conditions[RUNNING] = (False, REASON_JOB_SUCCEEDED, "")
+        conditions[FAILED] = (False, REASON_JOB_SUCCEEDED, "")
+        return phase, conditions
+    if job_status in ("FAILED", "STOPPED") or deployment in ("Failed", "ValidationFailed"):
+        reason = REASON_JOB_STOPPED if job_status == "STOPPED" else REASON_JOB_FAILED
+        message = detail or f"jobStatus {job_status or '-'}, jobDeploymentStatus {deployment}"
+        conditions[FAILED] = (True, reason, message)
+        conditions[RUNNING] = (False, reason, "")
+        conditions[SUCCEEDED] = (False, reason, "")
+        return Phase.FAILED, conditions
+    conditions[SUCCEEDED] = (False, REASON_NOT_FINISHED, "")
+    conditions[FAILED] = (False, REASON_NOT_FINISHED, "")
+    if suspended:
+        conditions[RUNNING] = (False, REASON_SUSPENDED, "")
+        return Phase.SUSPENDED, conditions
+    if job_status == "RUNNING":
+        conditions[RUNNING] = (True, REASON_JOB_RUNNING, "the Ray job is running")
+        return Phase.RUNNING, conditions
+    conditions[RUNNING] = (False, REASON_JOB_PENDING, f"jobDeploymentStatus {deployment or '-'}")
+    return (Phase.STARTING if deployment else Phase.PENDING), conditions
+
+
+def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
+    """The operator's status fields (camelCase) and the condition transitions since last time.
+
+    lastTransitionTime moves only when a condition's status changes, as metav1.Condition says.
+    """
+    phase, wanted = _phase_and_reasons(obs)
+    previous = {c["type"]: c for c in obs.previous_conditions}
+    conditions: list[dict[str, Any]] = []
+    transitions: list[Transition] = []
+    for ctype in CONDITION_TYPES:
+        if ctype not in wanted:
+            continue
+        ok, reason, message = wanted[ctype]
+        flag = "True" if ok else "False"
+        before = previous.get(ctype)
+        changed = before is None or before.get("status") != flag
+        # A condition appearing as False (e.g. Failed=False at creation) is no news; an Event
+        # goes out when one becomes True or flips.
+        if changed and (ok or before is not None):
+            transitions.append(Transition(ctype, flag, reason, message))
+        since = now if before is None or changed else str(before["lastTransitionTime"])
+        conditions.append(
+            {
+                "type": ctype,
+                "status": flag,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": since,
+                "observedGeneration": obs.generation,
+            }
+        )
+    status: dict[str, Any] = {
+        "phase": phase.value,
+        "observedGeneration": obs.generation,
+        "conditions": conditions,
+    }
+    if obs.rayjob is not None:
+        rj = obs.rayjob.get("status") or {}
+        status["rayJob"] = {
+            "name": obs.rayjob["metadata"]["name"],
+            "jobStatus": rj.get("jobStatus", ""),
+            "jobDeploymentStatus": rj.get("jobDeploymentStatus", ""),
+        }
+    stages = (obs.memory or {}).get("stages") or []
+    if stages:
+        status["worstStageFraction"] = max(float(s.get("peakFraction", 0.0)) for s in stages)
+    if obs.oom_counts:
+        status["oomTotal"] = sum(obs.oom_counts.values())
+    return status, transitions
+
+
+def differs(current: dict[str, Any], computed: dict[str, Any]) -> bool:
+    """Whether writing `computed` would change `current` (so unchanged status costs no write)."""
+    return any(current.get(key) != value for key, value in computed.items())

@@ -1,0 +1,383 @@
+"""The operator as a real process (`python -m rljob_operator.main`) under its own ServiceAccount
+bound to exactly the rules in rljob_operator/rbac.py, against the real apiserver.
+
+KubeRay's status writes are played by `write_rayjob_status_as_kuberay_would` (a stand-in: the
+test writes the RayJob's status subresource with the fields KubeRay sets), except in
+test_real_kuberay_turns_the_rayjob_into_a_raycluster, where the real KubeRay operator runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from rljob_helpers import admin_kubeconfig, api_client, install_rljob_crds, rljob, wait_for
+from rljob_operator.rbac import operator_cluster_role
+
+from rljob.api import GROUP, PLURAL, VERSION
+
+SA_NAMESPACE, SA_NAME = "rljob-system", "rljob-operator"
+ROLE = "rljob-operator-test"
+CPU_SPEC = {
+    "rollout": {"engine": "torch"},
+    "resources": {"gpusPerWorker": 0, "cpuRanksPerWorker": 2},
+}
+
+
+class Operator:
+    """The operator process; restartable, logs to a file the failure messages can point at."""
+
+    def __init__(self, kubeconfig: Path, log: Path) -> None:
+        self.kubeconfig, self.log = kubeconfig, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rljob_operator.main"], env=env, stdout=out, stderr=out
+            )
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def admin(plane: Any) -> client.ApiClient:
+    install_rljob_crds(plane)
+    plane.install_kuberay_crds()
+    return api_client(admin_kubeconfig(plane))
+
+
+@pytest.fixture(scope="module")
+def operator(plane: Any, admin: client.ApiClient, tmp_path_factory: Any) -> Iterator[Operator]:
+    manifests = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SA_NAMESPACE}},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": SA_NAME, "namespace": SA_NAMESPACE},
+        },
+        operator_cluster_role(ROLE),
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": ROLE},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": ROLE,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": SA_NAME, "namespace": SA_NAMESPACE}],
+        },
+    ]
+    rbac_file = tmp_path_factory.mktemp("rbac") / "operator-rbac.yaml"
+    rbac_file.write_text(yaml.safe_dump_all(manifests))
+    plane.kubectl("apply", "-f", str(rbac_file))
+    proc = Operator(
+        plane.sa_kubeconfig(SA_NAMESPACE, SA_NAME), tmp_path_factory.mktemp("op") / "operator.log"
+    )
+    proc.start()
+    yield proc
+    proc.stop()
+    plane.kubectl("delete", "clusterrolebinding", ROLE, "clusterrole", ROLE, "--ignore-not-found")
+
+
+def custom(api: client.ApiClient) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(api)
+
+
+def create(
+    admin: client.ApiClient, namespace: str, name: str, spec: dict[str, Any]
+) -> dict[str, Any]:
+    body: dict[str, Any] = custom(admin).create_namespaced_custom_object(  # type: ignore[assignment]
+        GROUP, VERSION, namespace, PLURAL, rljob(name, spec)
+    )
+    return body
+
+
+def get(admin: client.ApiClient, namespace: str, plural: str, name: str) -> dict[str, Any] | None:
+    group, version = (GROUP, VERSION) if plural == PLURAL else ("ray.io", "v1")
+    try:
+        found: dict[str, Any] = custom(admin).get_namespaced_custom_object(  # type: ignore[assignment]
+            group, version, namespace, plural, name
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return found
+
+
+def status_of(admin: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    return (get(admin, namespace, PLURAL, name) or {}).get("status") or {}
+
+
+def condition(admin: client.ApiClient, namespace: str, name: str, ctype: str) -> dict[str, Any]:
+    conditions = status_of(admin, namespace, name).get("conditions") or []
+    return next((c for c in conditions if c["type"] == ctype), {})
+
+
+def phase_is(admin: client.ApiClient, namespace: str, name: str, phase: str) -> Callable[[], bool]:
+    return lambda: status_of(admin, namespace, name).get("phase") == phase
+
+
+def ray_items(admin: client.ApiClient, namespace: str, plural: str) -> list[dict[str, Any]]:
+    found: dict[str, Any] = custom(admin).list_namespaced_custom_object(  # type: ignore[assignment]
+        "ray.io", "v1", namespace, plural
+    )
+    return list(found["items"])
+
+
+def rayjob_suspend_is(
+    admin: client.ApiClient, namespace: str, name: str, suspend: bool
+) -> Callable[[], bool]:
+    return lambda: (get(admin, namespace, "rayjobs", name) or {})["spec"]["suspend"] is suspend
+
+
+def write_rayjob_status_as_kuberay_would(
+    admin: client.ApiClient, namespace: str, name: str, job_status: str, deployment: str
+) -> None:
+    """Stand-in for KubeRay's controller: write the RayJob status fields it owns."""
+    custom(admin).patch_namespaced_custom_object_status(
+        "ray.io", "v1", namespace, "rayjobs", name,
+        {"status": {"jobStatus": job_status, "jobDeploymentStatus": deployment}},
+        _content_type="application/merge-patch+json",
+    )  # fmt: skip
+
+
+def events_for(admin: client.ApiClient, namespace: str, name: str) -> set[str]:
+    events = client.CoreV1Api(admin).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name},involvedObject.kind=RLJob"
+    )
+    return {str(e.reason) for e in events.items}
+
+
+def test_create_makes_owned_children_with_the_rendered_shape(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    uid = create(admin, namespace, "shape", CPU_SPEC)["metadata"]["uid"]
+    rayjob = wait_for("RayJob shape", lambda: get(admin, namespace, "rayjobs", "shape"))
+    assert rayjob["spec"]["submissionMode"] == "K8sJobMode"
+    workers = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    assert workers["rayStartParams"]["num-cpus"] == "2"
+    assert rayjob["metadata"]["ownerReferences"][0]["uid"] == uid
+    core, rbac = client.CoreV1Api(admin), client.RbacAuthorizationV1Api(admin)
+    for child in (
+        core.read_namespaced_config_map("shape-job-config", namespace),
+        core.read_namespaced_service_account("shape-job", namespace),
+        rbac.read_namespaced_role("shape-job", namespace),
+        rbac.read_namespaced_role_binding("shape-job", namespace),
+    ):
+        assert child.metadata is not None and child.metadata.owner_references
+        assert child.metadata.owner_references[0].uid == uid
+    created = wait_for(
+        "Created=True",
+        lambda: condition(admin, namespace, "shape", "Created").get("status") == "True",
+    )
+    assert created
+    assert status_of(admin, namespace, "shape")["observedGeneration"] == 1
+
+
+def test_rayjob_transitions_show_in_phase_conditions_and_events(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    create(admin, namespace, "life", CPU_SPEC)
+    wait_for("RayJob life", lambda: get(admin, namespace, "rayjobs", "life"))
+    for job_status, deployment, phase in [
+        ("PENDING", "Initializing", "Starting"),
+        ("RUNNING", "Running", "Running"),
+        ("SUCCEEDED", "Complete", "Succeeded"),
+    ]:
+        write_rayjob_status_as_kuberay_would(admin, namespace, "life", job_status, deployment)
+        wait_for(f"phase {phase}", phase_is(admin, namespace, "life", phase))
+    status = status_of(admin, namespace, "life")
+    assert status["rayJob"] == {
+        "name": "life",
+        "jobStatus": "SUCCEEDED",
+        "jobDeploymentStatus": "Complete",
+    }
+    assert wait_for(
+        "Events",
+        lambda: (
+            {"RayJobCreated", "RayJobRunning", "RayJobSucceeded"}
+            <= events_for(admin, namespace, "life")
+        ),
+    )
+
+
+def test_failed_rayjob_is_a_failed_phase_and_a_warning(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    create(admin, namespace, "fails", CPU_SPEC)
+    wait_for("RayJob fails", lambda: get(admin, namespace, "rayjobs", "fails"))
+    write_rayjob_status_as_kuberay_would(admin, namespace, "fails", "FAILED", "Failed")
+    wait_for("phase Failed", lambda: status_of(admin, namespace, "fails").get("phase") == "Failed")
+    assert condition(admin, namespace, "fails", "Failed")["reason"] == "RayJobFailed"
+    assert wait_for(
+        "RayJobFailed Event", lambda: "RayJobFailed" in events_for(admin, namespace, "fails")
+    )
+
+
+def test_suspend_round_trips_to_the_rayjob(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    create(admin, namespace, "susp", CPU_SPEC)
+    wait_for("RayJob susp", lambda: get(admin, namespace, "rayjobs", "susp"))
+    for suspend, deployment, phase in [
+        (True, "Suspended", "Suspended"),
+        (False, "Running", "Running"),
+    ]:
+        custom(admin).patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, "susp", {"spec": {"suspend": suspend}},
+            _content_type="application/merge-patch+json",
+        )  # fmt: skip
+        wait_for(f"RayJob suspend={suspend}", rayjob_suspend_is(admin, namespace, "susp", suspend))
+        write_rayjob_status_as_kuberay_would(
+            admin, namespace, "susp", "RUNNING" if not suspend else "", deployment
+        )
+        wait_for(f"phase {phase}", phase_is(admin, namespace, "susp", phase))
+
+
+def test_update_that_cannot_apply_is_refused_with_condition_and_event(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    create(admin, namespace, "refuse", CPU_SPEC)
+    before = wait_for("RayJob refuse", lambda: get(admin, namespace, "rayjobs", "refuse"))
+    custom(admin).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "refuse", {"spec": {"algorithm": {"iterations": 50}}},
+        _content_type="application/merge-patch+json",
+    )  # fmt: skip
+    refused = wait_for(
+        "SpecApplied=False",
+        lambda: (
+            condition(admin, namespace, "refuse", "SpecApplied").get("reason") == "UpdateRefused"
+        ),
+    )
+    assert refused
+    assert (
+        "spec.algorithm.iterations"
+        in condition(admin, namespace, "refuse", "SpecApplied")["message"]
+    )
+    assert wait_for(
+        "UpdateRefused Event", lambda: "UpdateRefused" in events_for(admin, namespace, "refuse")
+    )
+    after = get(admin, namespace, "rayjobs", "refuse") or {}
+    assert after["metadata"]["generation"] == before["metadata"]["generation"]
+
+
+def test_spec_wrong_beyond_admission_fails_naming_the_field(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    name = "n" * 48  # KubeRay refuses RayJob names over 47 characters
+    create(admin, namespace, name, CPU_SPEC)
+    failed = wait_for(
+        "InvalidSpec",
+        lambda: condition(admin, namespace, name, "Failed").get("reason") == "InvalidSpec",
+    )
+    assert failed
+    assert "metadata.name" in condition(admin, namespace, name, "Failed")["message"]
+    assert status_of(admin, namespace, name)["phase"] == "Failed"
+    assert get(admin, namespace, "rayjobs", name) is None
+    assert wait_for(
+        "InvalidSpec Event", lambda: "InvalidSpec" in events_for(admin, namespace, name)
+    )
+
+
+def test_delete_cascades_to_every_child(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    create(admin, namespace, "gone", CPU_SPEC)
+    wait_for("RayJob gone", lambda: get(admin, namespace, "rayjobs", "gone"))
+    custom(admin).delete_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "gone", propagation_policy="Foreground"
+    )
+    core = client.CoreV1Api(admin)
+
+    def all_gone() -> bool:
+        configmaps = core.list_namespaced_config_map(
+            namespace, label_selector="rljob.dev/job=gone"
+        ).items
+        accounts = core.list_namespaced_service_account(
+            namespace, label_selector="rljob.dev/job=gone"
+        ).items
+        return get(admin, namespace, "rayjobs", "gone") is None and not configmaps and not accounts
+
+    assert wait_for("children garbage-collected", all_gone, timeout=60)
+
+
+def test_restart_creates_no_duplicate_and_keeps_status(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    create(admin, namespace, "again", CPU_SPEC)
+    first = wait_for("RayJob again", lambda: get(admin, namespace, "rayjobs", "again"))
+    write_rayjob_status_as_kuberay_would(admin, namespace, "again", "RUNNING", "Running")
+    wait_for(
+        "phase Running", lambda: status_of(admin, namespace, "again").get("phase") == "Running"
+    )
+    before = status_of(admin, namespace, "again")
+    offset = len(operator.log.read_text())
+    operator.stop()
+    operator.start()
+    # The resume pass re-applies the children; handlers.reconcile logs each RLJob it finished.
+    marker = f"reconciled RLJob {namespace}/again"
+    wait_for("operator resumed the RLJob", lambda: marker in operator.log.read_text()[offset:])
+    assert [r["metadata"]["name"] for r in ray_items(admin, namespace, "rayjobs")] == ["again"]
+    again = get(admin, namespace, "rayjobs", "again") or {}
+    assert again["metadata"]["uid"] == first["metadata"]["uid"]
+    after = status_of(admin, namespace, "again")
+    assert after["phase"] == "Running"
+    assert {c["type"]: c["lastTransitionTime"] for c in after["conditions"]} == {
+        c["type"]: c["lastTransitionTime"] for c in before["conditions"]
+    }
+
+
+def test_operator_account_cannot_use_a_verb_it_was_not_granted(
+    plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    create(admin, namespace, "forbid", CPU_SPEC)
+    wait_for("RayJob forbid", lambda: get(admin, namespace, "rayjobs", "forbid"))
+    as_operator = api_client(operator.kubeconfig)
+    with pytest.raises(ApiException) as info:
+        custom(as_operator).delete_namespaced_custom_object(
+            "ray.io", "v1", namespace, "rayjobs", "forbid"
+        )
+    assert info.value.status == 403
+    with pytest.raises(ApiException) as info:
+        client.CoreV1Api(as_operator).list_namespaced_secret(namespace)
+    assert info.value.status == 403
+    assert get(admin, namespace, "rayjobs", "forbid") is not None
+
+
+def test_real_kuberay_turns_the_rayjob_into_a_raycluster(
+    plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    plane.start_kuberay_operator()
+    create(admin, namespace, "real", CPU_SPEC)
+    rayjob = wait_for("RayJob real", lambda: get(admin, namespace, "rayjobs", "real"))
+    clusters = wait_for(
+        "RayCluster from KubeRay",
+        lambda: ray_items(admin, namespace, "rayclusters"),
+        timeout=90,
+    )
+    assert clusters[0]["metadata"]["ownerReferences"][0]["uid"] == rayjob["metadata"]["uid"]
+    wait_for(
+        "RLJob mirrors KubeRay's deployment status",
+        lambda: status_of(admin, namespace, "real").get("rayJob", {}).get("jobDeploymentStatus"),
+        timeout=60,
+    )

@@ -1,0 +1,150 @@
+"""Admission of RLJobs by the real kube-apiserver: every example applies; invalid specs are
+rejected by the generated schema and CEL rules with a message that names the field; fields
+that are immutable after creation stay so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from rljob_helpers import (
+    ROOT,
+    admin_kubeconfig,
+    api_client,
+    install_rljob_crds,
+    rljob,
+)
+
+from rljob.api import GROUP, PLURAL, VERSION
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def custom(plane: Any) -> client.CustomObjectsApi:
+    install_rljob_crds(plane)
+    return client.CustomObjectsApi(api_client(admin_kubeconfig(plane)))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_applies_with_kubectl(plane: Any, namespace: str, path: Path) -> None:
+    install_rljob_crds(plane)
+    plane.kubectl("apply", "-n", namespace, "-f", str(path))
+    out = plane.kubectl("get", "rlj", path.stem, "-n", namespace, "-o", "name")
+    assert f"rljob.{GROUP}/{path.stem}" in str(getattr(out, "stdout", out))
+
+
+INVALID: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "grpo-group-of-one",
+        {"algorithm": {"name": "grpo", "groupSize": 1}},
+        "spec.algorithm.groupSize",
+    ),
+    ("mfs-one", {"rollout": {"memFractionStatic": 1.0}}, "spec.rollout.memFractionStatic"),
+    ("mfs-zero", {"rollout": {"memFractionStatic": 0}}, "spec.rollout.memFractionStatic"),
+    ("mfs-negative", {"rollout": {"memFractionStatic": -0.5}}, "spec.rollout.memFractionStatic"),
+    ("engine-unknown", {"rollout": {"engine": "vllm"}}, "spec.rollout.engine"),
+    ("wakeup-unknown", {"rollout": {"wakeUp": "partial"}}, "spec.rollout.wakeUp"),
+    (
+        "tp-not-dividing-gpus",
+        {"rollout": {"tensorParallelSize": 3}, "resources": {"gpusPerWorker": 8}},
+        "spec.rollout.tensorParallelSize",
+    ),
+    (
+        "tp-not-dividing-cpu-ranks",
+        {
+            "rollout": {"engine": "torch", "tensorParallelSize": 2},
+            "resources": {"gpusPerWorker": 0, "cpuRanksPerWorker": 3},
+        },
+        "spec.rollout.tensorParallelSize",
+    ),
+    ("sglang-on-cpu", {"resources": {"gpusPerWorker": 0}}, "spec.resources.gpusPerWorker"),
+    ("zero-workers", {"resources": {"workers": 0}}, "spec.resources.workers"),
+    ("too-many-gpus", {"resources": {"gpusPerWorker": 17}}, "spec.resources.gpusPerWorker"),
+    ("memory-not-quantity", {"resources": {"memory": "lots"}}, "spec.resources.memory"),
+    ("cpu-not-quantity", {"resources": {"cpu": "eight"}}, "spec.resources.cpu"),
+    ("shm-not-quantity", {"resources": {"sharedMemory": "1 GB"}}, "spec.resources.sharedMemory"),
+    ("lr-zero", {"algorithm": {"learningRate": 0}}, "spec.algorithm.learningRate"),
+    ("clip-one", {"algorithm": {"clipRatio": 1}}, "spec.algorithm.clipRatio"),
+    ("zero-iterations", {"algorithm": {"iterations": 0}}, "spec.algorithm.iterations"),
+    ("algorithm-unknown", {"algorithm": {"name": "dpo"}}, "spec.algorithm.name"),
+    ("dtype-unknown", {"model": {"dtype": "int8"}}, "spec.model.dtype"),
+    ("model-path-empty", {"model": {"path": ""}}, "spec.model.path"),
+    (
+        "toleration-exists-with-value",
+        {"resources": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+        "spec.resources.tolerations[0].value",
+    ),
+    (
+        "pull-policy-unknown",
+        {"resources": {"imagePullPolicy": "Sometimes"}},
+        "spec.resources.imagePullPolicy",
+    ),
+    ("ttl-negative", {"ttlSecondsAfterFinished": -1}, "spec.ttlSecondsAfterFinished"),
+    ("batch-zero", {"data": {"trainBatchSize": 0}}, "spec.data.trainBatchSize"),
+    ("top-p-zero", {"rollout": {"sampling": {"topP": 0}}}, "spec.rollout.sampling.topP"),
+    (
+        "bucket-zero",
+        {"rollout": {"weightSyncBucketMegabytes": 0}},
+        "spec.rollout.weightSyncBucketMegabytes",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "spec", "field"), INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_rljob_is_rejected_naming_the_field(
+    custom: client.CustomObjectsApi, namespace: str, name: str, spec: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ApiException) as info:
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, rljob(name, spec))
+    assert info.value.status == 422
+    assert field in str(info.value.body), info.value.body
+
+
+def test_at_least_twenty_invalid_cases() -> None:
+    assert len(INVALID) >= 20
+
+
+def test_defaults_fill_the_stored_spec(custom: client.CustomObjectsApi, namespace: str) -> None:
+    stored: dict[str, Any] = custom.create_namespaced_custom_object(  # type: ignore[assignment]
+        GROUP, VERSION, namespace, PLURAL, rljob("d")
+    )
+    assert stored["spec"]["rollout"]["memFractionStatic"] == 0.85
+    assert stored["spec"]["rollout"]["wakeUp"] == "staged"
+    assert stored["spec"]["resources"]["workers"] == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"model": {"path": "other/model"}}, "spec.model"),
+        ({"rollout": {"engine": "torch"}}, "spec.rollout.engine"),
+        ({"resources": {"workers": 2}}, "spec.resources.workers"),
+        ({"resources": {"gpusPerWorker": 2}}, "spec.resources.gpusPerWorker"),
+    ],
+)
+def test_immutable_field_cannot_change_after_creation(
+    custom: client.CustomObjectsApi, namespace: str, change: dict[str, Any], field: str
+) -> None:
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, rljob("imm"))
+    with pytest.raises(ApiException) as info:
+        custom.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, "imm", {"spec": change},
+            _content_type="application/merge-patch+json",
+        )  # fmt: skip
+    assert info.value.status == 422
+    assert field in str(info.value.body) and "immutable" in str(info.value.body)
+
+
+def test_suspend_and_ttl_stay_mutable(custom: client.CustomObjectsApi, namespace: str) -> None:
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, rljob("mut"))
+    patched: dict[str, Any] = custom.patch_namespaced_custom_object(  # type: ignore[assignment]
+        GROUP, VERSION, namespace, PLURAL, "mut",
+        {"spec": {"suspend": True, "ttlSecondsAfterFinished": 60}},
+        _content_type="application/merge-patch+json",
+    )  # fmt: skip
+    assert patched["spec"]["suspend"] is True
+    assert patched["spec"]["ttlSecondsAfterFinished"] == 60

@@ -1,0 +1,315 @@
+"""The SGLang adapter's calls, per stage, against a recording stand-in for sglang.Engine.
+
+sglang.Engine needs CUDA and torch 2.14.1, so it cannot run here. The stand-in accepts only the
+methods and keywords declared in the adapter's CONTRACT (which test_sglang_contract.py checks
+against the release) and models the sglang state rules the adapter must respect.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from rljob_worker.engines import make_engine
+from rljob_worker.engines import sglang_engine as sglang_module
+from rljob_worker.engines.base import (
+    ALL_TAGS,
+    TAG_CUDA_GRAPH,
+    TAG_KV_CACHE,
+    TAG_WEIGHTS,
+    RolloutEngine,
+    SamplingParams,
+)
+from rljob_worker.engines.sglang_engine import CONTRACT, SGLangEngine, SGLangEngineError
+
+from rljob.api import RLJobSpec
+
+KV_CAPACITY = 4096
+ENV_SWITCH = next(iter(CONTRACT.env))
+
+
+class SGLangEngineStandIn:
+    """Stand-in for sglang.Engine (cannot run here): records calls, refuses undeclared ones.
+
+    Models what sglang 0.5.23 enforces: a tag resumed must have been released (its scheduler
+    does `offload_tags.remove(tag)`), and update_weights_from_tensor answers (False, ...)
+    outside begin_weight_update() / end_weight_update().
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        undeclared = set(kwargs) - set(CONTRACT.server_args)
+        assert not undeclared, f"Engine() keywords outside CONTRACT.server_args: {undeclared}"
+        self.calls: list[tuple[str, dict[str, Any]]] = [("__init__", kwargs)]
+        self.offloaded: set[str] = set()
+        self.session_open = False
+        self.refuse: dict[str, str] = {}
+
+    def __getattr__(self, method: str) -> Any:
+        if method not in CONTRACT.engine_methods:
+            raise AttributeError(f"the adapter calls Engine.{method}, not in CONTRACT")
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            assert not args, f"Engine.{method} called positionally; CONTRACT checks keywords"
+            undeclared = set(kwargs) - set(CONTRACT.engine_methods[method])
+            assert not undeclared, f"Engine.{method} keywords outside CONTRACT: {undeclared}"
+            self.calls.append((method, kwargs))
+            return self._answer(method, kwargs)
+
+        return call
+
+    def _answer(self, method: str, kwargs: dict[str, Any]) -> Any:
+        if method in self.refuse:
+            message = self.refuse[method]
+            if method == "flush_cache":
+                return SimpleNamespace(success=False, message=message)
+            return False, message
+        if method == "get_server_info":
+            return {CONTRACT.kv_capacity_key: KV_CAPACITY, "tp_size": 1}
+        if method == "release_memory_occupation":
+            self.offloaded.update(kwargs["tags"])
+        if method == "resume_memory_occupation":
+            for tag in kwargs["tags"]:
+                self.offloaded.remove(tag)  # KeyError, as in sglang's scheduler
+        if method == "begin_weight_update":
+            self.session_open = True
+        if method == "end_weight_update":
+            self.session_open = False
+        if method == "update_weights_from_tensor" and not self.session_open:
+            return False, "update_weights_from_tensor must run between begin and end"
+        if method in CONTRACT.returns_success_message:
+            return True, "Success"
+        if method == "flush_cache":
+            return SimpleNamespace(success=True, message="")
+        if method == "generate":
+            return [
+                {CONTRACT.output_ids_key: [len(p), 7], "meta_info": {}} for p in kwargs["input_ids"]
+            ]
+        return None
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+def make_adapter(**overrides: Any) -> tuple[SGLangEngine, SGLangEngineStandIn]:
+    holder: list[SGLangEngineStandIn] = []
+
+    def engine_class(**kwargs: Any) -> SGLangEngineStandIn:
+        holder.append(SGLangEngineStandIn(**kwargs))
+        return holder[0]
+
+    options: dict[str, Any] = {
+        "model_path": "/models/qwen",
+        "dtype": "bfloat16",
+        "mem_fraction_static": 0.9,
+    }
+    engine = SGLangEngine(**{**options, **overrides}, engine_class=engine_class)
+    return engine, holder[0]
+
+
+def bucket(*names: str) -> list[tuple[str, torch.Tensor]]:
+    return [(name, torch.zeros(2)) for name in names]
+
+
+SAMPLING = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20, seed=3)
+
+
+def test_engine_starts_colocated_with_spec_knobs_then_releases_every_tag() -> None:
+    engine, sgl = make_adapter(tp_size=1, base_gpu_id=3, seed=11)
+    name, kwargs = sgl.calls[0]
+    assert name == "__init__"
+    assert kwargs["enable_memory_saver"] is True
+    assert kwargs["mem_fraction_static"] == 0.9
+    assert (kwargs["tp_size"], kwargs["base_gpu_id"], kwargs["random_seed"]) == (1, 3, 11)
+    assert kwargs["dtype"] == "bfloat16"
+    assert sgl.calls[1:] == [
+        ("get_server_info", {}),
+        ("release_memory_occupation", {"tags": list(ALL_TAGS)}),
+    ]
+    assert engine.kv_capacity_tokens == KV_CAPACITY
+    assert engine.released_tags == frozenset(ALL_TAGS)
+    assert isinstance(engine, RolloutEngine)
+
+
+def test_staged_wake_up_calls_sglang_in_stage_order_for_two_iterations() -> None:
+    engine, sgl = make_adapter()
+    start = len(sgl.calls)
+    for _ in range(2):
+        engine.resume([TAG_WEIGHTS])  # wake_weights
+        engine.update_weights(bucket("a", "b"))
+        engine.update_weights(bucket("c"))
+        engine.flush_cache()
+        engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])  # wake_kv_cache
+        assert engine.generate([[1, 2, 3], [4]], SAMPLING) == [[3, 7], [1, 7]]
+        engine.release(ALL_TAGS)  # sleep
+    per_iteration = [
+        "resume_memory_occupation",
+        "begin_weight_update",
+        "update_weights_from_tensor",
+        "update_weights_from_tensor",
+        "end_weight_update",
+        "flush_cache",
+        "resume_memory_occupation",
+        "generate",
+        "release_memory_occupation",
+    ]
+    assert sgl.names()[start:] == per_iteration * 2
+    calls = sgl.calls[start : start + len(per_iteration)]
+    assert calls[0][1] == {"tags": [TAG_WEIGHTS]}
+    assert [n for n, _ in calls[2][1]["named_tensors"]] == ["a", "b"]
+    # One flush after the last bucket, not one per bucket.
+    assert all(kw["flush_cache"] is False for n, kw in calls if n == "update_weights_from_tensor")
+    assert calls[6][1] == {"tags": [TAG_KV_CACHE, TAG_CUDA_GRAPH]}
+    assert calls[7][1]["sampling_params"] == {
+        "max_new_tokens": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "sampling_seed": 3,
+    }
+    assert calls[8][1] == {"tags": list(ALL_TAGS)}
+    assert sgl.offloaded == set(ALL_TAGS)
+
+
+def test_single_wake_up_resumes_weights_and_kv_cache_in_one_call() -> None:
+    engine, sgl = make_adapter()
+    start = len(sgl.calls)
+    for _ in range(2):
+        engine.resume(ALL_TAGS)
+        engine.update_weights(bucket("a"))
+        engine.flush_cache()
+        engine.generate([[1]], SAMPLING)
+        engine.release(ALL_TAGS)
+    resumes = [kw for n, kw in sgl.calls[start:] if n == "resume_memory_occupation"]
+    assert resumes == [{"tags": list(ALL_TAGS)}] * 2
+
+
+def test_release_and_resume_send_only_tags_that_change_state() -> None:
+    engine, sgl = make_adapter()
+    start = len(sgl.calls)
+    engine.release(ALL_TAGS)  # already released at start-up: nothing to send
+    engine.resume([TAG_WEIGHTS])
+    engine.resume([TAG_WEIGHTS, TAG_KV_CACHE])
+    assert sgl.calls[start:] == [
+        ("resume_memory_occupation", {"tags": [TAG_WEIGHTS]}),
+        ("resume_memory_occupation", {"tags": [TAG_KV_CACHE]}),
+    ]
+
+
+def test_update_weights_with_weights_released_raises_without_calling_sglang() -> None:
+    engine, sgl = make_adapter()
+    start = len(sgl.calls)
+    with pytest.raises(RuntimeError, match=r"resume\(\['weights'\]\)"):
+        engine.update_weights(bucket("a"))
+    assert sgl.calls[start:] == []
+
+
+def test_generate_with_kv_cache_released_raises_without_calling_sglang() -> None:
+    engine, sgl = make_adapter()
+    engine.resume([TAG_WEIGHTS])
+    start = len(sgl.calls)
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        engine.generate([[1]], SAMPLING)
+    assert sgl.calls[start:] == []
+
+
+def test_generate_before_flush_after_an_update_raises() -> None:
+    engine, _ = make_adapter()
+    engine.resume(ALL_TAGS)
+    engine.update_weights(bucket("a"))
+    with pytest.raises(RuntimeError, match="flush_cache"):
+        engine.generate([[1]], SAMPLING)
+
+
+@pytest.mark.parametrize("method", ["begin_weight_update", "update_weights_from_tensor"])
+def test_sglang_refusing_a_weight_update_raises_with_its_message(method: str) -> None:
+    engine, sgl = make_adapter()
+    engine.resume([TAG_WEIGHTS])
+    sgl.refuse[method] = "shape mismatch for a"
+    with pytest.raises(SGLangEngineError, match=f"{method} failed: shape mismatch for a"):
+        engine.update_weights(bucket("a"))
+
+
+def test_sglang_refusing_flush_cache_raises_with_its_message() -> None:
+    engine, sgl = make_adapter()
+    sgl.refuse["flush_cache"] = "requests are still running"
+    with pytest.raises(SGLangEngineError, match="requests are still running"):
+        engine.flush_cache()
+
+
+def test_unknown_tag_is_refused() -> None:
+    engine, _ = make_adapter()
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        engine.resume(["weight"])
+
+
+def test_tensor_parallel_engine_turns_off_sglang_memory_balance_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(ENV_SWITCH, raising=False)
+    make_adapter(tp_size=1)
+    assert ENV_SWITCH not in os.environ
+    make_adapter(tp_size=2)
+    assert os.environ[ENV_SWITCH] == "false"
+
+
+def test_shutdown_is_idempotent() -> None:
+    engine, sgl = make_adapter()
+    engine.shutdown()
+    engine.shutdown()
+    assert sgl.names().count("shutdown") == 1
+
+
+def spec(engine: str, tensor_parallel_size: int = 1, path: str = "/models/qwen") -> RLJobSpec:
+    return RLJobSpec.model_validate(
+        {
+            "model": {"path": path, "dtype": "float16"},
+            "algorithm": {"seed": 5},
+            "rollout": {
+                "engine": engine,
+                "tensorParallelSize": tensor_parallel_size,
+                "memFractionStatic": 0.93,
+            },
+            "resources": {"gpusPerWorker": tensor_parallel_size},
+        }
+    )
+
+
+def test_make_engine_builds_sglang_on_the_tp_group_first_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sglang_module, "_load_engine_class", lambda: SGLangEngineStandIn)
+    engine = make_engine(spec("sglang", tensor_parallel_size=2), device="cuda:2")
+    assert isinstance(engine, SGLangEngine)
+    kwargs = engine._engine.calls[0][1]
+    assert kwargs["model_path"] == "/models/qwen"
+    assert (kwargs["tp_size"], kwargs["base_gpu_id"]) == (2, 2)
+    assert (kwargs["dtype"], kwargs["mem_fraction_static"], kwargs["random_seed"]) == (
+        "float16",
+        0.93,
+        5,
+    )
+
+
+def test_make_engine_refuses_sglang_without_a_cuda_device() -> None:
+    with pytest.raises(ValueError, match="not a CUDA device"):
+        make_engine(spec("sglang"), device="cpu")
+
+
+def test_make_engine_refuses_tensor_parallel_torch_engine() -> None:
+    with pytest.raises(ValueError, match="tensorParallelSize=2"):
+        make_engine(spec("torch", tensor_parallel_size=2), device="cpu")
+
+
+def test_make_engine_builds_the_torch_engine_on_cpu() -> None:
+    engine = make_engine(spec("torch", path="builtin:tiny-qwen2"), device="cpu")
+    try:
+        from rljob_worker.engines.torch_engine import TorchEngine
+
+        assert isinstance(engine, TorchEngine)
+        assert isinstance(engine, RolloutEngine)
+        assert engine.kv_capacity_tokens > 0
+    finally:
+        engine.shutdown()

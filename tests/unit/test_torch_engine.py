@@ -1,0 +1,319 @@
+"""The torch reference engine on CPU: generation against transformers, weights, tags, KV sizing.
+
+A tiny Qwen2 model is saved to a temporary directory and loaded through from_pretrained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rljob_worker.engines.base import RolloutEngine, SamplingParams
+from rljob_worker.engines.torch_engine import (
+    CPU_FALLBACK_KV_CAPACITY_TOKENS,
+    KVCapacityError,
+    TorchEngine,
+    kv_pool_capacity_tokens,
+)
+from rljob_worker.saver import PassThroughSaver, make_saver
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+# Mixed lengths so that a batch is padded, and long enough to cross 4-token blocks.
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]]
+
+
+def _save_tiny_qwen2(directory: Path, tie: bool, seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+        max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        # Wide initial weights: at the default 0.02 a random model repeats one token forever,
+        # which would make "matches transformers" nearly vacuous.
+        initializer_range=0.3,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Qwen2ForCausalLM]:
+    directory = tmp_path_factory.mktemp("tiny-qwen2")
+    return directory, _save_tiny_qwen2(directory, tie=True, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_untied(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Qwen2ForCausalLM]:
+    directory = tmp_path_factory.mktemp("tiny-qwen2-untied")
+    return directory, _save_tiny_qwen2(directory, tie=False, seed=1)
+
+
+def _engine(path: Path, **kwargs: object) -> TorchEngine:
+    options: dict[str, object] = {
+        "dtype": torch.float32,
+        "kv_capacity_tokens": 256,
+        "block_size": 4,
+    }
+    options.update(kwargs)
+    return TorchEngine(path, **options)  # type: ignore[arg-type]
+
+
+def _hf_greedy(model: Qwen2ForCausalLM, prompt: list[int], new_tokens: int) -> list[int]:
+    generate: Any = getattr(model, "generate")  # noqa: B009 (transformers' stub mistypes self)
+    out = generate(
+        torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+@pytest.mark.parametrize("fixture", ["tiny", "tiny_untied"])
+def test_greedy_generation_matches_transformers_generate_token_for_token(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    path, model = request.getfixturevalue(fixture)
+    engine = _engine(path)
+    assert isinstance(engine, RolloutEngine)
+
+    got = engine.generate(PROMPTS, GREEDY)
+
+    expected = [_hf_greedy(model, p, GREEDY.max_new_tokens) for p in PROMPTS]
+    assert got == expected
+    assert len({tuple(r) for r in got}) == len(PROMPTS)  # not a degenerate constant output
+
+
+def test_generation_in_several_waves_when_pool_is_small_gives_the_same_tokens(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    path, _ = tiny
+    # 32 tokens hold one request of <= 13 + 12 tokens at a time: three waves.
+    small = _engine(path, kv_capacity_tokens=32)
+    roomy = _engine(path)
+
+    assert small.generate(PROMPTS, GREEDY) == roomy.generate(PROMPTS, GREEDY)
+
+
+def test_request_longer_than_kv_pool_fails_with_the_numbers(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    path, _ = tiny
+    engine = _engine(path, kv_capacity_tokens=16)
+
+    with pytest.raises(
+        KVCapacityError, match=r"prompt 0 needs 5 \+ 12 = 17 tokens of KV, the pool holds 16"
+    ):
+        engine.generate(PROMPTS, GREEDY)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    path, _ = tiny
+    engine = _engine(path)
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.95, top_k=50, seed=7)
+
+    first = engine.generate(PROMPTS, sampling)
+    again = engine.generate(PROMPTS, sampling)
+    other = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=1.0, seed=8))
+
+    assert first == again
+    assert first != other
+
+
+def test_top_k_one_and_tiny_top_p_sample_the_greedy_token(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    path, _ = tiny
+    engine = _engine(path)
+    greedy = engine.generate(PROMPTS, GREEDY)
+
+    top_k_1 = SamplingParams(max_new_tokens=12, temperature=1.5, top_k=1, seed=1)
+    top_p_tiny = SamplingParams(max_new_tokens=12, temperature=1.5, top_p=1e-6, seed=1)
+
+    assert engine.generate(PROMPTS, top_k_1) == greedy
+    assert engine.generate(PROMPTS, top_p_tiny) == greedy
+
+
+def test_generation_stops_after_an_eos_token(tiny: tuple[Path, Qwen2ForCausalLM]) -> None:
+    path, _ = tiny
+    greedy = _engine(path).generate(PROMPTS, GREEDY)
+    eos = greedy[0][3]  # the 4th token of the first response becomes its stop token
+    engine = _engine(path, eos_token_ids=[eos])
+
+    got = engine.generate(PROMPTS, GREEDY)
+
+    assert got[0] == greedy[0][: greedy[0].index(eos) + 1]
+    for response, full in zip(got, greedy, strict=True):
+        assert response == (full[: full.index(eos) + 1] if eos in full else full)
+
+
+def test_update_weights_changes_outputs_in_place_keeping_addresses(
+    tiny: tuple[Path, Qwen2ForCausalLM], tiny_untied: tuple[Path, Qwen2ForCausalLM]
+) -> None:
+    path, _ = tiny
+    _, other_model = tiny_untied
+    engine = _engine(path)
+    before_tokens = engine.generate(PROMPTS, GREEDY)
+    before_ptrs = engine.data_ptrs()
+    # Same architecture, other values: every parameter of the tied model exists in the untied one.
+    new = dict(other_model.named_parameters())
+    names = engine.parameter_names()
+
+    for start in range(0, len(names), 5):  # buckets of 5 tensors
+        engine.update_weights((n, new[n].detach()) for n in names[start : start + 5])
+
+    assert engine.data_ptrs() == before_ptrs
+    for name, tensor in engine.named_weights():
+        assert torch.equal(tensor, new[name].detach()), name
+    assert engine.generate(PROMPTS, GREEDY) != before_tokens
+
+
+def test_update_weights_on_tied_lm_head_name_writes_the_embedding(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    path, _ = tiny
+    engine = _engine(path)
+    embedding = dict(engine.named_weights())["model.embed_tokens.weight"]
+    replacement = torch.randn_like(embedding)
+
+    engine.update_weights([("lm_head.weight", replacement)])
+
+    assert torch.equal(dict(engine.named_weights())["model.embed_tokens.weight"], replacement)
+
+
+def test_update_weights_with_unknown_name_or_wrong_shape_raises_clearly(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    path, _ = tiny
+    engine = _engine(path)
+
+    with pytest.raises(KeyError, match=r"unknown weight 'model\.layers\.9\.mlp\.up_proj\.weight'"):
+        engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))])
+    with pytest.raises(ValueError, match=r"shape \(64, 64\), the engine's is \(128, 64\)"):
+        engine.update_weights([("model.layers.0.mlp.up_proj.weight", torch.zeros(64, 64))])
+
+
+def test_release_and_resume_reach_the_pass_through_saver_in_order(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    path, _ = tiny
+    saver = PassThroughSaver()
+    engine = _engine(path, saver=saver)
+    assert saver.calls == [("region", "weights"), ("region", "kv_cache")]
+
+    engine.release(["kv_cache", "weights", "cuda_graph"])
+    engine.resume(["weights"])
+    engine.resume(["kv_cache", "cuda_graph"])
+
+    # cuda_graph is accepted and is a no-op: the torch engine captures no CUDA graphs.
+    assert saver.calls[2:] == [
+        ("pause", "kv_cache"),
+        ("pause", "weights"),
+        ("resume", "weights"),
+        ("resume", "kv_cache"),
+    ]
+    assert engine.released_tags == frozenset()
+
+
+def test_release_twice_resume_unreleased_or_unknown_tag_is_refused(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    path, _ = tiny
+    engine = _engine(path, saver=PassThroughSaver())
+    engine.release(["kv_cache"])
+
+    with pytest.raises(RuntimeError, match=r"\['kv_cache'\] already released"):
+        engine.release(["kv_cache"])
+    with pytest.raises(RuntimeError, match=r"\['weights'\] not released"):
+        engine.resume(["weights"])
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        engine.release(["optimizer"])
+
+
+def test_generate_needs_resumed_memory_and_refreshed_weights_after_release(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    path, model = tiny
+    engine = _engine(path, saver=PassThroughSaver())
+    expected = engine.generate(PROMPTS, GREEDY)
+    weights = {n: t.detach().clone() for n, t in model.named_parameters()}
+    names = engine.parameter_names()
+
+    engine.release(["weights", "kv_cache"])
+    with pytest.raises(RuntimeError, match="released; resume first"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.resume(["weights", "kv_cache"])
+    # Released weights are discarded (SGLang's semantics): a partial update is not enough.
+    engine.update_weights((n, weights[n]) for n in names[:-1])
+    with pytest.raises(RuntimeError, match="1 of them were not updated"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.update_weights([(names[-1], weights[names[-1]])])
+
+    assert engine.generate(PROMPTS, GREEDY) == expected
+
+
+def test_kv_capacity_is_fraction_of_device_minus_weights_in_whole_blocks(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    path, _ = tiny
+    total = 8 * 2**20
+    engine = _engine(
+        path, kv_capacity_tokens=None, device_total_bytes=total, mem_fraction_static=0.5
+    )
+    # fp32, 2 layers x 2 KV heads x head_dim 16, K and V: 512 bytes per token.
+    per_token = 2 * 2 * 2 * 16 * 4
+    expected = (int(0.5 * total) - engine.weight_bytes) // per_token // 4 * 4
+
+    assert engine.kv_capacity_tokens == expected
+    assert engine.kv_capacity_tokens > 1000
+    # The pool holds the capacity plus one null block.
+    assert engine.kv_pool_bytes == (expected + 4) * per_token
+
+
+def test_kv_capacity_falls_back_on_cpu_without_a_device_total(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    path, _ = tiny
+    engine = _engine(path, kv_capacity_tokens=None)
+    assert engine.kv_capacity_tokens == CPU_FALLBACK_KV_CAPACITY_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("fraction", "total", "weights", "expected"),
+    [
+        (0.9, 80 * 2**30, 15 * 2**30, (int(0.9 * 80 * 2**30) - 15 * 2**30) // 57344 // 16 * 16),
+        (0.5, 1000, 100, None),
+        (0.2, 80 * 2**30, 16 * 2**30, None),
+    ],
+)
+def test_kv_pool_capacity_tokens_formula(
+    fraction: float, total: int, weights: int, expected: int | None
+) -> None:
+    # 57344 bytes per token: Qwen2.5-7B (28 layers, 4 KV heads, head_dim 128, bf16).
+    if expected is None:
+        with pytest.raises(KVCapacityError, match="raise mem_fraction_static"):
+            kv_pool_capacity_tokens(fraction, total, weights, 57344, 16)
+    else:
+        assert kv_pool_capacity_tokens(fraction, total, weights, 57344, 16) == expected
+
+
+def test_make_saver_picks_the_pass_through_stand_in_on_cpu() -> None:
+    assert isinstance(make_saver("cpu"), PassThroughSaver)
+    assert make_saver("cpu").releases_device_memory is False
+
+
+def test_engine_refuses_use_after_shutdown(tiny: tuple[Path, Qwen2ForCausalLM]) -> None:
+    path, _ = tiny
+    engine = _engine(path)
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        engine.generate(PROMPTS, GREEDY)

@@ -1,0 +1,68 @@
+"""Rollout engines behind one small interface (see base.py): `torch` (reference) and `sglang`.
+
+`make_engine` is the one place that maps the spec's engine name to an implementation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rljob.api import EngineName, RLJobSpec
+from rljob_worker.engines.base import RolloutEngine
+
+if TYPE_CHECKING:
+    from rljob_worker.saver import MemorySaver
+
+__all__ = ["RolloutEngine", "cuda_index", "make_engine"]
+
+
+def cuda_index(device: str) -> int:
+    """The GPU index of a device string: 'cuda' -> 0, 'cuda:3' -> 3; anything else is refused."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"{device!r} is not a CUDA device (expected 'cuda' or 'cuda:N')")
+    return int(index or 0)
+
+
+def make_engine(spec: RLJobSpec, *, device: str, saver: MemorySaver | None = None) -> RolloutEngine:
+    """Build the rollout engine that spec.rollout.engine names, on `device`.
+
+    The model is spec.model.path, resolved as training resolves it (builtin models are built
+    into the local cache). For sglang with tensor_parallel_size > 1, call this on the first rank
+    of each tensor-parallel group only, with that group's first GPU: the engine spans the group.
+    `saver` is the torch engine's memory saver (default: the one for `device`); sglang brings its
+    own.
+    """
+    # Imported here: resolving a builtin model imports transformers, and each engine module
+    # imports its own heavy dependencies (torch, sglang) only when chosen.
+    from rljob_worker.model import resolve_model_path
+
+    rollout = spec.rollout
+    model_path = str(resolve_model_path(spec.model.path))
+    if rollout.engine is EngineName.SGLANG:
+        from rljob_worker.engines.sglang_engine import SGLangEngine
+
+        return SGLangEngine(
+            model_path=model_path,
+            dtype=spec.model.dtype,
+            mem_fraction_static=rollout.mem_fraction_static,
+            tp_size=rollout.tensor_parallel_size,
+            base_gpu_id=cuda_index(device),
+            seed=spec.algorithm.seed,
+        )
+    if rollout.engine is EngineName.TORCH:
+        if rollout.tensor_parallel_size != 1:
+            raise ValueError(
+                f"spec.rollout.tensorParallelSize={rollout.tensor_parallel_size}: the torch "
+                "engine runs on one device; use 1, or rollout.engine=sglang"
+            )
+        from rljob_worker.engines.torch_engine import TorchEngine
+
+        return TorchEngine(
+            model_path,
+            device=device,
+            dtype=spec.model.dtype,
+            mem_fraction_static=rollout.mem_fraction_static,
+            saver=saver,
+        )
+    raise ValueError(f"spec.rollout.engine={rollout.engine!r} has no engine")

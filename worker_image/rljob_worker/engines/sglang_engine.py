@@ -1,0 +1,286 @@
+"""The SGLang rollout engine: `sglang.Engine` (the release pinned in pyproject's sglang extra)
+behind the RolloutEngine interface, with tagged release/resume and in-place weight updates.
+
+Everything this adapter touches in sglang is declared once, in CONTRACT; the unit test
+tests/unit/test_sglang_contract.py checks every entry against the pinned release's own source, and
+tests/unit/test_sglang_engine.py drives the adapter against a stand-in that refuses any call not
+in CONTRACT, so a renamed method, argument, field or tag fails a CPU test, not a GPU job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rljob_worker.engines.base import (
+    ALL_TAGS,
+    TAG_CUDA_GRAPH,
+    TAG_KV_CACHE,
+    TAG_WEIGHTS,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class SGLangContract:
+    """What the adapter uses from one sglang release; each entry is checked against its source."""
+
+    # Module (dotted) and class the adapter imports the engine from.
+    engine_module: str
+    engine_class: str
+    # Engine method -> the keyword arguments the adapter passes to it (always by keyword).
+    engine_methods: Mapping[str, tuple[str, ...]]
+    # Engine(**kwargs) keys: every one must be a ServerArgs field.
+    server_args: tuple[str, ...]
+    # ServerArgs field -> values the adapter may pass, each of which must be among its choices.
+    server_arg_choices: Mapping[str, tuple[str, ...]]
+    # Keys of the per-request sampling_params dict: SamplingParams fields.
+    sampling_params: tuple[str, ...]
+    # sglang.srt.constants name -> the tag string this project uses for it (base.py).
+    tags: Mapping[str, str]
+    # Environment variable (an EnvBool in sglang.srt.environ) -> the value the adapter sets.
+    env: Mapping[str, str]
+    # Engine methods whose result is a (success, message) tuple that the adapter must check.
+    returns_success_message: tuple[str, ...]
+    # Engine methods whose result is a FlushCacheReqOutput-like object with `.success`.
+    returns_success_attr: Mapping[str, str]
+    # get_server_info() key holding the KV pool size in tokens (from the scheduler's init info).
+    kv_capacity_key: str
+    # Key of each generate() result holding the generated token ids.
+    output_ids_key: str
+    # Module and function that make CUDA tensors travel to other processes by device UUID.
+    tensor_reduction_patch: tuple[str, str]
+
+
+CONTRACT = SGLangContract(
+    engine_module="sglang.srt.entrypoints.engine",
+    engine_class="Engine",
+    engine_methods={
+        "generate": ("input_ids", "sampling_params"),
+        "release_memory_occupation": ("tags",),
+        "resume_memory_occupation": ("tags",),
+        "begin_weight_update": (),
+        "update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
+        "end_weight_update": (),
+        "flush_cache": (),
+        "get_server_info": (),
+        "shutdown": (),
+    },
+    server_args=(
+        "model_path",
+        "dtype",
+        "tp_size",
+        "base_gpu_id",
+        "mem_fraction_static",
+        "enable_memory_saver",
+        "random_seed",
+        "skip_tokenizer_init",
+        "disable_cuda_graph",
+    ),
+    server_arg_choices={"dtype": ("bfloat16", "float16", "float32")},
+    sampling_params=("max_new_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
+    tags={
+        "GPU_MEMORY_TYPE_WEIGHTS": TAG_WEIGHTS,
+        "GPU_MEMORY_TYPE_KV_CACHE": TAG_KV_CACHE,
+        "GPU_MEMORY_TYPE_CUDA_GRAPH": TAG_CUDA_GRAPH,
+    },
+    env={"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false"},
+    returns_success_message=(
+        "begin_weight_update",
+        "update_weights_from_tensor",
+        "end_weight_update",
+    ),
+    returns_success_attr={"flush_cache": "FlushCacheReqOutput"},
+    kv_capacity_key="max_total_num_tokens",
+    output_ids_key="output_ids",
+    tensor_reduction_patch=("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"),
+)
+
+
+class SGLangEngineError(RuntimeError):
+    """sglang refused a call (it answers with success=False instead of raising)."""
+
+
+def _load_engine_class() -> Callable[..., Any]:
+    """Import sglang only when an engine is built: the module must import where sglang cannot."""
+    import importlib
+
+    patch_module, patch_function = CONTRACT.tensor_reduction_patch
+    # Tensors cross into the scheduler processes by CUDA IPC; sglang (0.5.23, weight_sync/utils.py)
+    # patches the producer side too so a device travels by UUID, which stays right when the
+    # scheduler sees a different CUDA_VISIBLE_DEVICES than this process (Ray actors, reindexing).
+    getattr(importlib.import_module(patch_module), patch_function)()
+    return getattr(importlib.import_module(CONTRACT.engine_module), CONTRACT.engine_class)  # type: ignore[no-any-return]
+
+
+class SGLangEngine:
+    """One `sglang.Engine` in colocated mode (memory saver on), owned by this process.
+
+    The engine spans `tp_size` GPUs starting at `base_gpu_id`. Right after start-up every tag is
+    released: the colocated loop begins with training, which needs the memory. Release and resume
+    are idempotent per tag (sglang itself is not: pausing twice or resuming a resident tag breaks
+    its scheduler), and calls that would touch released memory raise here instead of crashing a
+    scheduler process.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_path: str,
+        dtype: str,
+        mem_fraction_static: float,
+        tp_size: int = 1,
+        base_gpu_id: int = 0,
+        seed: int = 0,
+        disable_cuda_graph: bool = False,
+        engine_class: Callable[..., Any] | None = None,
+    ) -> None:
+        if dtype not in CONTRACT.server_arg_choices["dtype"]:
+            raise ValueError(
+                f"dtype={dtype!r} is not one of {CONTRACT.server_arg_choices['dtype']}"
+            )
+        if tp_size > 1:
+            # Training shares these GPUs, so free memory differs across the TP ranks at start-up
+            # (each holds its own FSDP shard and allocator cache); sglang's check that free memory
+            # is balanced would refuse to start. 0.5.23 reads SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK
+            # (srt/environ.py); the older SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK is rewritten to a
+            # name nothing reads. Set before the engine exists: its processes inherit it.
+            os.environ.update(CONTRACT.env)
+        engine_class = engine_class or _load_engine_class()
+        self._engine: Any = engine_class(
+            model_path=model_path,
+            dtype=dtype,
+            tp_size=tp_size,
+            base_gpu_id=base_gpu_id,
+            mem_fraction_static=mem_fraction_static,
+            # Weights, KV cache and CUDA graphs are allocated in torch_memory_saver regions, so
+            # they can be released and resumed at the same addresses (CUDA graphs stay valid).
+            enable_memory_saver=True,
+            random_seed=seed,
+            # Prompts arrive as token ids and responses leave as token ids: no detokenizer work.
+            skip_tokenizer_init=True,
+            disable_cuda_graph=disable_cuda_graph,
+        )
+        # The KV pool is sized once, at start-up, from mem_fraction_static (scheduler init info).
+        self._kv_capacity_tokens = int(self._engine.get_server_info()[CONTRACT.kv_capacity_key])
+        self._released: set[str] = set()
+        self._update_open = False
+        self.release(ALL_TAGS)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds (sglang's max_total_num_tokens)."""
+        return self._kv_capacity_tokens
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        """Tags whose memory is given back right now."""
+        return frozenset(self._released)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[list[int]]:
+        """Sample one response per prompt; needs weights, KV cache and CUDA graphs resident."""
+        self._require_resident(ALL_TAGS, "generate")
+        if self._update_open:
+            raise RuntimeError("generate() during a weight update: call flush_cache() first")
+        if not prompts:
+            return []
+        params: dict[str, Any] = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+        }
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed
+        outputs = self._engine.generate(
+            input_ids=[list(p) for p in prompts], sampling_params=params
+        )
+        # A batch answers with a list of dicts; a batch of one may come back as the dict itself.
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        return [list(out[CONTRACT.output_ids_key]) for out in outputs]
+
+    def release(self, tags: Sequence[str]) -> None:
+        """Give the memory of these tags back (their contents are lost)."""
+        todo = [t for t in self._known(tags) if t not in self._released]
+        if not todo:
+            return
+        if self._update_open:
+            raise RuntimeError("release() during a weight update: call flush_cache() first")
+        self._engine.release_memory_occupation(tags=todo)
+        self._released.update(todo)
+
+    def resume(self, tags: Sequence[str]) -> None:
+        """Map memory back for these tags at their old addresses (contents undefined)."""
+        todo = [t for t in self._known(tags) if t in self._released]
+        if not todo:
+            return
+        self._engine.resume_memory_occupation(tags=todo)
+        self._released.difference_update(todo)
+
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of full tensors into the resident weights, in place.
+
+        sglang (0.5.23) loads tensors only inside a weight-update session: the first bucket
+        opens one and flush_cache() closes it. With tp_size > 1 sglang sends every TP rank the
+        whole bucket by CUDA IPC and each rank's loader takes its shard, so the tensors should
+        live on this process's GPU.
+        """
+        named_tensors = list(bucket)
+        if not named_tensors:
+            return
+        self._require_resident((TAG_WEIGHTS,), "update_weights")
+        if not self._update_open:
+            self._check_success_message("begin_weight_update", self._engine.begin_weight_update())
+            self._update_open = True
+        result = self._engine.update_weights_from_tensor(
+            named_tensors=named_tensors,
+            load_format=None,
+            # One flush after the last bucket (flush_cache below), not one per bucket.
+            flush_cache=False,
+        )
+        self._check_success_message("update_weights_from_tensor", result)
+
+    def flush_cache(self) -> None:
+        """Close the weight update, if one is open, and drop prefixes cached with old weights.
+
+        Safe with the KV cache released: sglang flushes inside its own KV release too.
+        """
+        if self._update_open:
+            self._update_open = False
+            self._check_success_message("end_weight_update", self._engine.end_weight_update())
+        result = self._engine.flush_cache()
+        if not getattr(result, "success", False):
+            message = getattr(result, "message", "")
+            raise SGLangEngineError(f"sglang flush_cache failed: {message or result!r}")
+
+    def shutdown(self) -> None:
+        """Stop sglang's processes; idempotent."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def _known(self, tags: Sequence[str]) -> list[str]:
+        unknown = [t for t in tags if t not in ALL_TAGS]
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; known: {list(ALL_TAGS)}")
+        # Keep the caller's order but drop repeats.
+        return list(dict.fromkeys(tags))
+
+    def _require_resident(self, tags: Sequence[str], what: str) -> None:
+        missing = [t for t in tags if t in self._released]
+        if missing:
+            raise RuntimeError(f"{what}() needs {missing} resident: call resume({missing}) first")
+
+    @staticmethod
+    def _check_success_message(method: str, result: Any) -> None:
+        success, message = result
+        if not success:
+            raise SGLangEngineError(f"sglang {method} failed: {message}")
