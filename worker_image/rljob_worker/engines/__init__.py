@@ -24,7 +24,13 @@ def cuda_index(device: str) -> int:
     return int(index or 0)
 
 
-def make_engine(spec: RLJobSpec, *, device: str, saver: MemorySaver | None = None) -> RolloutEngine:
+def make_engine(
+    spec: RLJobSpec,
+    *,
+    device: str,
+    saver: MemorySaver | None = None,
+    eos_token_ids: list[int] | None = None,
+) -> RolloutEngine:
     """Build the rollout engine that spec.rollout.engine names, on `device`.
 
     The model is spec.model.path, resolved as training resolves it (builtin models are built
@@ -63,6 +69,7 @@ def make_engine(spec: RLJobSpec, *, device: str, saver: MemorySaver | None = Non
             device=device,
             dtype=spec.model.dtype,
             mem_fraction_static=rollout.mem_fraction_static,
+            eos_token_ids=eos_token_ids,
             saver=saver,
         )
     raise ValueError(f"spec.rollout.engine={rollout.engine!r} has no engine")

@@ -37,11 +37,18 @@ class RolloutEngine(Protocol):
     """A rollout engine colocated with training on one rank's GPU(s)."""
 
     @property
+    def released_tags(self) -> frozenset[str]:
+        """The tags whose memory is released right now."""
+        ...
+
+    @property
     def kv_capacity_tokens(self) -> int:
         """Tokens the KV pool holds, as sized from mem_fraction_static."""
         ...
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[int]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[list[int]]:
         """Sample one response (token ids, without the prompt) for each prompt."""
         ...
 

@@ -1,0 +1,55 @@
+"""Test layers by directory (unit, controlplane, worker, gpu, e2e) and the shared fixtures.
+gpu/e2e skip, with the reason printed, only where this machine has no GPU / no Docker and kind.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.environment import MISSING_REASON_BY_LAYER
+from support.plane import Binaries, ControlPlane
+
+TESTS = Path(__file__).parent
+LAYERS = ("unit", "controlplane", "worker", "gpu", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing: dict[str, str | None] = {}
+    for item in items:
+        parts = item.path.relative_to(TESTS).parts
+        layer = parts[0] if parts else ""
+        if layer not in LAYERS:
+            continue
+        item.add_marker(getattr(pytest.mark, layer))
+        if layer in MISSING_REASON_BY_LAYER:
+            if layer not in missing:
+                missing[layer] = MISSING_REASON_BY_LAYER[layer]()
+            if missing[layer]:
+                item.add_marker(pytest.mark.skip(reason=f"{layer}: {missing[layer]}"))
+
+
+@pytest.fixture(scope="session")
+def plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
+    """etcd + kube-apiserver (RBAC) + kube-controller-manager, started once per session."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    # A fresh machine builds the binaries first (minutes): show that progress live.
+    with capture.global_and_fixture_disabled():
+        bins = Binaries.locate()
+        control_plane = ControlPlane(bins=bins).start()
+    try:
+        yield control_plane
+    finally:
+        control_plane.stop()
+
+
+@pytest.fixture
+def namespace(plane: ControlPlane) -> Iterator[str]:
+    """A fresh namespace for one test, deleted afterwards."""
+    name = plane.create_namespace(f"t-{uuid.uuid4().hex[:8]}")
+    try:
+        yield name
+    finally:
+        plane.delete_namespace(name)

@@ -1,0 +1,306 @@
+"""The stage machine's order, its OOM boundary at every stage, and weight-sync bucketing.
+
+Driven on the CPU with stand-ins for the trainer and engine that record what they are asked to
+do (the real ones are exercised by tests/worker); the memory meter is the real one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import pytest
+import torch
+
+from rljob.api import WakeUp
+from rljob.report import STAGE_ORDER, Stage
+from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM, parse_oom_message
+from rljob_worker.stages import SINGLE_ORDER, STAGED_ORDER, StageMachine, stage_order
+from rljob_worker.train import (
+    Experience,
+    NamedTensors,
+    TrainStats,
+    batch_advantages,
+    group_advantages,
+    plan_buckets,
+)
+
+REAL_OOM_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 79.19 GiB "
+    "of which 512.00 MiB is free. Including non-PyTorch memory, this process has 78.68 GiB "
+    "memory in use."
+)
+
+
+class RecordingTrainer:
+    """Stand-in for train.Trainer: records calls into a shared log; two tiny named tensors."""
+
+    def __init__(self, log: list[str], fail_with: BaseException | None = None) -> None:
+        self.log = log
+        self.fail_with = fail_with
+
+    def train_step(self, experience: Experience) -> TrainStats:
+        self.log.append("train_step")
+        if self.fail_with is not None:
+            raise self.fail_with
+        return TrainStats(loss=0.0, kl_mean=None, grad_norm=0.0, response_tokens=1)
+
+    def offload_optimizer(self) -> None:
+        self.log.append("offload_optimizer")
+
+    def load_optimizer(self) -> None:
+        self.log.append("load_optimizer")
+
+    def offload_params(self) -> None:
+        self.log.append("offload_params")
+
+    def load_params(self) -> None:
+        self.log.append("load_params")
+
+    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[NamedTensors]:
+        self.log.append("gather")
+        yield [("a", torch.zeros(2, dtype=dtype)), ("b", torch.ones(2, dtype=dtype))]
+
+
+class RecordingEngine:
+    """Stand-in for a RolloutEngine: records calls into the same log."""
+
+    kv_capacity_tokens = 64
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: object) -> list[list[int]]:
+        return [[1] for _ in prompts]
+
+    def release(self, tags: Sequence[str]) -> None:
+        self.log.append(f"release:{'+'.join(tags)}")
+
+    def resume(self, tags: Sequence[str]) -> None:
+        self.log.append(f"resume:{'+'.join(tags)}")
+
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.log.append(f"update:{'+'.join(n for n, _ in bucket)}")
+
+    def flush_cache(self) -> None:
+        self.log.append("flush_cache")
+
+    def shutdown(self) -> None:
+        self.log.append("shutdown")
+
+
+def _machine(
+    wake_up: WakeUp, inject: OOMInjection | None = None, fail_with: BaseException | None = None
+) -> tuple[StageMachine, MemoryMeter, list[str]]:
+    log: list[str] = []
+
+    def rollout(iteration: int) -> Experience:
+        log.append("generate")
+        return Experience([[1]], [[2]], [1.0], [0])
+
+    meter = MemoryMeter(rank=0, device=torch.device("cpu"), inject=inject)
+    machine = StageMachine(
+        RecordingTrainer(log, fail_with),
+        RecordingEngine(log),
+        meter,
+        rollout,
+        wake_up=wake_up,
+        bucket_bytes=1 << 20,
+        engine_dtype=torch.float32,
+    )
+    return machine, meter, log
+
+
+@pytest.mark.parametrize(
+    ("wake_up", "order"), [(WakeUp.STAGED, STAGED_ORDER), (WakeUp.SINGLE, SINGLE_ORDER)]
+)
+def test_machine_runs_stages_in_order_and_iteration_zero_skips_training(
+    wake_up: WakeUp, order: tuple[Stage, ...]
+) -> None:
+    machine, meter, _ = _machine(wake_up)
+    for iteration in range(3):
+        outcome = machine.run_iteration(iteration)
+        assert outcome.stages == stage_order(wake_up, iteration)
+    measured = [(s.iteration, s.stage) for s in meter.samples]
+    first = [s for s in order if s not in (Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER)]
+    assert measured == [(0, s) for s in first] + [(1, s) for s in order] + [(2, s) for s in order]
+
+
+def test_staged_order_is_the_canonical_stage_order() -> None:
+    assert STAGED_ORDER == STAGE_ORDER
+    assert Stage.WAKE_KV_CACHE not in SINGLE_ORDER
+
+
+def test_staged_resumes_kv_cache_only_after_training_params_left() -> None:
+    machine, _, log = _machine(WakeUp.STAGED)
+    machine.run_iteration(0)
+    log.clear()
+    machine.run_iteration(1)
+    assert log == [
+        "train_step",
+        "offload_optimizer",
+        "resume:weights",
+        "gather",
+        "update:a+b",
+        "flush_cache",
+        "offload_params",
+        "resume:kv_cache",
+        "generate",
+        "release:kv_cache+weights",
+        "load_params",
+        "load_optimizer",
+    ]
+
+
+def test_single_resumes_weights_and_kv_cache_together_while_params_are_resident() -> None:
+    machine, _, log = _machine(WakeUp.SINGLE)
+    machine.run_iteration(0)
+    log.clear()
+    machine.run_iteration(1)
+    assert (
+        log.index("resume:weights+kv_cache") < log.index("update:a+b") < log.index("offload_params")
+    )
+    assert not [entry for entry in log if entry == "resume:kv_cache"]
+
+
+def test_train_without_a_first_rollout_is_refused() -> None:
+    machine, _, _ = _machine(WakeUp.STAGED)
+    with pytest.raises(RuntimeError, match="iteration 0"):
+        machine.run_iteration(1)
+
+
+@pytest.mark.parametrize("stage", list(STAGE_ORDER))
+def test_oom_injected_in_a_stage_is_reported_with_that_stage(stage: Stage) -> None:
+    inject = OOMInjection(stage=stage, iteration=1, requested_bytes=3 << 30)
+    machine, meter, _ = _machine(WakeUp.STAGED, inject=inject)
+    machine.run_iteration(0)
+    with pytest.raises(StageOOM) as caught:
+        machine.run_iteration(1)
+    record = caught.value.record
+    assert (record.stage, record.iteration, record.rank) == (stage, 1, 0)
+    assert record.kind == "CUDAOutOfMemory"
+    assert record.requested_bytes == 3 << 30
+    assert record.free_bytes is not None and record.free_bytes > 0
+    assert str(stage) in str(caught.value)
+    # Nothing measured before the OOM is lost, and the failing stage is measured too.
+    reached = STAGED_ORDER[: STAGED_ORDER.index(stage) + 1]
+    assert [s.stage for s in meter.samples if s.iteration == 1] == list(reached)
+    assert len([s for s in meter.samples if s.iteration == 0]) == 5
+
+
+def test_oom_raised_inside_a_stage_is_parsed_from_the_allocator_message() -> None:
+    machine, meter, _ = _machine(WakeUp.STAGED, fail_with=torch.OutOfMemoryError(REAL_OOM_MESSAGE))
+    machine.run_iteration(0)
+    with pytest.raises(StageOOM) as caught:
+        machine.run_iteration(1)
+    record = caught.value.record
+    assert record.stage == Stage.TRAIN
+    assert record.requested_bytes == int(1.5 * 2**30)
+    assert record.free_bytes == 512 * 2**20
+    assert meter.samples[-1].stage == Stage.TRAIN
+
+
+def test_other_errors_pass_the_boundary_unchanged_and_are_still_measured() -> None:
+    machine, meter, _ = _machine(WakeUp.STAGED, fail_with=KeyError("boom"))
+    machine.run_iteration(0)
+    with pytest.raises(KeyError):
+        machine.run_iteration(1)
+    assert meter.samples[-1].stage == Stage.TRAIN
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("rollout", OOMInjection(Stage.ROLLOUT)),
+        ("train@rank=1@iteration=2", OOMInjection(Stage.TRAIN, rank=1, iteration=2)),
+        ("", None),
+    ],
+)
+def test_oom_injection_parses_stage_and_qualifiers(
+    value: str, expected: OOMInjection | None
+) -> None:
+    assert OOMInjection.from_env(value) == expected
+
+
+def test_oom_injection_only_fires_for_its_rank() -> None:
+    inject = OOMInjection(Stage.SLEEP, rank=1)
+    assert inject.applies(Stage.SLEEP, rank=1, iteration=5)
+    assert not inject.applies(Stage.SLEEP, rank=0, iteration=5)
+    assert not inject.applies(Stage.ROLLOUT, rank=1, iteration=5)
+
+
+def test_parse_oom_message_reads_requested_and_free_bytes() -> None:
+    assert parse_oom_message(REAL_OOM_MESSAGE) == (int(1.5 * 2**30), 512 * 2**20)
+    assert parse_oom_message("CUDA error: out of memory") == (None, None)
+
+
+def test_host_sample_is_marked_host_and_has_the_same_shape() -> None:
+    meter = MemoryMeter(rank=3, device=torch.device("cpu"))
+    with meter.stage(Stage.ROLLOUT, iteration=7):
+        held = torch.ones(4 << 20)  # 16 MiB, so the process RSS has something to show
+    del held
+    (sample,) = meter.samples
+    assert (sample.kind, sample.device, sample.rank, sample.iteration) == ("host", "cpu", 3, 7)
+    assert sample.peak_allocated_bytes >= sample.allocated_bytes - (64 << 20)
+    assert (
+        0 < sample.device_used_bytes <= sample.device_peak_used_bytes <= sample.device_total_bytes
+    )
+
+
+# -- bucketing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sizes", "bucket", "expected"),
+    [
+        ([("a", 4), ("b", 4), ("c", 4)], 8, [["a", "b"], ["c"]]),
+        ([("a", 10), ("b", 1)], 4, [["a"], ["b"]]),  # larger than a bucket: travels alone
+        ([("a", 1), ("b", 1)], 100, [["a", "b"]]),
+        ([], 8, []),
+    ],
+)
+def test_plan_buckets_table(
+    sizes: list[tuple[str, int]], bucket: int, expected: list[list[str]]
+) -> None:
+    assert plan_buckets(sizes, bucket) == expected
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 4096, 40_000, 1 << 20, 1 << 30])
+def test_bucketing_covers_every_parameter_of_a_qwen2_once_within_the_bucket_size(
+    bucket_bytes: int,
+) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    sizes = [(n, p.numel() * 2) for n, p in model.named_parameters()]
+    buckets = plan_buckets(sizes, bucket_bytes)
+    flat = [name for bucket in buckets for name in bucket]
+    assert sorted(flat) == sorted(n for n, _ in sizes)
+    assert len(flat) == len(set(flat))
+    size = dict(sizes)
+    for bucket in buckets:
+        assert len(bucket) == 1 or sum(size[n] for n in bucket) <= bucket_bytes
+
+
+def test_plan_buckets_refuses_a_non_positive_size() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        plan_buckets([("a", 1)], 0)
+
+
+# -- advantages --------------------------------------------------------------------------------
+
+
+def test_group_advantages_are_relative_to_each_group() -> None:
+    rewards = torch.tensor([1.0, 0.0, 5.0, 5.0])
+    advantages = group_advantages(rewards, torch.tensor([0, 0, 1, 1]))
+    assert advantages[0] > 0 > advantages[1]
+    assert torch.allclose(advantages[2:], torch.zeros(2))
+
+
+def test_batch_advantages_normalise_over_the_batch() -> None:
+    advantages = batch_advantages(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert abs(float(advantages.mean())) < 1e-6
+    assert abs(float(advantages.std(unbiased=False)) - 1.0) < 1e-4

@@ -1,0 +1,156 @@
+"""The colocated loop for real on the CPU: 2 ranks, FSDP2 on gloo, the torch engine, local driver.
+
+Every run here is >= 2 iterations (the second is where stage-ordering bugs show) and the
+assertions read the recorded samples and reports, not logs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from rljob.api import RLJobSpec, WakeUp, parse_manifest
+from rljob.report import STAGE_ORDER, Stage
+from rljob_worker.driver.local import LocalRun, run_local
+from rljob_worker.memory import OOMInjection
+from rljob_worker.model import load_causal_lm, resolve_model_path
+from rljob_worker.stages import stage_order
+
+REPO = Path(__file__).resolve().parents[2]
+RANKS = 2
+ITERATIONS = 2
+
+
+def _spec(wake_up: str = "staged", **algorithm: Any) -> RLJobSpec:
+    doc = {
+        "apiVersion": "rljob.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": "worker-test"},
+        "spec": {
+            "model": {"path": "builtin:tiny-qwen2", "dtype": "bfloat16"},
+            # A large learning rate so the weights visibly move between iterations.
+            "algorithm": {
+                "name": "grpo",
+                "groupSize": 2,
+                "iterations": ITERATIONS,
+                "learningRate": 1e-2,
+                "klCoef": 0.05,
+                **algorithm,
+            },
+            "data": {"source": "builtin:arithmetic", "trainBatchSize": 4, "maxResponseLength": 6},
+            "rollout": {"engine": "torch", "wakeUp": wake_up, "weightSyncBucketMegabytes": 1},
+            "training": {"microBatchSize": 2},
+            "resources": {"workers": 1, "gpusPerWorker": 0},
+        },
+    }
+    return parse_manifest(doc)[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A fresh cache for this module, built once here so the ranks only load it."""
+    root = tmp_path_factory.mktemp("rljob-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLJOB_CACHE", str(root))  # the rank processes inherit it
+        resolve_model_path("builtin:tiny-qwen2")
+        yield root
+
+
+@pytest.fixture(scope="module")
+def staged_run() -> LocalRun:
+    return run_local(_spec(), RANKS, "cpu", verify_weights=True)
+
+
+def _stages(run: LocalRun, rank: int, iteration: int) -> list[Stage]:
+    own = [s for s in run.samples if s.rank == rank and s.iteration == iteration]
+    return [s.stage for s in sorted(own, key=lambda s: s.start_seconds)]
+
+
+def test_staged_run_succeeds_on_every_rank(staged_run: LocalRun) -> None:
+    assert staged_run.ok, staged_run.errors
+    assert sorted((i.rank, i.iteration) for i in staged_run.iterations) == [
+        (rank, iteration) for rank in range(RANKS) for iteration in range(ITERATIONS + 1)
+    ]
+
+
+def test_each_rank_runs_the_staged_order_every_iteration(staged_run: LocalRun) -> None:
+    for rank in range(RANKS):
+        for iteration in range(ITERATIONS + 1):
+            expected = list(stage_order(WakeUp.STAGED, iteration))
+            assert _stages(staged_run, rank, iteration) == expected
+    assert list(stage_order(WakeUp.STAGED, 1)) == list(STAGE_ORDER)
+
+
+def test_report_has_every_stage_for_every_rank(staged_run: LocalRun) -> None:
+    reports = staged_run.reports
+    assert [r.iteration for r in reports] == list(range(ITERATIONS + 1))
+    for report in reports[1:]:
+        seen = {(s.rank, s.stage) for s in report.samples}
+        assert seen == {(rank, stage) for rank in range(RANKS) for stage in STAGE_ORDER}
+        assert all(s.kind == "host" and s.device_total_bytes > 0 for s in report.samples)
+
+
+def test_engine_weights_equal_training_weights_after_each_update(staged_run: LocalRun) -> None:
+    path = resolve_model_path("builtin:tiny-qwen2")
+    names = {n for n, _ in load_causal_lm(path, torch.float32).named_parameters()}
+    digests: dict[int, dict[str, str]] = {}
+    for item in staged_run.iterations:
+        assert item.weights is not None
+        assert set(item.weights.sent) == names, "every parameter is sent once per update"
+        assert item.weights.mismatched == [], f"rank {item.rank} iteration {item.iteration}"
+        # Every rank's engine holds the same full weights after the update.
+        assert digests.setdefault(item.iteration, item.weights.engine) == item.weights.engine
+    # Training moved the weights, so equality above is not the checkpoint matching itself.
+    assert digests[1] != digests[0] and digests[2] != digests[1]
+
+
+def test_status_block_has_driver_fields_and_memory(staged_run: LocalRun) -> None:
+    status = staged_run.status()
+    assert status.iteration == ITERATIONS
+    assert status.reward_mean is not None and 0 <= status.reward_mean <= 1
+    assert status.kl_mean is not None and status.kl_mean > 0  # the policy left the reference
+    assert status.memory is not None and status.memory.kind == "host"
+    assert [s.name for s in status.memory.stages] == list(STAGE_ORDER)
+    assert status.oom_events == []
+    dumped = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    assert {"iteration", "rewardMean", "klMean", "memory", "oomEvents"} <= dumped.keys()
+
+
+def test_oom_on_one_rank_ends_the_run_without_hanging_or_losing_samples() -> None:
+    inject = OOMInjection(Stage.WAKE_WEIGHTS, rank=1, iteration=2)
+    run = run_local(_spec("single"), RANKS, "cpu", inject_oom=inject, grace_seconds=5)
+    assert not run.ok
+    (oom,) = run.ooms
+    assert (oom.stage, oom.rank, oom.iteration) == (Stage.WAKE_WEIGHTS, 1, 2)
+    assert oom.requested_bytes == inject.requested_bytes
+    for rank in range(RANKS):
+        for iteration in (0, 1):
+            assert _stages(run, rank, iteration) == list(stage_order(WakeUp.SINGLE, iteration))
+    # The failing rank measured up to and including the stage that failed.
+    assert _stages(run, 1, 2) == [Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER, Stage.WAKE_WEIGHTS]
+    status = run.status()
+    assert status.iteration == 1
+    assert status.oom_counts == {"CUDAOutOfMemory": 1}
+    assert status.memory is not None and status.memory.iteration == 2
+
+
+def test_cli_runs_the_example_and_writes_status_and_timeline(tmp_path: Path) -> None:
+    from rljob_worker.cli_run import main
+
+    out = tmp_path / "out"
+    manifest = REPO / "examples" / "tiny-local.yaml"
+    assert main([str(manifest), "--out", str(out), "--ranks", str(RANKS), "--verify-weights"]) == 0
+    status = json.loads((out / "status.json").read_text())
+    iterations = parse_manifest(yaml.safe_load(manifest.read_text()))[1]
+    assert status["phase"] == "Succeeded"
+    assert status["iteration"] == iterations.algorithm.iterations
+    assert [s["name"] for s in status["memory"]["stages"]] == [str(s) for s in STAGE_ORDER]
+    assert (out / "status.yaml").read_text().startswith("status:")
+    png = (out / "memory-timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

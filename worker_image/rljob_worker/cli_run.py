@@ -1,0 +1,266 @@
+"""`rljob run MANIFEST`: run an RLJob manifest on this machine with the local driver.
+
+Shows a progress bar per iteration, prints the per-stage memory table, and writes the status the
+operator would publish (status.json / status.yaml), every iteration's report and a memory timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from rljob.api import Phase, RLJobSpec, RLJobStatus, parse_manifest
+from rljob.report import STAGE_ORDER, IterationReport, MemorySummary, Stage, StageSample
+
+# Stage colours of the timeline; one per canonical stage, in order.
+STAGE_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rljob run",
+        description="Run an RLJob manifest locally: one process per rank (CPU on gloo, GPUs on "
+        "NCCL), the same colocated loop the cluster runs.",
+    )
+    parser.add_argument("manifest", type=Path, help="RLJob YAML, as for kubectl apply")
+    parser.add_argument("--out", type=Path, help="output directory (default ./out/<job name>)")
+    parser.add_argument("--ranks", type=int, help="processes (default: the spec's world size)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--verify-weights",
+        action="store_true",
+        help="after every weight update, check each engine weight equals the training tensor",
+    )
+    parser.add_argument(
+        "--inject-oom",
+        metavar="STAGE[@rank=R][@iteration=I]",
+        help="raise a real CUDA OOM at that stage (to see how failures are reported)",
+    )
+    return parser
+
+
+def _load(path: Path) -> tuple[str, RLJobSpec]:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    rljobs = [d for d in docs if d.get("kind") == "RLJob"]
+    if len(rljobs) != 1:
+        raise ValueError(f"{path}: expected exactly one RLJob document, found {len(rljobs)}")
+    return parse_manifest(rljobs[0])
+
+
+def _device(choice: str, spec: RLJobSpec) -> str:
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() and spec.resources.gpus_per_worker > 0 else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible")
+    return choice
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def memory_table(summary: MemorySummary, reports: list[IterationReport]) -> Table:
+    """Worst rank per stage of the latest iteration, with device and capacity in the title."""
+    kind = (
+        "host memory (process RSS; peak is host-wide use)"
+        if summary.kind == "host"
+        else "GPU memory"
+    )
+    table = Table(
+        title=f"iteration {summary.iteration}: {kind}, {summary.device}, "
+        f"capacity {_bytes(summary.capacity_bytes)}"
+    )
+    if summary.kind == "cuda":
+        table.caption = (
+            "peak used: device-wide (mem_get_info); torch peak allocated also counts "
+            "torch_memory_saver regions while they are released"
+        )
+    for column in ("stage", "peak used", "fraction", "torch peak allocated", "seconds", "rank"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    latest = next(r for r in reports if r.iteration == summary.iteration)
+    allocated: defaultdict[Stage, int] = defaultdict(int)
+    for sample in latest.samples:
+        allocated[sample.stage] = max(allocated[sample.stage], sample.peak_allocated_bytes)
+    for stage in summary.stages:
+        table.add_row(
+            str(stage.name),
+            _bytes(stage.peak_bytes),
+            f"{stage.peak_fraction:.3f}",
+            _bytes(allocated[stage.name]),
+            f"{stage.seconds:.3f}",
+            str(stage.rank),
+        )
+    return table
+
+
+def plot_timeline(samples: list[StageSample], path: Path, title: str) -> None:
+    """Memory over time per rank (stage peaks and ends), stages shaded from rank 0's timings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if not samples:
+        return
+    origin = min(s.start_seconds for s in samples)
+    colour = dict(zip(STAGE_ORDER, STAGE_COLOURS, strict=True))
+    figure, axis = plt.subplots(figsize=(11, 4.5))
+    for sample in samples:
+        if sample.rank == 0:
+            start = sample.start_seconds - origin
+            axis.axvspan(
+                start, start + sample.seconds, color=colour[sample.stage], alpha=0.18, lw=0
+            )
+    for rank in sorted({s.rank for s in samples}):
+        own = sorted((s for s in samples if s.rank == rank), key=lambda s: s.start_seconds)
+        times: list[float] = []
+        peaks: list[float] = []
+        allocated: list[float] = []
+        for sample in own:
+            start = sample.start_seconds - origin
+            # Each stage contributes its peak over its span and its end value at its end.
+            times += [start, start + sample.seconds]
+            peaks += [sample.device_peak_used_bytes / 2**30] * 2
+            allocated += [sample.peak_allocated_bytes / 2**30, sample.allocated_bytes / 2**30]
+        axis.step(times, peaks, where="post", label=f"rank {rank} device peak used")
+        if own[0].kind == "host":
+            # On CUDA torch's allocated bytes include released memory-saver regions: not drawn.
+            axis.plot(times, allocated, ls="--", label=f"rank {rank} process RSS")
+    kind = samples[0].kind
+    axis.set_xlabel("seconds since start")
+    axis.set_ylabel("GiB" + (" (host)" if kind == "host" else ""))
+    axis.set_title(title, fontsize=10)
+    handles, _ = axis.get_legend_handles_labels()
+    handles += [Patch(color=colour[s], alpha=0.4, label=str(s)) for s in STAGE_ORDER]
+    axis.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+class _Progress:
+    """One bar step per iteration that every rank finished, with reward, KL and stage times."""
+
+    def __init__(self, iterations: int, ranks: int) -> None:
+        from tqdm import tqdm
+
+        self.ranks = ranks
+        self.bar = tqdm(total=iterations + 1, desc="iterations", unit="it", file=sys.stderr)
+        self.done: dict[int, list[Any]] = defaultdict(list)
+        self.seconds: dict[int, dict[str, float]] = defaultdict(dict)
+
+    def __call__(self, event: object) -> None:
+        from rljob_worker.loop import RankIteration
+
+        if isinstance(event, StageSample):
+            held = self.seconds[event.iteration]
+            held[str(event.stage)] = max(held.get(str(event.stage), 0.0), event.seconds)
+        elif isinstance(event, RankIteration):
+            self.done[event.iteration].append(event)
+            if len(self.done[event.iteration]) == self.ranks:
+                self._advance(event.iteration)
+
+    def _advance(self, iteration: int) -> None:
+        items = self.done[iteration]
+        count = sum(i.reward_count for i in items)
+        kls = [i.kl_mean for i in items if i.kl_mean is not None]
+        postfix = {"reward": f"{sum(i.reward_sum for i in items) / max(count, 1):.3f}"}
+        if kls:
+            postfix["kl"] = f"{sum(kls) / len(kls):.2e}"
+        postfix.update({k: f"{v:.2f}s" for k, v in self.seconds[iteration].items()})
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def write_outputs(
+    out: Path, name: str, status: RLJobStatus, reports: list[IterationReport]
+) -> None:
+    """status.json / status.yaml (the RLJob status schema), reports.json, memory-timeline.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    document = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    (out / "status.json").write_text(json.dumps(document, indent=2) + "\n")
+    (out / "status.yaml").write_text(yaml.safe_dump({"status": document}, sort_keys=False))
+    (out / "reports.json").write_text(
+        json.dumps([r.model_dump(mode="json", by_alias=True) for r in reports], indent=1) + "\n"
+    )
+    samples = [s for r in reports for s in r.samples]
+    memory = status.memory
+    title = f"RLJob {name}: memory per stage"
+    if memory is not None:
+        title += f" ({memory.device}, {_bytes(memory.capacity_bytes)}, {memory.kind})"
+    plot_timeline(samples, out / "memory-timeline.png", title)
+
+
+def main(argv: list[str]) -> int:
+    """`rljob run`; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        name, spec = _load(args.manifest)
+        device = _device(args.device, spec)
+        from rljob_worker.memory import OOMInjection
+
+        inject = OOMInjection.from_env(args.inject_oom) if args.inject_oom else None
+    except (OSError, ValueError) as error:  # pydantic's ValidationError is a ValueError
+        console.print(f"[red]rljob run: {error}[/red]")
+        return 2
+    ranks = args.ranks or spec.world_size
+    out = args.out or Path("out") / name
+    console.print(
+        f"RLJob [bold]{name}[/bold]: {ranks} rank(s) on {device}, engine {spec.rollout.engine}, "
+        f"wakeUp {spec.rollout.wake_up}, {spec.algorithm.iterations} iteration(s) "
+        "(iteration 0 is the first rollout)"
+    )
+    from rljob_worker.driver.local import run_local
+
+    progress = _Progress(spec.algorithm.iterations, ranks)
+    try:
+        run = run_local(
+            spec,
+            ranks,
+            device,
+            on_event=progress,
+            verify_weights=args.verify_weights,
+            inject_oom=inject,
+        )
+    finally:
+        progress.close()
+    status = run.status()
+    # Locally this command is the operator too, so it also sets the phase.
+    status.phase = Phase.SUCCEEDED if run.ok else Phase.FAILED
+    reports = run.reports
+    write_outputs(out, name, status, reports)
+    if status.memory is not None:
+        Console().print(memory_table(status.memory, reports))
+    mismatched = [
+        (i.rank, i.iteration, i.weights.mismatched)
+        for i in run.iterations
+        if i.weights and i.weights.mismatched
+    ]
+    for rank, iteration, names in mismatched:
+        console.print(
+            f"[red]rank {rank} iteration {iteration}: engine weights differ: {names}[/red]"
+        )
+    for oom in run.ooms:
+        console.print(
+            f"[red]CUDA OOM in stage {oom.stage} (iteration {oom.iteration}, rank {oom.rank}): "
+            f"requested {oom.requested_bytes} bytes, {oom.free_bytes} free[/red]"
+        )
+    for rank, failure in sorted(run.errors.items()):
+        console.print(f"[red]rank {rank} failed:[/red]\n{failure.rstrip()}")
+    console.print(f"wrote {out}/status.json, status.yaml, reports.json, memory-timeline.png")
+    return 0 if run.ok and not mismatched else 1

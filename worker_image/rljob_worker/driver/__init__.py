@@ -1,0 +1,64 @@
+"""Drivers run one colocated worker per rank and gather what the ranks report (local.py: processes).
+
+The aggregation here is shared by every driver: rank events in, IterationReports and the
+driver-owned part of RLJob status (iteration, rewardMean, klMean, memory, oomEvents) out.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from rljob.api import OOMEvent, RLJobStatus
+from rljob.report import IterationReport, OOMRecord, StageSample, summarize
+from rljob_worker.loop import RankIteration
+
+# status.oomEvents keeps the latest few; status.oomCounts counts them all.
+MAX_OOM_EVENTS = 10
+
+
+def iteration_reports(
+    samples: Iterable[StageSample], iterations: Iterable[RankIteration]
+) -> list[IterationReport]:
+    """One report per iteration that any rank sampled; reward and KL are means over all ranks."""
+    by_iteration: dict[int, IterationReport] = {}
+    for sample in sorted(samples, key=lambda s: (s.iteration, s.rank, s.start_seconds)):
+        by_iteration.setdefault(sample.iteration, IterationReport(iteration=sample.iteration))
+        by_iteration[sample.iteration].samples.append(sample)
+    ranks: dict[int, list[RankIteration]] = {}
+    for item in iterations:
+        ranks.setdefault(item.iteration, []).append(item)
+    for iteration, items in ranks.items():
+        report = by_iteration.setdefault(iteration, IterationReport(iteration=iteration))
+        count = sum(i.reward_count for i in items)
+        report.reward_mean = sum(i.reward_sum for i in items) / count if count else None
+        kls = [i.kl_mean for i in items if i.kl_mean is not None]
+        report.kl_mean = sum(kls) / len(kls) if kls else None
+    return [by_iteration[i] for i in sorted(by_iteration)]
+
+
+def driver_status(
+    reports: list[IterationReport],
+    iterations: Iterable[RankIteration],
+    ooms: list[OOMRecord],
+    world_size: int,
+) -> RLJobStatus:
+    """The fields of RLJob status the job's driver owns, computed from what the ranks reported.
+
+    `iteration` is the last iteration every rank finished; memory is that of the latest sampled
+    iteration (after an OOM: the one that failed, with the stages it reached).
+    """
+    ranks_done: dict[int, set[int]] = {}
+    for item in iterations:
+        ranks_done.setdefault(item.iteration, set()).add(item.rank)
+    finished = [r for r in reports if len(ranks_done.get(r.iteration, ())) == world_size]
+    last = finished[-1] if finished else None
+    ordered = sorted(ooms, key=lambda o: (o.time, o.rank or 0))
+    return RLJobStatus(
+        iteration=last.iteration if last else None,
+        reward_mean=last.reward_mean if last else None,
+        kl_mean=next((r.kl_mean for r in reversed(finished) if r.kl_mean is not None), None),
+        memory=summarize(reports[-1]) if reports else None,
+        oom_events=[OOMEvent.model_validate(o) for o in ordered[-MAX_OOM_EVENTS:]],
+        oom_counts=dict(Counter(o.kind for o in ordered)),
+    )

@@ -1,0 +1,206 @@
+"""The local driver: one process per rank on this machine (CPU on gloo, GPUs on NCCL).
+
+Ranks rendezvous on loopback and stream every event to this process as it happens, so a rank
+that fails or is stopped loses nothing it already measured; a failed run never hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from rljob.api import RLJobSpec, RLJobStatus
+from rljob.report import IterationReport, OOMRecord, StageSample
+from rljob_worker.driver import driver_status, iteration_reports
+from rljob_worker.loop import RankConfig, RankEvent, RankIteration
+from rljob_worker.memory import OOMInjection
+
+log = logging.getLogger(__name__)
+
+# After one rank failed, how long the others get to stop on their own before they are ended
+# (they may be blocked in a collective that will never complete).
+GRACE_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class _Exit:
+    rank: int
+    error: str | None
+
+
+@dataclass
+class LocalRun:
+    """Everything the ranks reported, aggregated."""
+
+    world_size: int
+    device: str
+    samples: list[StageSample] = field(default_factory=list)
+    iterations: list[RankIteration] = field(default_factory=list)
+    ooms: list[OOMRecord] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.ooms and not self.errors
+
+    @property
+    def reports(self) -> list[IterationReport]:
+        return iteration_reports(self.samples, self.iterations)
+
+    def status(self) -> RLJobStatus:
+        return driver_status(self.reports, self.iterations, self.ooms, self.world_size)
+
+    def add(self, event: RankEvent) -> None:
+        if isinstance(event, StageSample):
+            self.samples.append(event)
+        elif isinstance(event, RankIteration):
+            self.iterations.append(event)
+        elif isinstance(event, OOMRecord):
+            self.ooms.append(event)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(
+    spec_json: str,
+    config: RankConfig,
+    init_method: str,
+    events: Any,
+    threads_per_rank: int,
+    timeout_seconds: float,
+) -> None:
+    """Entry point of one rank's process."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    from rljob_worker.loop import run_rank
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    error: str | None = None
+    try:
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(config.device))
+        else:
+            # Ranks share the host's cores; one thread each keeps them from thrashing.
+            torch.set_num_threads(threads_per_rank)
+        dist.init_process_group(
+            backend="nccl" if config.device.startswith("cuda") else "gloo",
+            init_method=init_method,
+            rank=config.rank,
+            world_size=config.world_size,
+            timeout=timedelta(seconds=timeout_seconds),
+        )
+        run_rank(RLJobSpec.model_validate_json(spec_json), config, events.put)
+    except BaseException:  # reported to the driver, which decides; nothing is swallowed
+        error = traceback.format_exc()
+    finally:
+        events.put(_Exit(config.rank, error))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(
+    spec: RLJobSpec,
+    ranks: int,
+    device: str = "cpu",
+    *,
+    on_event: Callable[[RankEvent], None] | None = None,
+    verify_weights: bool = False,
+    inject_oom: OOMInjection | None = None,
+    threads_per_rank: int = 1,
+    collective_timeout_seconds: float = 600.0,
+    grace_seconds: float = GRACE_SECONDS,
+) -> LocalRun:
+    """Run the job with `ranks` processes on this machine; `device` is 'cpu' or 'cuda'.
+
+    On CUDA rank r uses cuda:r. Returns when every rank exited; `on_event` sees each event
+    as it arrives (progress bars).
+    """
+    context = mp.get_context("spawn")
+    events = context.Queue()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    processes = []
+    for rank in range(ranks):
+        config = RankConfig(
+            rank=rank,
+            world_size=ranks,
+            device=f"cuda:{rank}" if device == "cuda" else "cpu",
+            node=socket.gethostname(),
+            inject_oom=inject_oom,
+            verify_weights=verify_weights,
+        )
+        process = context.Process(
+            target=_rank_main,
+            args=(
+                spec.model_dump_json(),
+                config,
+                init_method,
+                events,
+                threads_per_rank,
+                collective_timeout_seconds,
+            ),
+            name=f"rljob-rank-{rank}",
+        )
+        process.start()
+        processes.append(process)
+
+    run = LocalRun(world_size=ranks, device=device)
+    exited: set[int] = set()
+    deadline: float | None = None
+    while len(exited) < ranks:
+        try:
+            event = events.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p for r, p in enumerate(processes) if r not in exited and not p.is_alive()]
+            if dead and deadline is None:
+                # A rank died without saying goodbye (killed, segfault): the rest may hang.
+                for p in dead:
+                    rank = processes.index(p)
+                    run.errors[rank] = f"rank {rank} exited with code {p.exitcode} without a report"
+                    exited.add(rank)
+                deadline = time.monotonic() + grace_seconds
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            continue
+        if isinstance(event, _Exit):
+            exited.add(event.rank)
+            if event.error is not None:
+                run.errors[event.rank] = event.error
+            if (event.error is not None or run.ooms) and deadline is None:
+                deadline = time.monotonic() + grace_seconds
+            continue
+        run.add(event)
+        if on_event is not None:
+            on_event(event)
+    for rank, process in enumerate(processes):
+        if rank not in exited and process.is_alive():
+            log.warning("ending rank %d (pid %d): another rank failed", rank, process.pid)
+            run.errors.setdefault(rank, "ended by the driver after another rank failed")
+            process.terminate()
+        process.join(timeout=grace_seconds)
+    # Events a rank sent before it was ended are still in the queue: keep them.
+    while True:
+        try:
+            event = events.get(timeout=0.1)
+        except queue.Empty:
+            break
+        if not isinstance(event, _Exit):
+            run.add(event)
+    return run

@@ -1,0 +1,237 @@
+"""The colocated worker of one rank: trainer + engine + stage machine built from the job spec.
+
+It runs the iterations and reports every stage sample, iteration and OOM through `emit`; it does
+not know whether a local process group, Ray or a test drives it (the caller sets up the group).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rljob.api import RLJobSpec
+from rljob.report import OOMRecord, StageSample
+from rljob_worker.engines import make_engine
+from rljob_worker.engines.base import ALL_TAGS, RolloutEngine, SamplingParams
+from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM
+from rljob_worker.model import load_tokenizer, resolve_model_path, torch_dtype
+from rljob_worker.stages import StageMachine
+from rljob_worker.task import Task, exact_match_reward, make_task
+from rljob_worker.train import Experience, NamedTensors, Trainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """Where this rank runs; everything about the job itself is in the RLJobSpec."""
+
+    rank: int
+    world_size: int
+    device: str = "cpu"
+    node: str = ""
+    inject_oom: OOMInjection | None = None
+    # Compare every engine weight with the training tensor sent for it, after each update
+    # (costs a hash per parameter; tests and `rljob run --verify-weights` turn it on).
+    verify_weights: bool = False
+
+
+@dataclass(frozen=True)
+class WeightCheck:
+    """Per-parameter digests of what training sent and what the engine holds after the update."""
+
+    sent: dict[str, str]
+    engine: dict[str, str]
+
+    @property
+    def mismatched(self) -> list[str]:
+        return sorted(
+            n
+            for n in self.sent.keys() | self.engine.keys()
+            if self.sent.get(n) != self.engine.get(n)
+        )
+
+
+@dataclass(frozen=True)
+class RankIteration:
+    """One rank's account of one iteration (its stage samples travel separately)."""
+
+    rank: int
+    iteration: int
+    stages: tuple[str, ...]
+    reward_sum: float
+    reward_count: int
+    kl_mean: float | None
+    loss: float | None
+    kv_capacity_tokens: int
+    weights: WeightCheck | None = None
+
+
+RankEvent = StageSample | RankIteration | OOMRecord
+
+
+@dataclass
+class RankResult:
+    rank: int
+    samples: list[StageSample] = field(default_factory=list)
+    iterations: list[RankIteration] = field(default_factory=list)
+    oom: OOMRecord | None = None
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """Exact content digest (bytes of the tensor as stored), for weight-equality checks."""
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
+
+
+def prompts_per_rank(spec: RLJobSpec, world_size: int) -> int:
+    prompts = spec.data.train_batch_size
+    if prompts % world_size:
+        raise ValueError(
+            f"spec.data.trainBatchSize={prompts} must be a multiple of the {world_size} ranks "
+            "(every rank rolls out and trains on the same number of prompts)"
+        )
+    return prompts // world_size
+
+
+class _Rollout:
+    """The rollout stage's work: sample prompts, generate group_size responses each, reward."""
+
+    def __init__(
+        self, spec: RLJobSpec, config: RankConfig, engine: RolloutEngine, tokenizer: Any, task: Task
+    ):
+        self.spec, self.config, self.engine, self.tokenizer, self.task = (
+            spec,
+            config,
+            engine,
+            tokenizer,
+            task,
+        )
+        self.prompts = prompts_per_rank(spec, config.world_size)
+
+    def __call__(self, iteration: int) -> Experience:
+        spec, world, rank = self.spec, self.config.world_size, self.config.rank
+        problems = self.task.sample(self.prompts, salt=iteration * world + rank)
+        group = spec.algorithm.group_size
+        prompt_ids: list[list[int]] = []
+        answers: list[str] = []
+        group_ids: list[int] = []
+        for index, problem in enumerate(problems):
+            ids = self.tokenizer(problem.prompt, add_special_tokens=False).input_ids
+            ids = ids[-spec.data.max_prompt_length :]  # truncate from the left
+            prompt_ids += [ids] * group
+            answers += [problem.answer] * group
+            group_ids += [index] * group
+        sampling = spec.rollout.sampling
+        responses = self.engine.generate(
+            prompt_ids,
+            SamplingParams(
+                max_new_tokens=spec.data.max_response_length,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                seed=spec.algorithm.seed * 1_000_003 + iteration * world + rank,
+            ),
+        )
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        rewards = [
+            exact_match_reward(text, answer) for text, answer in zip(texts, answers, strict=True)
+        ]
+        return Experience(prompt_ids, [list(r) for r in responses], rewards, group_ids)
+
+
+def run_rank(
+    spec: RLJobSpec, config: RankConfig, emit: Callable[[RankEvent], None] | None = None
+) -> RankResult:
+    """Run iteration 0 (first rollout) and spec.algorithm.iterations training iterations.
+
+    Every rank calls this at once with the process group already initialised (collectives
+    inside). A CUDA OOM ends the run: it is emitted and returned, with every sample before it.
+    """
+    send = emit or (lambda _event: None)
+    result = RankResult(rank=config.rank)
+    device = torch.device(config.device)
+    torch.manual_seed(spec.algorithm.seed)
+    model_path = resolve_model_path(spec.model.path)
+    tokenizer = load_tokenizer(model_path)
+    eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    # The engine first, then release it: it sizes its KV pool on a device that training does
+    # not yet occupy, and the loop starts where every iteration starts (engine asleep).
+    engine = make_engine(spec, device=str(device), eos_token_ids=eos_ids)
+    released = engine.released_tags
+    engine.release([tag for tag in ALL_TAGS if tag not in released])
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    trainer = Trainer(spec, model_path, device, pad_id=tokenizer.pad_token_id)
+
+    def on_sample(sample: StageSample) -> None:
+        result.samples.append(sample)
+        send(sample)
+
+    meter = MemoryMeter(
+        config.rank,
+        device,
+        on_sample,
+        inject=config.inject_oom or OOMInjection.from_env(),
+        node=config.node,
+    )
+    checks: dict[str, tuple[str, str]] = {}
+
+    def check_weights(_iteration: int, bucket: NamedTensors) -> None:
+        held = dict(engine.named_weights())  # type: ignore[attr-defined]
+        for name, tensor in bucket:
+            checks[name] = (tensor_digest(tensor), tensor_digest(held[name]))
+
+    machine = StageMachine(
+        trainer,
+        engine,
+        meter,
+        _Rollout(spec, config, engine, tokenizer, make_task(spec.data.source, spec.algorithm.seed)),
+        wake_up=spec.rollout.wake_up,
+        bucket_bytes=spec.rollout.weight_sync_bucket_megabytes << 20,
+        engine_dtype=torch_dtype(spec.model.dtype),
+        offload_optimizer=spec.training.offload_optimizer,
+        offload_params=spec.training.offload_params,
+        after_weight_update=check_weights if config.verify_weights else None,
+    )
+    try:
+        for iteration in range(spec.algorithm.iterations + 1):
+            checks.clear()
+            outcome = machine.run_iteration(iteration)
+            experience = outcome.experience
+            assert experience is not None  # every iteration ends with a rollout
+            report = RankIteration(
+                rank=config.rank,
+                iteration=iteration,
+                stages=tuple(str(s) for s in outcome.stages),
+                reward_sum=sum(experience.rewards),
+                reward_count=len(experience.rewards),
+                kl_mean=outcome.train.kl_mean if outcome.train else None,
+                loss=outcome.train.loss if outcome.train else None,
+                kv_capacity_tokens=engine.kv_capacity_tokens,
+                weights=WeightCheck(
+                    sent={n: s for n, (s, _) in checks.items()},
+                    engine={n: e for n, (_, e) in checks.items()},
+                )
+                if config.verify_weights
+                else None,
+            )
+            result.iterations.append(report)
+            send(report)
+            log.info("rank %d iteration %d done", config.rank, iteration)
+    except StageOOM as oom:
+        log.error("rank %d: %s", config.rank, oom)
+        result.oom = oom.record
+        send(oom.record)
+    finally:
+        engine.shutdown()
+    if dist.is_initialized() and result.oom is None:
+        dist.barrier()
+    return result

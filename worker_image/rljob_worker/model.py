@@ -1,0 +1,153 @@
+"""Model resolution: `builtin:tiny-qwen2` made locally, and the from_pretrained loading every path uses.
+
+The builtin model is a tiny randomly initialised Qwen2 plus a BPE tokenizer trained here with
+`tokenizers`, saved to a cache directory keyed by their config; loading it is the real-model path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+BUILTIN_PREFIX = "builtin:"
+TINY_QWEN2 = "builtin:tiny-qwen2"
+
+# Small enough that 2 ranks x 2 iterations run on 2 CPU cores in seconds, large enough to have
+# several layers, grouped-query attention and tied embeddings, like the real Qwen2 family.
+TINY_QWEN2_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+}
+TOKENIZER_VOCAB_SIZE = 320
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+_SEED = 1234
+
+
+def cache_root() -> Path:
+    """Where built models live: $RLJOB_CACHE, else ~/.cache/rljob."""
+    return Path(os.environ.get("RLJOB_CACHE") or Path.home() / ".cache" / "rljob")
+
+
+def _config_key() -> str:
+    blob = json.dumps(
+        {"model": TINY_QWEN2_CONFIG, "vocab": TOKENIZER_VOCAB_SIZE, "seed": _SEED, "v": 1},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _training_corpus() -> list[str]:
+    # The tokenizer only has to cover what the tasks write: digits, operators, short words.
+    from rljob_worker.task import ArithmeticTask
+
+    task = ArithmeticTask(seed=_SEED)
+    lines = [p.prompt + p.answer for p in task.sample(2000, salt=0)]
+    lines += ["Question: what is the answer? Answer:", "The quick brown fox jumps over the dog."]
+    return lines
+
+
+def build_tokenizer() -> PreTrainedTokenizerBase:
+    """Train a byte-level BPE tokenizer on the task's own text and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(_training_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, padding_side="left"
+    )
+
+
+def build_tiny_qwen2(directory: Path) -> None:
+    """Write a tokenizer and a randomly initialised tiny Qwen2 to `directory` (save_pretrained)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **TINY_QWEN2_CONFIG,
+    )
+    torch.manual_seed(_SEED)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def resolve_model_path(path: str) -> Path | str:
+    """Turn the spec's model.path into something from_pretrained loads.
+
+    Builtin names are built once into the cache (atomically: ranks that race build private
+    copies and the first rename wins); anything else is passed through unchanged.
+    """
+    if not path.startswith(BUILTIN_PREFIX):
+        return path
+    if path != TINY_QWEN2:
+        raise ValueError(f"unknown builtin model {path!r}; the builtin model is {TINY_QWEN2!r}")
+    target = cache_root() / "models" / f"tiny-qwen2-{_config_key()}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        build_tiny_qwen2(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a spec dtype name ('bfloat16', 'float16', 'float32')."""
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
+    """AutoTokenizer.from_pretrained, left padding (prompts are batched for generation)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(path: Path | str, dtype: torch.dtype) -> PreTrainedModel:
+    """AutoModelForCausalLM.from_pretrained: the one loading path for builtin and real models."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)

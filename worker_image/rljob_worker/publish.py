@@ -1,0 +1,266 @@
+"""The job's side of RLJob status: the driver-owned fields (iteration, reward/KL, memory, memory
+history, CUDA OOM entries and count) server-side applied under field manager `rljob-job`, and Events.
+
+Runs with the per-job ServiceAccount (get/patch on its own RLJob and its status, create Events):
+in-cluster config in the Ray head pod, a kubeconfig elsewhere. Hook: `StatusPublisher.publish`
+after each iteration (Ray driver), or `PublishingListener` as the local driver's `on_event`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
+from rljob.api import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    MAX_MEMORY_HISTORY,
+    PLURAL,
+    VERSION,
+    MemoryPoint,
+    OOMEvent,
+    RLJobStatus,
+)
+from rljob.report import MemorySummary, OOMRecord
+
+FIELD_MANAGER = "rljob-job"
+APPLY = "application/apply-patch+yaml"
+CUDA_OOM = "CUDAOutOfMemory"
+# At most one IterationCompleted Event per this many seconds (a long job would otherwise flood
+# the namespace's Events); the first iteration always gets one.
+ITERATION_EVENT_SECONDS = 60.0
+
+log = logging.getLogger(__name__)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def history_with(history: list[MemoryPoint], memory: MemorySummary | None) -> list[MemoryPoint]:
+    """`history` with the latest iteration's memory (replacing a point of the same iteration),
+    the last MAX_MEMORY_HISTORY iterations kept."""
+    if memory is None:
+        return history
+    point = MemoryPoint(
+        iteration=memory.iteration, peak_bytes={str(s.name): s.peak_bytes for s in memory.stages}
+    )
+    kept = [p for p in history if p.iteration != point.iteration]
+    return sorted([*kept, point], key=lambda p: p.iteration)[-MAX_MEMORY_HISTORY:]
+
+
+def driver_fields(status: RLJobStatus, history: list[MemoryPoint]) -> dict[str, Any]:
+    """The status fields the driver owns, camelCase, for server-side apply. Only CUDA OOMs:
+    OOMKilled entries and count are the operator's (each writer owns its entries by `id`)."""
+    cuda = [OOMEvent.model_validate(o) for o in status.oom_events if o.kind == CUDA_OOM]
+    fields: dict[str, Any] = {
+        "iteration": status.iteration,
+        "rewardMean": status.reward_mean,
+        "klMean": status.kl_mean,
+        "memory": status.memory.model_dump(by_alias=True, mode="json") if status.memory else None,
+        "memoryHistory": [p.model_dump(by_alias=True, mode="json") for p in history] or None,
+        "oomEvents": [o.model_dump(by_alias=True, exclude_none=True, mode="json") for o in cuda],
+    }
+    count = int(status.oom_counts.get(CUDA_OOM, 0))
+    if count:
+        fields["oomCounts"] = {CUDA_OOM: count}
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def oom_message(oom: OOMRecord) -> str:
+    """The Warning Event's text: where it happened and what was asked for."""
+    return (
+        f"CUDA out of memory in stage {oom.stage} (rank {oom.rank}, iteration {oom.iteration}"
+        + (f", node {oom.node}" if oom.node else "")
+        + f"): requested {oom.requested_bytes} bytes, {oom.free_bytes} free. {oom.message}"
+    )[:1024]
+
+
+def iteration_message(status: RLJobStatus) -> str:
+    text = f"iteration {status.iteration} completed"
+    if status.reward_mean is not None:
+        text += f", reward {status.reward_mean:.4g}"
+    memory = status.memory
+    if memory is not None and memory.stages:
+        worst = max(memory.stages, key=lambda s: s.peak_fraction)
+        text += (
+            f"; worst stage {worst.name} at {worst.peak_fraction:.3f} of "
+            f"{memory.capacity_bytes} bytes ({memory.device}, rank {worst.rank})"
+        )
+    return text
+
+
+class RateLimit:
+    """True at most once per `seconds` (the first call always)."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds, self.clock = seconds, clock
+        self.last: float | None = None
+
+    def __call__(self) -> bool:
+        now = self.clock()
+        if self.last is not None and now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True
+
+
+class StatusPublisher:
+    """Writes one RLJob's driver-owned status and posts its Events."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        namespace: str,
+        name: str,
+        *,
+        iteration_event_seconds: float = ITERATION_EVENT_SECONDS,
+    ) -> None:
+        self.api, self.namespace, self.name = api, namespace, name
+        self.custom = client.CustomObjectsApi(api)
+        self.core = client.CoreV1Api(api)
+        self.iteration_events = RateLimit(iteration_event_seconds)
+        self._uid: str | None = None
+        self._history: list[MemoryPoint] | None = None
+        self._announced: int | None = None
+
+    @classmethod
+    def from_env_or_kubeconfig(
+        cls, namespace: str, name: str, kubeconfig: str | None = None, **kwargs: Any
+    ) -> StatusPublisher:
+        """In-cluster config (the pod's ServiceAccount token) if present, else a kubeconfig
+        ($KUBECONFIG or ~/.kube/config when `kubeconfig` is None)."""
+        if kubeconfig is None:
+            try:
+                configuration = client.Configuration()
+                config.load_incluster_config(client_configuration=configuration)
+                return cls(client.ApiClient(configuration), namespace, name, **kwargs)
+            except config.ConfigException:
+                pass
+        return cls(config.new_client_from_config(config_file=kubeconfig), namespace, name, **kwargs)
+
+    def _load(self) -> None:
+        """The RLJob's uid (Events point at it) and the history written before (a restarted
+        driver goes on with it)."""
+        rljob: Any = self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, self.name
+        )
+        self._uid = str(rljob["metadata"]["uid"])
+        held = (rljob.get("status") or {}).get("memoryHistory") or []
+        self._history = [MemoryPoint.model_validate(p) for p in held]
+
+    def publish(self, status: RLJobStatus, new_ooms: Sequence[OOMRecord] = ()) -> None:
+        """Apply the driver-owned fields of `status`; a Warning Event per new CUDA OOM, and a
+        rate-limited Normal IterationCompleted when the iteration moved. Raises ApiException
+        (e.g. 403 for an RLJob this account may not write)."""
+        if self._history is None:
+            self._load()
+        assert self._history is not None
+        self._history = history_with(self._history, status.memory)
+        body = {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "status": driver_fields(status, self._history),
+        }
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, self.namespace, PLURAL, self.name, body,
+            field_manager=FIELD_MANAGER, force=True, _content_type=APPLY,
+        )  # fmt: skip
+        for oom in new_ooms:
+            if oom.kind == CUDA_OOM:
+                self.event("Warning", CUDA_OOM, oom_message(oom))
+        if status.iteration is not None and status.iteration != self._announced:
+            self._announced = status.iteration
+            if self.iteration_events():
+                self.event("Normal", "IterationCompleted", iteration_message(status))
+
+    def event(self, event_type: str, reason: str, message: str) -> None:
+        """Post a core/v1 Event on the RLJob (what `kubectl describe rljob` lists)."""
+        now = _now()
+        body: Any = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{self.name}.", "namespace": self.namespace},
+            "involvedObject": {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": self.name,
+                "namespace": self.namespace,
+                "uid": self._uid,
+            },
+            "type": event_type,
+            "reason": reason,
+            "message": message,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+            "source": {"component": FIELD_MANAGER, "host": socket.gethostname()},
+            "reportingComponent": f"{GROUP}/job",
+            "reportingInstance": socket.gethostname(),
+        }
+        self.core.create_namespaced_event(self.namespace, body)
+
+
+class PublishingListener:
+    """The local driver's `on_event`: aggregates rank events as the driver does and publishes
+    when every rank finished an iteration, and at once on a CUDA OOM. A failed write is logged
+    and retried with the next one (each write is the whole driver-owned state), so the
+    apiserver being slow never stops training."""
+
+    def __init__(
+        self,
+        publisher: StatusPublisher,
+        world_size: int,
+        then: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.publisher, self.world_size, self.then = publisher, world_size, then
+        self.samples: list[Any] = []
+        self.iterations: list[Any] = []
+        self.ooms: list[OOMRecord] = []
+        self.failures: list[Exception] = []
+
+    def status(self) -> RLJobStatus:
+        from rljob_worker.driver import driver_status, iteration_reports
+
+        reports = iteration_reports(self.samples, self.iterations)
+        return driver_status(reports, self.iterations, self.ooms, self.world_size)
+
+    def __call__(self, event: Any) -> None:
+        from rljob_worker.loop import RankIteration
+
+        if self.then is not None:
+            self.then(event)
+        new: list[OOMRecord] = []
+        if isinstance(event, OOMRecord):
+            self.ooms.append(event)
+            new.append(event)
+        elif isinstance(event, RankIteration):
+            self.iterations.append(event)
+            done = sum(1 for i in self.iterations if i.iteration == event.iteration)
+            if done < self.world_size:
+                return
+        else:
+            self.samples.append(event)
+            return
+        self.flush(new)
+
+    def flush(self, new_ooms: Sequence[OOMRecord] = ()) -> None:
+        """Publish what has been gathered so far (also at the end, so the last samples of a
+        failed iteration are written)."""
+        try:
+            self.publisher.publish(self.status(), new_ooms)
+        except (ApiException, HTTPError) as exc:
+            self.failures.append(exc)
+            log.warning(
+                f"RLJob {self.publisher.namespace}/{self.publisher.name}: status not written: {exc}"
+            )

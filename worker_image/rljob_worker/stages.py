@@ -1,0 +1,179 @@
+"""The stage machine: the order of one colocated iteration, and what each stage does.
+
+Read top to bottom: the two orders (staged and single), then one method per stage. Every stage
+runs inside the memory meter's boundary, so each is measured and an OOM names its stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rljob.api import WakeUp
+from rljob.report import Stage
+from rljob_worker.engines.base import TAG_KV_CACHE, TAG_WEIGHTS, RolloutEngine
+from rljob_worker.memory import MemoryMeter
+from rljob_worker.train import Experience, NamedTensors, TrainStats
+
+# Staged awake (DESIGN.md, "Why staged awake"): the engine's weights come back while the
+# training params are still resident (they are the source of the update), but the KV cache only
+# comes back once the training params are gone. Peak: max(train, train params + engine weights,
+# engine weights + KV cache) instead of their sum.
+STAGED_ORDER: tuple[Stage, ...] = (
+    Stage.TRAIN,  # engine released; FSDP forward/backward/step
+    Stage.OFFLOAD_OPTIMIZER,  # AdamW state to pinned CPU memory
+    Stage.WAKE_WEIGHTS,  # resume engine weights; copy training weights in, bucket by bucket
+    Stage.OFFLOAD_TRAIN,  # training params to CPU; empty_cache() before any resume
+    Stage.WAKE_KV_CACHE,  # resume the KV cache into the memory the params left
+    Stage.ROLLOUT,  # generate the next iteration's experience
+    Stage.SLEEP,  # release KV cache and weights; training state back to the device
+)
+
+# The baseline: weights and KV cache resumed together while the training params are resident,
+# so the update moment holds train params + engine weights + KV cache. There is no separate
+# wake_kv_cache stage: the KV cache woke inside wake_weights.
+SINGLE_ORDER: tuple[Stage, ...] = (
+    Stage.TRAIN,
+    Stage.OFFLOAD_OPTIMIZER,
+    Stage.WAKE_WEIGHTS,  # resume weights AND KV cache, then update weights
+    Stage.OFFLOAD_TRAIN,
+    Stage.ROLLOUT,
+    Stage.SLEEP,
+)
+
+# Before iteration 1 there is no experience to train on. Iteration 0 is the second half of an
+# iteration: the engine starts released, wakes, takes the training weights (equal to its own,
+# both come from the checkpoint, but a resumed weight region holds no contents), rolls out the
+# first batch and sleeps. Its stages are measured like any other iteration's.
+_TRAINING_STAGES = (Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER)
+
+
+def stage_order(wake_up: WakeUp, iteration: int = 1) -> tuple[Stage, ...]:
+    """The stages of an iteration for the spec's rollout.wakeUp (iteration 0: the prologue)."""
+    order = STAGED_ORDER if wake_up == WakeUp.STAGED else SINGLE_ORDER
+    if iteration == 0:
+        return tuple(stage for stage in order if stage not in _TRAINING_STAGES)
+    return order
+
+
+class TrainerLike(Protocol):
+    """What the machine needs from training (train.Trainer; tests use stand-ins)."""
+
+    def train_step(self, experience: Experience) -> TrainStats: ...
+    def offload_optimizer(self) -> None: ...
+    def load_optimizer(self) -> None: ...
+    def offload_params(self) -> None: ...
+    def load_params(self) -> None: ...
+    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[NamedTensors]: ...
+
+
+@dataclass
+class IterationOutcome:
+    """What one iteration produced besides its memory samples (those go to the meter)."""
+
+    iteration: int
+    stages: tuple[Stage, ...]
+    train: TrainStats | None
+    experience: Experience | None
+
+
+class StageMachine:
+    """Drives one rank's trainer and engine through the stages, one iteration at a time."""
+
+    def __init__(
+        self,
+        trainer: TrainerLike,
+        engine: RolloutEngine,
+        meter: MemoryMeter,
+        rollout: Callable[[int], Experience],
+        *,
+        wake_up: WakeUp,
+        bucket_bytes: int,
+        engine_dtype: torch.dtype,
+        offload_optimizer: bool = True,
+        offload_params: bool = True,
+        after_weight_update: Callable[[int, NamedTensors], None] | None = None,
+    ) -> None:
+        self.trainer = trainer
+        self.engine = engine
+        self.meter = meter
+        self.rollout_fn = rollout
+        self.wake_up = wake_up
+        self.bucket_bytes = bucket_bytes
+        self.engine_dtype = engine_dtype
+        self.offload_optimizer_enabled = offload_optimizer
+        self.offload_params_enabled = offload_params
+        # Test hook: sees every bucket right after the engine took it (weights equality check).
+        self.after_weight_update = after_weight_update
+        self.experience: Experience | None = None
+        self._train_stats: TrainStats | None = None
+        self._iteration = 0
+        self._actions: dict[Stage, Callable[[], None]] = {
+            Stage.TRAIN: self.train,
+            Stage.OFFLOAD_OPTIMIZER: self.offload_optimizer,
+            Stage.WAKE_WEIGHTS: self.wake_weights,
+            Stage.OFFLOAD_TRAIN: self.offload_train,
+            Stage.WAKE_KV_CACHE: self.wake_kv_cache,
+            Stage.ROLLOUT: self.rollout,
+            Stage.SLEEP: self.sleep,
+        }
+
+    def run_iteration(self, iteration: int) -> IterationOutcome:
+        """One iteration in the spec's wake-up order; iteration 0 is the prologue (see above).
+
+        Expects the engine released and the training state on the device, and leaves them so.
+        """
+        order = stage_order(self.wake_up, iteration)
+        self._iteration, self._train_stats = iteration, None
+        for stage in order:
+            with self.meter.stage(stage, iteration):
+                self._actions[stage]()
+        return IterationOutcome(iteration, order, self._train_stats, self.experience)
+
+    # -- the stages, in staged order -----------------------------------------------------------
+
+    def train(self) -> None:
+        if self.experience is None:
+            raise RuntimeError("train stage without experience: run iteration 0 first")
+        self._train_stats = self.trainer.train_step(self.experience)
+
+    def offload_optimizer(self) -> None:
+        if self.offload_optimizer_enabled:
+            self.trainer.offload_optimizer()
+
+    def wake_weights(self) -> None:
+        tags = [TAG_WEIGHTS] if self.wake_up == WakeUp.STAGED else [TAG_WEIGHTS, TAG_KV_CACHE]
+        self.engine.resume(tags)
+        # In place, bucket by bucket: addresses stay valid (CUDA graphs) and only one bucket
+        # of full tensors exists at a time on top of the sharded params and engine weights.
+        for bucket in self.trainer.weight_buckets(self.bucket_bytes, self.engine_dtype):
+            self.engine.update_weights(bucket)
+            if self.after_weight_update is not None:
+                self.after_weight_update(self._iteration, bucket)
+        # Prefix caches computed with the old weights are wrong now.
+        self.engine.flush_cache()
+
+    def offload_train(self) -> None:
+        if self.offload_params_enabled:
+            self.trainer.offload_params()
+        # The freed params sit in torch's caching allocator, invisible to the memory saver:
+        # unless they are given back to the device now, resuming the KV cache cannot use them
+        # and OOMs (a known regression when this call was forgotten).
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def wake_kv_cache(self) -> None:
+        self.engine.resume([TAG_KV_CACHE])
+
+    def rollout(self) -> None:
+        self.experience = self.rollout_fn(self._iteration)
+
+    def sleep(self) -> None:
+        self.engine.release([TAG_KV_CACHE, TAG_WEIGHTS])
+        if self.offload_params_enabled:
+            self.trainer.load_params()
+        if self.offload_optimizer_enabled:
+            self.trainer.load_optimizer()

@@ -1,0 +1,95 @@
+"""Prompt sources with a verifiable reward: `builtin:arithmetic` (made here) and JSONL files.
+
+A task yields (prompt, answer) problems; the reward is 1.0 when the response's first line equals
+the answer exactly, else a small format credit for answering with digits at all.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+BUILTIN_ARITHMETIC = "builtin:arithmetic"
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+class Task(Protocol):
+    def sample(self, count: int, salt: int) -> list[Problem]:
+        """`count` problems, the same for the same (seed, salt) on every rank and run."""
+        ...
+
+
+# Credit for a wrong answer, times the share of digits in it. Without it a randomly initialised
+# model (the builtin one) never scores, every GRPO group is flat, and nothing ever trains.
+FORMAT_CREDIT = 0.1
+
+
+def exact_match_reward(response: str, answer: str) -> float:
+    """1.0 when the response's first line (stripped) is the answer; else FORMAT_CREDIT times
+    the share of its characters that are digits (always below any exact match)."""
+    first_line = response.split("\n", 1)[0].strip()
+    if first_line == answer.strip():
+        return 1.0
+    if not first_line:
+        return 0.0
+    return FORMAT_CREDIT * sum(c.isdigit() for c in first_line) / len(first_line)
+
+
+class ArithmeticTask:
+    """Two-operand addition and subtraction, e.g. prompt '12+7=' with answer '19'."""
+
+    def __init__(self, seed: int, max_operand: int = 99) -> None:
+        self.seed = seed
+        self.max_operand = max_operand
+
+    def sample(self, count: int, salt: int) -> list[Problem]:
+        rng = random.Random(self.seed * 1_000_003 + salt)
+        problems = []
+        for _ in range(count):
+            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+            if rng.random() < 0.5:
+                problems.append(Problem(f"{a}+{b}=", str(a + b)))
+            else:
+                a, b = max(a, b), min(a, b)
+                problems.append(Problem(f"{a}-{b}=", str(a - b)))
+        return problems
+
+
+class JsonlTask:
+    """Rows of {"prompt": ..., "answer": ...} from a JSONL file, sampled with replacement."""
+
+    def __init__(self, path: Path, seed: int) -> None:
+        self.seed = seed
+        self.problems: list[Problem] = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "prompt" not in row or "answer" not in row:
+                raise ValueError(f"{path}:{number}: each row needs 'prompt' and 'answer'")
+            self.problems.append(Problem(str(row["prompt"]), str(row["answer"])))
+        if not self.problems:
+            raise ValueError(f"{path}: no rows")
+
+    def sample(self, count: int, salt: int) -> list[Problem]:
+        rng = random.Random(self.seed * 1_000_003 + salt)
+        return [rng.choice(self.problems) for _ in range(count)]
+
+
+def make_task(source: str, seed: int) -> Task:
+    """The task for the spec's data.source."""
+    if source == BUILTIN_ARITHMETIC:
+        return ArithmeticTask(seed)
+    if source.startswith("builtin:"):
+        raise ValueError(
+            f"unknown builtin data source {source!r}; the builtin source is {BUILTIN_ARITHMETIC!r}"
+        )
+    return JsonlTask(Path(source), seed)
