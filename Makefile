@@ -20,10 +20,19 @@ lint:
 crd:
 	@bash hack/venv.sh
 	.venv/bin/rljob crd > crds/rljob.dev_rljobs.yaml
-	cp crds/rljob.dev_rljobs.yaml charts/rljob/crds/
+	cp crds/*.yaml charts/rljob/crds/
 
 lock:
 	@bash hack/lock.sh
 
 clean-cache:
 	rm -rf "$${RLJOB_CACHE_DIR:-$$HOME/.cache/rljob}"
+
+# kind e2e: needs Docker, kind, network to KubeRay's Helm repo and the package index.
+# RLJOB_TORCH_INDEX_URL=<CPU torch index> for a small worker image; RLJOB_E2E_KEEP=1 keeps the cluster.
+e2e:
+	@bash hack/venv.sh
+	@bash hack/controlplane.sh install
+	@for t in docker kind; do command -v $$t >/dev/null || { echo "make e2e: $$t is not on PATH" >&2; exit 1; }; done
+	@docker info >/dev/null 2>&1 || { echo "make e2e: no Docker engine is running" >&2; exit 1; }
+	eval "$$(bash hack/controlplane.sh env)"; PYTHONPATH=hack .venv/bin/python -m pytest -p pytest_layer_guard -rs --timeout=3600 tests/e2e
