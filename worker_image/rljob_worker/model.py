@@ -118,6 +118,13 @@ def resolve_model_path(path: str) -> Path | str:
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
         build_tiny_qwen2(staging)
+        if not (staging / "config.json").exists() or not any(staging.glob("*.safetensors")):
+            # transformers skips writing weights on ranks other than 0 of an initialised
+            # process group; never let such a half-built folder become the cache.
+            raise RuntimeError(
+                f"building {path} wrote no model files into {staging}: build builtin models "
+                "before torch.distributed is initialised (the drivers do)"
+            )
         try:
             staging.rename(target)
         except OSError:

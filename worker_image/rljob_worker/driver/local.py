@@ -133,6 +133,11 @@ def run_local(
     On CUDA rank r uses cuda:r. Returns when every rank exited; `on_event` sees each event
     as it arrives (progress bars).
     """
+    # Build a builtin model once, here, before any rank joins a process group: transformers'
+    # save_pretrained writes only on process-group rank 0 once torch.distributed is initialised.
+    from rljob_worker.model import resolve_model_path
+
+    resolve_model_path(spec.model.path)
     context = mp.get_context("spawn")
     events = context.Queue()
     init_method = f"tcp://127.0.0.1:{_free_port()}"

@@ -1,0 +1,107 @@
+"""Why a job failed, in one line naming rank, node, stage and iteration (pure, no Ray, no I/O).
+
+Used by the Ray driver; what a rank sent before it failed (its stage samples, its OOM record)
+is all it needs, so the local driver can use it the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from rljob.api import WakeUp
+from rljob.report import OOMRecord, Stage, StageSample
+from rljob_worker.stages import stage_order
+
+FailureKind = Literal["died", "raised", "ended"]
+# Which failure is the cause when several ranks fail: a rank whose actor died (killed, crashed,
+# node lost) never died because of another rank, while the ranks it leaves behind raise in their
+# next collective; "ended" ranks were stopped by the driver.
+_CAUSE_ORDER: dict[str, int] = {"died": 0, "raised": 1, "ended": 2}
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain(text: str) -> str:
+    """`text` without terminal colour codes (Ray colours its error headers)."""
+    return _ANSI.sub("", text)
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """A rank that ended the job: its actor died, it raised, or the driver ended it."""
+
+    rank: int
+    node: str
+    how: FailureKind
+    error: str
+    detected_seconds: float
+
+
+def headline(error: str) -> str:
+    """The line of an error that says what happened (a traceback's last non-empty line)."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    return lines[-1][:500] if lines else "no error text"
+
+
+def position_at_failure(
+    samples: Sequence[StageSample], wake_up: WakeUp, last_iteration: int, *, raised: bool
+) -> tuple[int, Stage] | None:
+    """(iteration, stage) a rank was in when it failed, from the samples it sent; None when it
+    had not finished a stage yet.
+
+    A stage's sample is sent when the stage ends, also when it ends by an exception: so a rank
+    that raised was in the stage of its last sample, and one that died without a word was in the
+    stage after it.
+    """
+    if not samples:
+        return None
+    last = max(samples, key=lambda s: (s.iteration, s.start_seconds))
+    if raised:
+        return last.iteration, last.stage
+    order = stage_order(wake_up, last.iteration)
+    following = order.index(last.stage) + 1
+    if following < len(order):
+        return last.iteration, order[following]
+    if last.iteration < last_iteration:
+        return last.iteration + 1, stage_order(wake_up, last.iteration + 1)[0]
+    return last.iteration, last.stage  # past its last stage: shutting down
+
+
+def describe_position(position: tuple[int, Stage] | None) -> str:
+    if position is None:
+        return "setup (before its first stage finished)"
+    iteration, stage = position
+    return f"stage {stage} of iteration {iteration}"
+
+
+def failure_reason(
+    ooms: Sequence[OOMRecord],
+    failures: Iterable[RankFailure],
+    samples: Iterable[StageSample],
+    wake_up: WakeUp,
+    last_iteration: int,
+    nodes: Mapping[int, str],
+) -> str | None:
+    """The cause of a failed job: the first OOM, else the rank that died, else the first that
+    raised (the others usually fail after it, in a collective). None when nothing failed."""
+    if ooms:
+        oom = min(ooms, key=lambda o: o.time)
+        return (
+            f"rank {oom.rank} (node {oom.node or nodes.get(oom.rank or 0, '?')}) ran out "
+            f"of memory in stage {oom.stage} of iteration {oom.iteration}: {oom.message}"
+        )
+    first = min(
+        (f for f in failures if f.how != "ended"),
+        key=lambda f: (_CAUSE_ORDER[f.how], f.detected_seconds),
+        default=None,
+    )
+    if first is None:
+        return None
+    own = [s for s in samples if s.rank == first.rank]
+    where = describe_position(
+        position_at_failure(own, wake_up, last_iteration, raised=first.how != "died")
+    )
+    verb = "died" if first.how == "died" else "failed"
+    return f"rank {first.rank} (node {first.node}) {verb} in {where}: {headline(first.error)}"

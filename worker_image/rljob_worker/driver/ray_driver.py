@@ -1,0 +1,346 @@
+"""The Ray driver: one colocated worker actor per rank in a placement group, events streamed back.
+
+It runs inside a RayJob (or against a local Ray cluster in tests): every rank's events reach the
+driver as they happen, and a rank that dies or raises ends the job within seconds, named.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.queue import Empty, Queue
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rljob.api import RLJobSpec, RLJobStatus, WakeUp
+from rljob.report import IterationReport, OOMRecord
+from rljob_worker.driver.failure import (
+    FailureKind,
+    RankFailure,
+    failure_reason,
+    headline,
+    plain,
+)
+from rljob_worker.driver.local import GRACE_SECONDS, LocalRun
+from rljob_worker.loop import RankConfig, RankEvent, RankIteration
+from rljob_worker.memory import OOMInjection
+
+log = logging.getLogger(__name__)
+
+# How long the placement group may wait for its bundles (KubeRay may still be starting the
+# worker pods when the driver begins).
+PLACEMENT_TIMEOUT_SECONDS = 600.0
+# How long the driver blocks on the event queue per turn: also its reaction time to a failure.
+POLL_SECONDS = 0.1
+
+IterationCallback = Callable[[IterationReport, RLJobStatus], None]
+
+
+def rank_actor_name(job: str, rank: int) -> str:
+    """The Ray actor name of a rank (`ray list actors` shows it; tests find ranks by it)."""
+    return f"{job}-rank-{rank}"
+
+
+class RankWorker:
+    """One rank's colocated worker, as a Ray actor: where it runs, then `run` for the whole job."""
+
+    def __init__(self) -> None:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def where(self) -> tuple[str, str]:
+        """(node IP, host name): the IP for the rendezvous, the host name (the pod) for people."""
+        return ray.util.get_node_ip_address(), socket.gethostname()
+
+    def free_port(self) -> int:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return int(sock.getsockname()[1])
+
+    def run(
+        self,
+        spec_json: str,
+        config: RankConfig,
+        init_method: str,
+        events: Queue,
+        threads_per_rank: int,
+        collective_timeout_seconds: float,
+    ) -> None:
+        """Join the process group and run every iteration; each event is put on `events` before
+        the rank moves on, so what it measured survives its death."""
+        import torch
+        import torch.distributed as dist
+        from transformers.utils import logging as hf_logging
+
+        from rljob_worker.loop import run_rank
+        from rljob_worker.model import resolve_model_path
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        spec = RLJobSpec.model_validate_json(spec_json)
+        # Build a builtin model into the node's cache before the process group exists: with
+        # torch.distributed initialised, transformers' save_pretrained writes only on rank 0, and
+        # another rank would publish a copy without weights.
+        resolve_model_path(spec.model.path)
+        if config.device.startswith("cuda"):
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here.
+            torch.cuda.set_device(torch.device(config.device))
+        else:
+            torch.set_num_threads(threads_per_rank)
+        dist.init_process_group(
+            backend="nccl" if config.device.startswith("cuda") else "gloo",
+            init_method=init_method,
+            rank=config.rank,
+            world_size=config.world_size,
+            timeout=timedelta(seconds=collective_timeout_seconds),
+        )
+        try:
+            run_rank(spec, config, events.put)
+        finally:
+            dist.destroy_process_group()
+
+
+@dataclass
+class RayRun(LocalRun):
+    """Everything the ranks reported, aggregated, plus who failed where (run.reason says it)."""
+
+    wake_up: WakeUp = WakeUp.STAGED
+    last_iteration: int = 0
+    nodes: dict[int, str] = field(default_factory=dict)
+    failures: list[RankFailure] = field(default_factory=list)
+    setup_error: str | None = None
+
+    def fail(self, rank: int, how: FailureKind, error: str) -> None:
+        error = plain(error)
+        self.failures.append(RankFailure(rank, self.nodes.get(rank, "?"), how, error, time.time()))
+        self.errors.setdefault(rank, error)
+
+    @property
+    def ok(self) -> bool:
+        return super().ok and not self.failures and self.setup_error is None
+
+    @property
+    def reason(self) -> str | None:
+        """Why the job failed, naming rank, node and stage (failure.failure_reason)."""
+        if self.setup_error is not None:
+            return self.setup_error
+        return failure_reason(
+            self.ooms, self.failures, self.samples, self.wake_up, self.last_iteration, self.nodes
+        )
+
+
+def _bundles(spec: RLJobSpec) -> list[dict[str, float]]:
+    """One bundle per rank: a GPU and a CPU on GPU workers, a CPU otherwise."""
+    bundle = {"GPU": 1.0, "CPU": 1.0} if spec.resources.gpus_per_worker > 0 else {"CPU": 1.0}
+    return [dict(bundle) for _ in range(spec.world_size)]
+
+
+def _ranked_bundles(group: PlacementGroup) -> list[int]:
+    """Bundle indices in rank order: the bundles of one node get consecutive ranks, so a node's
+    ranks can form its tensor-parallel group."""
+    table = ray.util.placement_group_table(group)
+    nodes: dict[int, str] = {int(k): str(v) for k, v in table["bundles_to_node_id"].items()}
+    first_seen: dict[str, int] = {}
+    for index in sorted(nodes):
+        first_seen.setdefault(nodes[index], index)
+    return sorted(nodes, key=lambda i: (first_seen[nodes[i]], i))
+
+
+def _drain(events: Queue, wait_seconds: float) -> list[Any]:
+    """Every event waiting now; blocks up to `wait_seconds` for the first."""
+    try:
+        items = [events.get(block=True, timeout=wait_seconds)]
+    except Empty:
+        return []
+    waiting = events.qsize()
+    if waiting:
+        items += events.get_nowait_batch(waiting)
+    return items
+
+
+class _NotStarted(RuntimeError):
+    """The ranks could not be placed or started; no rank ran a stage."""
+
+
+def _start_actors(
+    spec: RLJobSpec, job: str, group: PlacementGroup, actors: list[Any], timeout_seconds: float
+) -> tuple[list[tuple[str, str]], str]:
+    """Place the bundles and start one actor per rank (appended to `actors`, which the caller
+    holds: an actor whose handle is dropped is collected). Returns each rank's (IP, host) and
+    the rendezvous address (rank 0's node, a free port there)."""
+    try:
+        ray.get(group.ready(), timeout=timeout_seconds)
+    except GetTimeoutError:
+        raise _NotStarted(
+            f"placement group of {spec.world_size} bundles {_bundles(spec)[0]} not placed "
+            f"within {timeout_seconds:.0f}s; the cluster has {ray.cluster_resources()}"
+        ) from None
+    gpu = spec.resources.gpus_per_worker > 0
+    worker_class = ray.remote(RankWorker)
+    for rank, bundle in enumerate(_ranked_bundles(group)):
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=bundle
+        )
+        actors.append(
+            worker_class.options(
+                name=rank_actor_name(job, rank),
+                num_cpus=1,
+                num_gpus=1 if gpu else 0,
+                max_restarts=0,
+                scheduling_strategy=strategy,
+            ).remote()
+        )
+    try:
+        located = ray.get([a.where.remote() for a in actors], timeout=timeout_seconds)
+        port = ray.get(actors[0].free_port.remote(), timeout=timeout_seconds)
+    except (RayActorError, RayTaskError, GetTimeoutError) as error:
+        raise _NotStarted(f"rank actors did not start: {plain(str(error))}") from None
+    return located, f"tcp://{located[0][0]}:{port}"
+
+
+def run_ray(
+    spec: RLJobSpec,
+    *,
+    job: str = "rljob",
+    on_event: Callable[[RankEvent], None] | None = None,
+    on_iteration: IterationCallback | None = None,
+    verify_weights: bool = False,
+    inject_oom: OOMInjection | None = None,
+    threads_per_rank: int = 1,
+    collective_timeout_seconds: float = 600.0,
+    grace_seconds: float = GRACE_SECONDS,
+    placement_timeout_seconds: float = PLACEMENT_TIMEOUT_SECONDS,
+) -> RayRun:
+    """Run the job on the connected Ray cluster (ray.init first): spec.world_size ranks.
+
+    `on_event` sees each rank event as it arrives (the same hook as run_local's, so a
+    publish.PublishingListener fits); `on_iteration(report, status)` runs once every rank
+    finished an iteration (where the status publisher writes the RLJob status). Returns when
+    every rank ended; after a failure the others get `grace_seconds` before they are killed.
+    """
+    world = spec.world_size
+    gpu = spec.resources.gpus_per_worker > 0
+    run = RayRun(
+        world_size=world,
+        device="cuda" if gpu else "cpu",
+        wake_up=spec.rollout.wake_up,
+        last_iteration=spec.algorithm.iterations,
+    )
+    group = placement_group(_bundles(spec), strategy="PACK", name=f"{job}-ranks")
+    # The queue's actor takes no CPU: every CPU of the cluster may be in the ranks' bundles.
+    events = Queue(actor_options={"num_cpus": 0})
+    actors: list[Any] = []
+    try:
+        try:
+            located, init_method = _start_actors(
+                spec, job, group, actors, placement_timeout_seconds
+            )
+        except _NotStarted as error:
+            run.setup_error = str(error)
+            return run
+        for rank, (ip, host) in enumerate(located):
+            run.nodes[rank] = f"{host} ({ip})"
+        log.info(
+            "%s: %d ranks on %s, rendezvous %s",
+            job,
+            world,
+            sorted(set(run.nodes.values())),
+            init_method,
+        )
+        pending = {}
+        for rank, actor in enumerate(actors):
+            config = RankConfig(
+                rank=rank,
+                world_size=world,
+                device="cuda:0" if gpu else "cpu",
+                node=located[rank][1],
+                inject_oom=inject_oom,
+                verify_weights=verify_weights,
+            )
+            ref = actor.run.remote(
+                spec.model_dump_json(),
+                config,
+                init_method,
+                events,
+                threads_per_rank,
+                collective_timeout_seconds,
+            )
+            pending[ref] = rank
+        _watch(run, events, pending, actors, on_event, on_iteration, grace_seconds)
+        return run
+    finally:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        events.shutdown(force=True)
+        remove_placement_group(group)
+
+
+def _watch(
+    run: RayRun,
+    events: Queue,
+    pending: dict[Any, int],
+    actors: list[Any],
+    on_event: Callable[[RankEvent], None] | None,
+    on_iteration: IterationCallback | None,
+    grace_seconds: float,
+) -> None:
+    """Take events and rank endings as they come until every rank ended or the grace after a
+    failure ran out; then end the rest and keep what they sent before."""
+    done: dict[int, int] = {}
+    deadline: float | None = None
+
+    def take(event: RankEvent) -> None:
+        run.add(event)
+        if on_event is not None:
+            on_event(event)
+        if isinstance(event, RankIteration):
+            done[event.iteration] = done.get(event.iteration, 0) + 1
+            if done[event.iteration] == run.world_size and on_iteration is not None:
+                reports = run.reports
+                report = next(r for r in reports if r.iteration == event.iteration)
+                on_iteration(report, run.status())
+
+    while pending:
+        for event in _drain(events, POLL_SECONDS):
+            take(event)
+            if isinstance(event, OOMRecord) and deadline is None:
+                deadline = time.monotonic() + grace_seconds
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        for ref in ready:
+            rank = pending.pop(ref)
+            try:
+                ray.get(ref)
+                continue
+            except RayActorError as error:
+                run.fail(rank, "died", str(error))
+            except RayTaskError as error:
+                run.fail(rank, "raised", str(error))
+            log.error(
+                "rank %d (node %s) ended the job: %s",
+                rank,
+                run.nodes.get(rank),
+                headline(run.errors[rank]),
+            )
+            if deadline is None:
+                deadline = time.monotonic() + grace_seconds
+        if deadline is not None and pending and time.monotonic() > deadline:
+            break
+    for rank in sorted(pending.values()):
+        log.warning("ending rank %d: another rank failed", rank)
+        run.fail(rank, "ended", "ended by the driver after another rank failed")
+        ray.kill(actors[rank], no_restart=True)
+    # What the ranks put before they ended is still in the queue: keep it.
+    waiting = events.qsize()
+    while waiting:
+        for event in events.get_nowait_batch(waiting):
+            take(event)
+        waiting = events.qsize()
