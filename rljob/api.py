@@ -477,6 +477,73 @@ class Attempt(_Spec):
     result: str = ""
 
 
+def oom_event_id(record: OOMRecord) -> str:
+    """A stable key for one OOM entry (status.oomEvents is a map list keyed by it).
+
+    CUDA OOMs are one per (rank, iteration, stage, time). OOMKilled entries aggregate every
+    kill of one container, so their key is the pod and container.
+    """
+    if record.kind == "OOMKilled":
+        return f"killed/{record.pod}/{record.container or '-'}"
+    return (
+        f"cuda/rank{record.rank if record.rank is not None else '-'}"
+        f"/it{record.iteration if record.iteration is not None else '-'}"
+        f"/{record.stage or '-'}/{record.time}"
+    )
+
+
+class OOMEvent(OOMRecord):
+    """One `status.oomEvents` entry: an OOMRecord plus its key and, for OOMKilled, the kills
+    aggregated into it. Each writer (operator: OOMKilled; driver: CUDAOutOfMemory) owns its
+    own entries under server-side apply, because the list is a map keyed by `id`."""
+
+    id: str = Field(
+        min_length=1,
+        max_length=512,
+        description="Stable key of the entry (set from the record when not given).",
+    )
+    count: int | None = Field(
+        default=None, ge=1, description="OOMKilled: kills of this container aggregated here."
+    )
+    restart_count: int | None = Field(
+        default=None,
+        ge=0,
+        description="OOMKilled: the container's restartCount at the latest kill counted (so a "
+        "kill seen again after an operator restart is not counted twice).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _with_id(cls, data: Any) -> Any:
+        # Drivers hand over plain OOMRecords; they become entries with a content-derived key.
+        if isinstance(data, OOMRecord) and not isinstance(data, OOMEvent):
+            data = data.model_dump()
+        if isinstance(data, dict) and not data.get("id"):
+            record = OOMRecord.model_validate(
+                {
+                    k: v
+                    for k, v in data.items()
+                    if k not in ("id", "count", "restartCount", "restart_count")
+                }
+            )
+            data = {**data, "id": oom_event_id(record)}
+        return data
+
+
+class MemoryPoint(_Spec):
+    """One iteration of `status.memoryHistory`: per stage the worst rank's peak bytes."""
+
+    iteration: int = Field(ge=0)
+    peak_bytes: dict[str, int] = Field(
+        default_factory=dict, description="Stage name -> the worst rank's peak bytes."
+    )
+
+
+# status.memoryHistory keeps this many iterations (the plot's window; bounded so status stays
+# far below etcd's object size limit).
+MAX_MEMORY_HISTORY = 100
+
+
 class RLJobStatus(_Spec):
     """Observed state. One writer per field: the operator owns phase, conditions, rayJob,
     attempts and OOMKilled entries; the job's driver owns iteration, memory and CUDA OOMs."""
@@ -493,10 +560,23 @@ class RLJobStatus(_Spec):
     reward_mean: float | None = None
     kl_mean: float | None = None
     memory: MemorySummary | None = None
-    oom_events: list[OOMRecord] = Field(default_factory=list)
+    memory_history: list[MemoryPoint] = Field(
+        default_factory=list,
+        max_length=MAX_MEMORY_HISTORY,
+        description=f"Per-stage peak bytes of the last {MAX_MEMORY_HISTORY} iterations "
+        "(written by the driver; `kubectl rljob plot` draws it).",
+    )
+    oom_events: list[OOMEvent] = Field(
+        default_factory=list,
+        description="The latest OOMs of each kind (the operator keeps the OOMKilled entries, "
+        "the driver the CUDAOutOfMemory ones); every OOM is also an Event.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
+    )
     oom_counts: dict[str, int] = Field(
         default_factory=dict,
-        description="All OOMs ever seen, by kind (oomEvents keeps the last N).",
+        description="All OOMs ever seen, by kind (oomEvents keeps the last N). Each key has "
+        "its own writer: OOMKilled the operator, CUDAOutOfMemory the driver.",
+        json_schema_extra={"x-kubernetes-map-type": "granular"},
     )
     attempts: list[Attempt] = Field(default_factory=list)
     # Derived by the operator from memory and oomCounts, so `kubectl get` can show them

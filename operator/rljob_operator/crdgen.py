@@ -94,8 +94,19 @@ def _property(sub: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     # A section with its own defaults (default_factory=Model in pydantic) defaults to {} so the
     # apiserver fills its fields; a user who omits `rollout` gets the same spec pydantic builds.
     if prop.get("type") == "object" and "properties" in prop and not prop.get("nullable"):
-        prop.setdefault("default", {})
+        prop.setdefault("default", filled_default(prop))
     return prop
+
+
+def filled_default(node: dict[str, Any]) -> dict[str, Any]:
+    """The default of an object section with its fields' defaults filled in. The apiserver
+    checks a default against the section's CEL rules as it is, without defaulting inside it,
+    so `{}` would fail a rule such as `self.name != 'grpo' || ...` (no such key)."""
+    return {
+        name: copy.deepcopy(sub["default"])
+        for name, sub in node.get("properties", {}).items()
+        if "default" in sub
+    }
 
 
 def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -108,7 +119,7 @@ def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
 def crd() -> dict[str, Any]:
     """The RLJob CustomResourceDefinition as a dict."""
     spec = openapi_schema(RLJobSpec)
-    spec["default"] = {}
+    spec["default"] = filled_default(spec)
     status = openapi_schema(RLJobStatus)
     root = {
         "type": "object",

@@ -18,6 +18,9 @@ from collections.abc import Callable
 import kopf
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from prometheus_client import start_http_server
+
+from rljob_operator import metrics
 
 PEERING_NAME = "rljob-operator"
 
@@ -63,32 +66,60 @@ def kuberay_problem() -> str | None:
 
 
 def ensure_peering(name: str, namespaces: list[str]) -> None:
-    """Create the peering object(s) kopf keeps alive in, if missing (409 means it exists)."""
+    """Make sure the peering object(s) kopf keeps alive in exist: get first, create if missing.
+
+    Get first because the Helm chart owns these objects (so `helm uninstall` removes them) and
+    grants no `create` on them; a manual install without them still works where RBAC allows.
+    """
     api = client.CustomObjectsApi()
-    try:
-        for ns in namespaces:
-            body = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name}}
-            _ignore_conflict(
+    targets: list[tuple[Callable[[], object], Callable[[], object]]] = []
+    for ns in namespaces:
+        body = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name}}
+        targets.append(
+            (
+                functools.partial(
+                    api.get_namespaced_custom_object, "kopf.dev", "v1", ns, "kopfpeerings", name
+                ),
                 functools.partial(
                     api.create_namespaced_custom_object, "kopf.dev", "v1", ns, "kopfpeerings", body
-                )
+                ),
             )
-        if not namespaces:
-            body = {
-                "apiVersion": "kopf.dev/v1",
-                "kind": "ClusterKopfPeering",
-                "metadata": {"name": name},
-            }
-            _ignore_conflict(
-                lambda: api.create_cluster_custom_object(
-                    "kopf.dev", "v1", "clusterkopfpeerings", body
-                )
+        )
+    if not namespaces:
+        body = {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "ClusterKopfPeering",
+            "metadata": {"name": name},
+        }
+        targets.append(
+            (
+                functools.partial(
+                    api.get_cluster_custom_object, "kopf.dev", "v1", "clusterkopfpeerings", name
+                ),
+                functools.partial(
+                    api.create_cluster_custom_object, "kopf.dev", "v1", "clusterkopfpeerings", body
+                ),
             )
+        )
+    try:
+        for get, create in targets:
+            try:
+                get()
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                _ignore_conflict(create)
     except ApiException as exc:
         if exc.status == 404:
             raise SystemExit(
                 "kopf's peering CRDs are missing: kubectl apply -f crds/kopf-peering.yaml "
                 "(or run with --standalone for a single replica)"
+            ) from exc
+        if exc.status == 403:
+            raise SystemExit(
+                f"the operator may not read or create its peering object {name!r} "
+                f"({exc.reason}): install the chart's RBAC, or create the "
+                "KopfPeering/ClusterKopfPeering object yourself, or run with --standalone"
             ) from exc
         raise
 
@@ -97,7 +128,7 @@ def _ignore_conflict(create: Callable[[], object]) -> None:
     try:
         create()
     except ApiException as exc:
-        if exc.status != 409:
+        if exc.status != 409:  # created meanwhile by another replica
             raise
 
 
@@ -112,7 +143,7 @@ def _configure(settings: kopf.OperatorSettings, **_: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`rljob operator [--namespace NS ...] [--standalone]`."""
+    """`rljob operator [--namespace NS ...] [--standalone] [--metrics-port PORT]`."""
     parser = argparse.ArgumentParser(prog="rljob operator", description=__doc__)
     parser.add_argument(
         "--namespace", action="append", default=[], help="watch only this namespace (repeatable)"
@@ -122,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--peering-name", default=PEERING_NAME)
     parser.add_argument("--liveness", default=None, help="e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics on this port at /metrics (0: off)",
+    )
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -137,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.standalone:
         ensure_peering(args.peering_name, args.namespace)
     import rljob_operator.handlers  # noqa: F401  (registers the handlers)
+
+    if args.metrics_port:
+        metrics.register()
+        start_http_server(args.metrics_port)
+        log.info(f"serving metrics on :{args.metrics_port}/metrics")
 
     priority = peering_priority()
     log.info(f"starting: namespaces={args.namespace or 'all'} peering priority={priority}")

@@ -78,8 +78,8 @@ OPERATOR_RULES: tuple[Rule, ...] = (
     Rule(
         ("kopf.dev",),
         ("clusterkopfpeerings", "kopfpeerings"),
-        ("get", "list", "watch", "patch"),
-        "peering between operator replicas",
+        ("get", "list", "watch", "create", "patch"),
+        "peering between operator replicas; main.py creates the peering object if missing",
     ),
 )
 

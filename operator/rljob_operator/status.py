@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob.api import Phase, RLJobSpec
+from rljob_operator.oom import KIND as KILLED
+from rljob_operator.oom import KilledPart
 
 # Condition types (metav1.Condition.type).
 CREATED = "Created"
@@ -203,14 +205,57 @@ def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
             "jobStatus": rj.get("jobStatus", ""),
             "jobDeploymentStatus": rj.get("jobDeploymentStatus", ""),
         }
-    stages = (obs.memory or {}).get("stages") or []
-    if stages:
-        status["worstStageFraction"] = max(float(s.get("peakFraction", 0.0)) for s in stages)
-    if obs.oom_counts:
-        status["oomTotal"] = sum(obs.oom_counts.values())
+    status.update(derived(obs.memory, obs.oom_counts))
     return status, transitions
 
 
+# The operator's own status fields besides the OOM part (what a write that observes no RayJob
+# change carries over unchanged: under server-side apply a field left out is a field given up).
+CARRIED_FIELDS = ("phase", "observedGeneration", "conditions", "rayJob", "attempts")
+
+
+def carried(current: dict[str, Any]) -> dict[str, Any]:
+    """The operator-owned fields of `current` status, as they are."""
+    return {key: current[key] for key in CARRIED_FIELDS if key in current}
+
+
+def derived(memory: dict[str, Any] | None, oom_counts: dict[str, int]) -> dict[str, Any]:
+    """The printer-column fields: worst stage fraction of the latest memory, sum of OOM counts."""
+    out: dict[str, Any] = {}
+    stages = (memory or {}).get("stages") or []
+    if stages:
+        out["worstStageFraction"] = max(float(s.get("peakFraction", 0.0)) for s in stages)
+    if any(oom_counts.values()):
+        out["oomTotal"] = sum(int(v) for v in oom_counts.values())
+    return out
+
+
+def with_ooms(
+    operator_status: dict[str, Any], current: dict[str, Any], killed: KilledPart
+) -> dict[str, Any]:
+    """The whole operator-owned status: its fields plus the OOMKilled part, and the derived
+    fields recomputed from the driver's memory and every writer's OOM counts."""
+    counts = {**dict(current.get("oomCounts") or {}), KILLED: killed.total}
+    out = {key: v for key, v in operator_status.items() if key not in DERIVED_FIELDS}
+    return {**out, **killed.to_status(), **derived(current.get("memory"), counts)}
+
+
+DERIVED_FIELDS = ("worstStageFraction", "oomTotal")
+
+
+def _operator_view(current: dict[str, Any]) -> dict[str, Any]:
+    """`current` status as the operator owns it: only OOMKilled entries and count."""
+    view = dict(current)
+    view["oomEvents"] = [e for e in current.get("oomEvents") or [] if e.get("kind") == KILLED]
+    killed = (current.get("oomCounts") or {}).get(KILLED)
+    view["oomCounts"] = {KILLED: killed} if killed else None
+    return view
+
+
 def differs(current: dict[str, Any], computed: dict[str, Any]) -> bool:
-    """Whether writing `computed` would change `current` (so unchanged status costs no write)."""
-    return any(current.get(key) != value for key, value in computed.items())
+    """Whether writing `computed` would change `current` (so unchanged status costs no write).
+    A derived field the computation no longer produces counts as a change (it must go)."""
+    view = _operator_view(current)
+    if any(key in current and key not in computed for key in DERIVED_FIELDS):
+        return True
+    return any(view.get(key) != value for key, value in computed.items())

@@ -21,9 +21,9 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from rljob_helpers import admin_kubeconfig, api_client, install_rljob_crds, rljob, wait_for
-from rljob_operator.rbac import operator_cluster_role
 
 from rljob.api import GROUP, PLURAL, VERSION
+from rljob_operator.rbac import operator_cluster_role
 
 SA_NAMESPACE, SA_NAME = "rljob-system", "rljob-operator"
 ROLE = "rljob-operator-test"

@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from support.pki import token_kubeconfig_yaml
 from support.plane import REPO, Binaries, ControlPlane, pinned_versions
@@ -205,13 +206,12 @@ def test_kuberay_operator_turns_a_rayjob_into_a_raycluster_service_and_pods(
     assert clusters[0]["metadata"]["ownerReferences"][0]["uid"] == uid
     cluster = clusters[0]["metadata"]["name"]
     by_cluster = f"ray.io/cluster={cluster}"
-    pods = wait_for(
-        "KubeRay to create the head and worker pods",
-        lambda: (
-            (p := _items(plane, "pods", "-n", namespace, "-l", by_cluster)) and len(p) >= 2 and p
-        ),
-        timeout=90,
-    )
+
+    def head_and_worker_pods() -> list[dict[str, Any]] | None:
+        pods = _items(plane, "pods", "-n", namespace, "-l", by_cluster)
+        return pods if len(pods) >= 2 else None
+
+    pods = wait_for("KubeRay to create the head and worker pods", head_and_worker_pods, timeout=90)
     node_types = sorted(p["metadata"]["labels"]["ray.io/node-type"] for p in pods)
     assert node_types == ["head", "worker"], node_types
     assert {p["status"]["phase"] for p in pods} == {"Pending"}
@@ -253,25 +253,30 @@ def _live_group_members(pgid: int) -> list[int]:
     return members
 
 
-def test_components_die_with_the_test_process_on_sigterm_and_sigkill(tmp_path: Path) -> None:
-    cases = [
+@pytest.mark.parametrize(
+    ("signum", "argv"),
+    [
         # SIGTERM: the handler stops the whole process group (the shell and its child).
         (signal.SIGTERM, ["sh", "-c", "sleep 300 & sleep 300; wait"]),
         # SIGKILL: no handler runs; the kernel's parent-death signal takes the component down.
         (signal.SIGKILL, ["sleep", "300"]),
-    ]
-    for signum, argv in cases:
-        code = _CHILD.format(tests=str(REPO / "tests"), argv=argv, log_dir=str(tmp_path))
-        runner = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True
-        )
-        assert runner.stdout is not None
-        pid = int(runner.stdout.readline())
-        assert pid in _live_group_members(pid)
-        runner.send_signal(signum)
-        runner.wait(timeout=30)
-        wait_for(
-            f"{argv} to die after {signum.name}",
-            lambda pid=pid: not _live_group_members(pid),
-            timeout=15,
-        )
+    ],
+    ids=["sigterm", "sigkill"],
+)
+def test_components_die_with_the_test_process(
+    signum: signal.Signals, argv: list[str], tmp_path: Path
+) -> None:
+    code = _CHILD.format(tests=str(REPO / "tests"), argv=argv, log_dir=str(tmp_path))
+    runner = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True
+    )
+    assert runner.stdout is not None
+    pid = int(runner.stdout.readline())
+    assert pid in _live_group_members(pid)
+    runner.send_signal(signum)
+    runner.wait(timeout=30)
+    wait_for(
+        f"{argv} to die after {signum.name}",
+        lambda: not _live_group_members(pid),
+        timeout=15,
+    )

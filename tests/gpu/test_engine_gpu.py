@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
 from rljob_worker.engines.base import SamplingParams
 from rljob_worker.engines.torch_engine import TorchEngine
 from rljob_worker.saver import CudaMemorySaver
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 if not torch.cuda.is_available():
     # Collected everywhere, runnable only where CUDA is (marker gpu; run through the device tool).

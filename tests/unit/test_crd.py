@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from rljob.api import RLJobSpec
 from rljob_operator.crdgen import CRD_PATH, crd, crd_yaml
 
 ROOT = Path(__file__).parents[2]
@@ -66,11 +68,16 @@ def test_every_spec_field_has_a_description() -> None:
     assert missing == []
 
 
-def test_sections_default_to_empty_object_so_nested_defaults_apply() -> None:
+def test_sections_default_to_their_filled_defaults_so_cel_rules_hold_on_them() -> None:
+    # The apiserver evaluates a section's CEL rules on its default as written (no defaulting
+    # inside it), so `{}` would be refused (`no such key: name`); each default is filled.
     spec = _schema()["properties"]["spec"]
-    assert spec["default"] == {}
+    python = RLJobSpec().model_dump(by_alias=True, mode="json")
+    assert spec["default"]["algorithm"]["name"] == "grpo"
     for section in ("model", "algorithm", "data", "rollout", "training", "resources"):
-        assert spec["properties"][section]["default"] == {}
+        default = spec["properties"][section]["default"]
+        assert default and default == spec["default"][section]
+        assert all(python[section][key] == value for key, value in default.items())
     assert spec["properties"]["rollout"]["properties"]["memFractionStatic"]["default"] == 0.85
 
 

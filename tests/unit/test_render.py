@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from rljob.api import JobConfig, RLJobSpec, parse_manifest
 from rljob_operator.render import (
     DRIVER_ENTRYPOINT,
     Owner,
@@ -21,8 +23,6 @@ from rljob_operator.render import (
     deeper_problems,
     ray_job,
 )
-
-from rljob.api import JobConfig, RLJobSpec, parse_manifest
 
 ROOT = Path(__file__).parents[2]
 GOLDEN = Path(__file__).parent / "golden"

@@ -22,6 +22,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+
 from rljob_worker.engines.base import ALL_TAGS
 from rljob_worker.engines.sglang_engine import CONTRACT, SGLangContract
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from rljob.api import RLJobSpec
 from rljob_worker.engines import make_engine
 from rljob_worker.engines import sglang_engine as sglang_module
 from rljob_worker.engines.base import (
@@ -24,8 +26,6 @@ from rljob_worker.engines.base import (
     SamplingParams,
 )
 from rljob_worker.engines.sglang_engine import CONTRACT, SGLangEngine, SGLangEngineError
-
-from rljob.api import RLJobSpec
 
 KV_CAPACITY = 4096
 ENV_SWITCH = next(iter(CONTRACT.env))

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from rljob.api import RLJobSpec
 from rljob_operator.status import (
     FAILED,
     REASON_INVALID_SPEC,
@@ -20,8 +22,6 @@ from rljob_operator.status import (
     differs,
     refused_fields,
 )
-
-from rljob.api import RLJobSpec
 
 SPEC = RLJobSpec.model_validate({})
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"

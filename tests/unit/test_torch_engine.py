@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
 from rljob_worker.engines.base import RolloutEngine, SamplingParams
 from rljob_worker.engines.torch_engine import (
     CPU_FALLBACK_KV_CAPACITY_TOKENS,
@@ -18,7 +20,6 @@ from rljob_worker.engines.torch_engine import (
     kv_pool_capacity_tokens,
 )
 from rljob_worker.saver import PassThroughSaver, make_saver
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 # Mixed lengths so that a batch is padded, and long enough to cross 4-token blocks.

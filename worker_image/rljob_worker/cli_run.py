@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="STAGE[@rank=R][@iteration=I]",
         help="raise a real CUDA OOM at that stage (to see how failures are reported)",
     )
+    parser.add_argument(
+        "--publish",
+        metavar="NAMESPACE/NAME",
+        help="also write the driver's part of that RLJob's status (server-side apply) and its "
+        "Events, with the kubeconfig in $KUBECONFIG (or the in-cluster ServiceAccount)",
+    )
     return parser
 
 
@@ -228,17 +234,30 @@ def main(argv: list[str]) -> int:
     from rljob_worker.driver.local import run_local
 
     progress = _Progress(spec.algorithm.iterations, ranks)
+    listener: Any = progress
+    if args.publish:
+        from rljob_worker.publish import PublishingListener, StatusPublisher
+
+        namespace, _, job_name = args.publish.partition("/")
+        if not namespace or not job_name:
+            console.print(f"[red]rljob run: --publish {args.publish!r}: use NAMESPACE/NAME[/red]")
+            return 2
+        listener = PublishingListener(
+            StatusPublisher.from_env_or_kubeconfig(namespace, job_name), ranks, then=progress
+        )
     try:
         run = run_local(
             spec,
             ranks,
             device,
-            on_event=progress,
+            on_event=listener,
             verify_weights=args.verify_weights,
             inject_oom=inject,
         )
     finally:
         progress.close()
+    if args.publish:
+        listener.flush()
     status = run.status()
     # Locally this command is the operator too, so it also sets the phase.
     status.phase = Phase.SUCCEEDED if run.ok else Phase.FAILED

@@ -50,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="after every weight update, check each engine weight equals the training tensor",
     )
+    parser.add_argument(
+        "--publish",
+        action=argparse.BooleanOptionalAction,
+        default="KUBERNETES_SERVICE_HOST" in os.environ,
+        help="write the driver's part of the RLJob's status and its Events (default: on inside "
+        "a Kubernetes pod)",
+    )
     return parser
 
 
@@ -94,18 +101,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConnectionError as error:
         print(f"rljob driver: no Ray cluster at {args.address}: {error}", file=sys.stderr)
         return 2
+    listener = None
+    if args.publish:
+        # In the RayJob's head pod this authenticates as the per-job ServiceAccount, whose Role
+        # allows patching this one RLJob's status and creating Events, nothing else.
+        from rljob_worker.publish import PublishingListener, StatusPublisher
+
+        listener = PublishingListener(
+            StatusPublisher.from_env_or_kubeconfig(job.namespace, job.name), job.spec.world_size
+        )
     try:
         run = run_ray(
             job.spec,
             job=job.name,
-            # The status publisher (issue 9) plugs in here: on_event=PublishingListener(...)
-            # or on_iteration=lambda _report, status: publisher.publish(status).
-            on_iteration=None,
+            on_event=listener,
             verify_weights=args.verify_weights,
             grace_seconds=GRACE_SECONDS if args.grace_seconds is None else args.grace_seconds,
         )
     finally:
         ray.shutdown()
+        if listener is not None:
+            listener.flush()
     document = result_document(run, job)
     text = json.dumps(document, indent=2)
     print(text)

@@ -1,0 +1,169 @@
+"""`kubectl rljob` (the kubectl-rljob plugin): `describe NAME` prints the latest iteration's
+per-stage memory (worst rank per stage) and the OOM history; `plot NAME -o FILE` draws memory per
+stage over the iterations kept in status.memoryHistory.
+
+Reads the RLJob with the kubernetes client and the same kubeconfig/context kubectl uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rljob.api import GROUP, PLURAL, VERSION, RLJobStatus
+from rljob.report import STAGE_ORDER
+
+# One colour per canonical stage, in order (the same palette as `rljob run`'s timeline).
+STAGE_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def memory_table(name: str, status: RLJobStatus) -> Table | None:
+    """The latest iteration's stages: worst rank's peak, fraction of capacity, seconds, rank."""
+    memory = status.memory
+    if memory is None:
+        return None
+    what = "GPU memory" if memory.kind == "cuda" else "host memory (RSS; not GPU figures)"
+    table = Table(
+        title=f"RLJob {name}, iteration {memory.iteration}: {what}, {memory.device}, "
+        f"capacity {_bytes(memory.capacity_bytes)}"
+    )
+    for column in ("stage", "peak", "fraction", "seconds", "worst rank"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for stage in memory.stages:
+        table.add_row(
+            str(stage.name),
+            _bytes(stage.peak_bytes),
+            f"{stage.peak_fraction:.3f}",
+            f"{stage.seconds:.2f}",
+            str(stage.rank),
+        )
+    return table
+
+
+def oom_table(status: RLJobStatus) -> Table:
+    """Every OOM entry status keeps, oldest first, with the all-time counts in the title."""
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(status.oom_counts.items())) or "none"
+    table = Table(title=f"OOMs (all time: {counts}; the latest are listed, every one is an Event)")
+    for column in ("time", "kind", "stage", "rank", "pod/container", "node", "detail"):
+        table.add_column(column)
+    for oom in sorted(status.oom_events, key=lambda o: (o.time, o.id)):
+        if oom.kind == "OOMKilled":
+            detail = f"limit {_bytes(oom.limit_bytes)}, {oom.count or 1} kill(s)"
+        else:
+            detail = f"requested {_bytes(oom.requested_bytes)}, free {_bytes(oom.free_bytes)}"
+        where = "/".join(x for x in (oom.pod, oom.container) if x) or "-"
+        table.add_row(
+            oom.time,
+            oom.kind,
+            str(oom.stage or "-"),
+            "-" if oom.rank is None else str(oom.rank),
+            where,
+            oom.node or "-",
+            detail,
+        )
+    return table
+
+
+def describe(name: str, status: RLJobStatus, console: Console) -> None:
+    phase = status.phase.value if status.phase else "-"
+    console.print(f"RLJob {name}: phase {phase}, iteration {status.iteration}")
+    table = memory_table(name, status)
+    console.print(table if table is not None else "no memory reported yet")
+    console.print(oom_table(status))
+
+
+def plot(name: str, status: RLJobStatus, out: Path) -> None:
+    """Peak bytes per stage over the iterations in status.memoryHistory, one line per stage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not status.memory_history:
+        raise ValueError(f"RLJob {name} has no status.memoryHistory yet")
+    memory = status.memory
+    figure, axis = plt.subplots(figsize=(9, 4.5))
+    for stage, colour in zip(STAGE_ORDER, STAGE_COLOURS, strict=True):
+        points = [
+            (p.iteration, p.peak_bytes[stage.value] / 2**30)
+            for p in status.memory_history
+            if stage.value in p.peak_bytes
+        ]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            axis.plot(xs, ys, marker="o", color=colour, label=stage.value)
+    if memory is not None:
+        axis.axhline(memory.capacity_bytes / 2**30, color="black", ls=":", label="capacity")
+        axis.set_title(f"RLJob {name}: peak memory per stage ({memory.device}, {memory.kind})")
+    axis.set_xlabel("iteration")
+    axis.set_ylabel("GiB" + (" (host)" if memory is not None and memory.kind == "host" else ""))
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+
+
+def _read_status(name: str, namespace: str | None, kubeconfig: str | None) -> RLJobStatus:
+    from kubernetes import client, config
+
+    _contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
+    namespace = namespace or (active or {}).get("context", {}).get("namespace") or "default"
+    api = config.new_client_from_config(config_file=kubeconfig)
+    rljob: Any = client.CustomObjectsApi(api).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name
+    )
+    return RLJobStatus.model_validate(rljob.get("status") or {})
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kubectl rljob", description=__doc__)
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for command, text in (
+        ("describe", "per-stage memory of the latest iteration and the OOM history"),
+        ("plot", "memory per stage over the iterations, as an image"),
+    ):
+        sub = commands.add_parser(command, help=text)
+        sub.add_argument("name", help="the RLJob's name")
+        sub.add_argument("-n", "--namespace", help="namespace (default: the context's)")
+        if command == "plot":
+            sub.add_argument("-o", "--output", type=Path, default=Path("memory.png"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The kubectl-rljob console script; returns the exit code."""
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    console = Console()
+    errors = Console(stderr=True)
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        status = _read_status(args.name, args.namespace, args.kubeconfig)
+        if args.command == "describe":
+            describe(args.name, status, console)
+        else:
+            plot(args.name, status, args.output)
+            console.print(f"wrote {args.output}")
+    except ApiException as exc:
+        errors.print(f"kubectl rljob: RLJob {args.name}: HTTP {exc.status} {exc.reason}")
+        return 1
+    except ValueError as exc:
+        errors.print(f"kubectl rljob: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

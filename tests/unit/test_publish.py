@@ -1,0 +1,96 @@
+"""Unit tests of the driver's status publishing core: which fields the job writes (only its
+own), the bounded memory history, the OOM Event text and the IterationCompleted rate limit."""
+
+from __future__ import annotations
+
+from rljob.api import MAX_MEMORY_HISTORY, MemoryPoint, RLJobStatus
+from rljob.report import MemorySummary, OOMRecord, Stage, StageMemory
+from rljob_worker.publish import (
+    RateLimit,
+    driver_fields,
+    history_with,
+    iteration_message,
+    oom_message,
+)
+
+
+def memory(iteration: int, train_bytes: int = 100) -> MemorySummary:
+    return MemorySummary(
+        iteration=iteration,
+        kind="cuda",
+        device="NVIDIA H100 80GB HBM3",
+        capacity_bytes=1000,
+        stages=[
+            StageMemory(name=Stage.TRAIN, peak_bytes=train_bytes, peak_fraction=train_bytes / 1000,
+                        seconds=1.0, rank=1),
+            StageMemory(name=Stage.ROLLOUT, peak_bytes=900, peak_fraction=0.9, seconds=2.0, rank=0),
+        ],
+    )  # fmt: skip
+
+
+CUDA = OOMRecord(
+    time="2026-05-09T10:00:00Z", kind="CUDAOutOfMemory", stage=Stage.WAKE_KV_CACHE, iteration=1,
+    rank=3, node="gpu-7", requested_bytes=2 << 30, free_bytes=1 << 20, message="CUDA out of memory.",
+)  # fmt: skip
+
+
+def test_driver_writes_only_its_own_fields_and_only_cuda_ooms() -> None:
+    killed = {"time": "2026-05-09T09:00:00Z", "kind": "OOMKilled", "pod": "p", "container": "c"}
+    status = RLJobStatus.model_validate(
+        {
+            "phase": "Running",
+            "conditions": [],
+            "iteration": 2,
+            "rewardMean": 0.5,
+            "memory": memory(2).model_dump(by_alias=True),
+            "oomEvents": [CUDA.model_dump(by_alias=True), killed],
+            "oomCounts": {"CUDAOutOfMemory": 1, "OOMKilled": 7},
+        }
+    )
+    fields = driver_fields(status, history_with([], status.memory))
+    assert set(fields) == {
+        "iteration", "rewardMean", "memory", "memoryHistory", "oomEvents", "oomCounts",
+    }  # fmt: skip
+    assert fields["oomCounts"] == {"CUDAOutOfMemory": 1}
+    [entry] = fields["oomEvents"]
+    assert entry["kind"] == "CUDAOutOfMemory" and entry["stage"] == "wake_kv_cache"
+    assert entry["id"] == "cuda/rank3/it1/wake_kv_cache/2026-05-09T10:00:00Z"
+    assert fields["memoryHistory"] == [
+        {"iteration": 2, "peakBytes": {"train": 100, "rollout": 900}}
+    ]
+
+
+def test_before_any_iteration_nothing_is_claimed() -> None:
+    assert driver_fields(RLJobStatus(), []) == {"oomEvents": []}
+
+
+def test_history_keeps_one_point_per_iteration_and_the_last_hundred() -> None:
+    history: list[MemoryPoint] = []
+    for iteration in range(MAX_MEMORY_HISTORY + 20):
+        history = history_with(history, memory(iteration))
+    history = history_with(history, memory(MAX_MEMORY_HISTORY + 19, train_bytes=555))
+    assert len(history) == MAX_MEMORY_HISTORY
+    assert [p.iteration for p in history] == list(range(20, MAX_MEMORY_HISTORY + 20))
+    assert history[-1].peak_bytes["train"] == 555
+
+
+def test_oom_event_names_stage_rank_and_bytes() -> None:
+    text = oom_message(CUDA)
+    for part in ("stage wake_kv_cache", "rank 3", "iteration 1", "node gpu-7", str(2 << 30)):
+        assert part in text
+
+
+def test_iteration_event_names_the_worst_stage_with_capacity_and_device() -> None:
+    text = iteration_message(RLJobStatus(iteration=4, reward_mean=0.25, memory=memory(4)))
+    assert "iteration 4" in text and "worst stage rollout at 0.900 of 1000 bytes" in text
+    assert "NVIDIA H100 80GB HBM3" in text
+
+
+def test_iteration_events_are_rate_limited() -> None:
+    now = [0.0]
+    limit = RateLimit(60.0, clock=lambda: now[0])
+    fired = []
+    for second in range(0, 200, 10):
+        now[0] = float(second)
+        fired.append(limit())
+    assert [s for s, f in zip(range(0, 200, 10), fired, strict=True) if f] == [0, 60, 120, 180]
