@@ -146,7 +146,12 @@ install_etcd() {
 # --- install --------------------------------------------------------------------------------
 
 WORKDIRS=()
-cleanup() { local w; for w in "${WORKDIRS[@]}"; do rm -rf "$w"; done; }
+DOWNLOAD_PIDS=()
+cleanup() {  # on any exit: stop our own download jobs, drop unfinished build folders
+  local p w
+  for p in "${DOWNLOAD_PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for w in "${WORKDIRS[@]}"; do rm -rf "$w"; done
+}
 
 cmd_install() {
   mkdir -p "$CACHE"
@@ -157,7 +162,7 @@ cmd_install() {
   rm -rf "$CACHE"/.build-*
   trap cleanup EXIT
 
-  local start name todo=() pids=() i s dest
+  local start name todo=() i s dest
   start=$(date +%s)
   install_etcd
   k8s_cached && log "cached: kubernetes $K8S_VERSION ($K8S_DIR/bin)" || todo+=(k8s)
@@ -176,11 +181,11 @@ cmd_install() {
       "prepare_$name" "${WORKDIRS[i]}" >"${WORKDIRS[i]}/download.log" 2>&1
       log "$name: module downloads: $(($(date +%s) - s))s"
     ) &
-    pids[i]=$!
+    DOWNLOAD_PIDS[i]=$!
   done
   for i in "${!todo[@]}"; do
     name=${todo[$i]}
-    if ! wait "${pids[i]}"; then
+    if ! wait "${DOWNLOAD_PIDS[i]}"; then
       echo "[controlplane] $name: module download failed:" >&2
       tail -30 "${WORKDIRS[i]}/download.log" >&2
       exit 1

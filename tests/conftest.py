@@ -4,6 +4,7 @@ gpu/e2e skip, with the reason printed, only where this machine has no GPU / no D
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +37,7 @@ def plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
     """etcd + kube-apiserver (RBAC) + kube-controller-manager, started once per session."""
     capture = request.config.pluginmanager.getplugin("capturemanager")
     # A fresh machine builds the binaries first (minutes): show that progress live.
-    with capture.global_and_fixture_disabled():
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
         bins = Binaries.locate()
         control_plane = ControlPlane(bins=bins).start()
     try:

@@ -140,6 +140,8 @@ def worker_env(spec: RLJobSpec) -> list[dict[str, str]]:
         # SGLang refuses to start TP>1 when ranks see unequal free memory, which is always the
         # case while FSDP shares the GPUs (verl and slime set the same switch).
         env.append({"name": "SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK", "value": "True"})
+        # sglang 0.5.23 (the pinned release) reads this name instead; the adapter sets it too.
+        env.append({"name": "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "value": "false"})
     return env
 
 
