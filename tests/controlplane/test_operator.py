@@ -381,3 +381,28 @@ def test_real_kuberay_turns_the_rayjob_into_a_raycluster(
         lambda: status_of(admin, namespace, "real").get("rayJob", {}).get("jobDeploymentStatus"),
         timeout=60,
     )
+
+
+def test_apply_returns_the_rayjob_it_creates_and_then_the_same_one(
+    plane: Any, admin: client.ApiClient, namespace: str
+) -> None:
+    """kube.apply must return the stored object on 201 (create) as on 200 (update): the
+    generated client returned None on 201, which made every create write status twice."""
+    from kubernetes import config
+
+    from rljob.api import RLJobSpec
+    from rljob_operator import kube, render
+
+    config.load_kube_config(str(admin_kubeconfig(plane)))
+    uid = create(admin, namespace, "applied", CPU_SPEC)["metadata"]["uid"]
+    rayjob = render.ray_job(
+        render.Owner(name="applied", namespace=namespace, uid=uid),
+        RLJobSpec.model_validate(CPU_SPEC),
+    )
+    # A name no operator reconciles, so this apply is the one that creates it.
+    rayjob["metadata"]["name"] = "applied-directly"
+    stored = kube.apply(rayjob)
+    assert stored is not None and stored["metadata"]["name"] == "applied-directly"
+    assert stored["metadata"]["uid"]
+    again = kube.apply(rayjob)
+    assert again is not None and again["metadata"]["uid"] == stored["metadata"]["uid"]
