@@ -1,7 +1,7 @@
 """The SGLang adapter's CONTRACT checked against the pinned sglang release's own source.
 
 The release (pyproject's `sglang` extra, `sglang==X`) is fetched once without its dependencies
-into ~/.cache/rljob (or $RLJOB_CACHE) and read with `ast`: sglang cannot be imported here.
+into ~/.cache/rljob (or $RLJOB_CACHE_DIR) and read with `ast`: sglang cannot be imported here.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def pinned_sglang_version() -> str:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("RLJOB_CACHE") or Path.home() / ".cache" / "rljob")
+    return Path(os.environ.get("RLJOB_CACHE_DIR") or Path.home() / ".cache" / "rljob")
 
 
 def _fetch_wheel_into(version: str, target: Path) -> None:

@@ -57,7 +57,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A fresh cache for this module, built once here so the ranks only load it."""
     root = tmp_path_factory.mktemp("rljob-cache")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RLJOB_CACHE", str(root))  # the rank processes inherit it
+        patch.setenv("RLJOB_CACHE_DIR", str(root))  # the rank processes inherit it
         resolve_model_path("builtin:tiny-qwen2")
         yield root
 

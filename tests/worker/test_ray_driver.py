@@ -49,7 +49,7 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     inherit this environment) only load it."""
     root = tmp_path_factory.mktemp("rljob-cache")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RLJOB_CACHE", str(root))
+        patch.setenv("RLJOB_CACHE_DIR", str(root))
         resolve_model_path(_example()[1].model.path)
         context = ray.init(
             num_cpus=RANKS,

@@ -40,8 +40,8 @@ _SEED = 1234
 
 
 def cache_root() -> Path:
-    """Where built models live: $RLJOB_CACHE, else ~/.cache/rljob."""
-    return Path(os.environ.get("RLJOB_CACHE") or Path.home() / ".cache" / "rljob")
+    """Where built models live: $RLJOB_CACHE_DIR, else ~/.cache/rljob."""
+    return Path(os.environ.get("RLJOB_CACHE_DIR") or Path.home() / ".cache" / "rljob")
 
 
 def _config_key() -> str:
