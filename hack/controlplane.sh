@@ -67,7 +67,10 @@ prepare_k8s() {  # prepare_k8s WORK
     echo ")"
   } >>"$1/go.mod"
   echo "kubernetes: $(grep -c '=> k8s.io' "$1/go.mod") staging modules pinned to $K8S_STAGING_VERSION"
-  (cd "$1" && "$GO" get "${K8S_BINS[@]/#/k8s.io/kubernetes/cmd/}")
+  # Each package at the pinned version: a bare `go get pkg` would resolve @upgrade (the newest
+  # kubernetes), which no longer builds against the pinned staging modules.
+  local pkgs=("${K8S_BINS[@]/#/k8s.io/kubernetes/cmd/}")
+  (cd "$1" && "$GO" get "${pkgs[@]/%/@$K8S_VERSION}")
 }
 
 prepare_helm() {

@@ -8,10 +8,13 @@ import contextlib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from support.environment import MISSING_REASON_BY_LAYER
-from support.plane import Binaries, ControlPlane
+
+if TYPE_CHECKING:
+    from support.plane import ControlPlane
 
 TESTS = Path(__file__).parent
 LAYERS = ("unit", "controlplane", "worker", "gpu", "e2e")
@@ -35,6 +38,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
     """etcd + kube-apiserver (RBAC) + kube-controller-manager, started once per session."""
+    # Imported here: the plane needs `cryptography`, which the GPU machines lack, and the gpu
+    # layer must still get this conftest's markers and skip logic there.
+    from support.plane import Binaries, ControlPlane
+
     capture = request.config.pluginmanager.getplugin("capturemanager")
     # A fresh machine builds the binaries first (minutes): show that progress live.
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():

@@ -71,6 +71,8 @@ class RankIteration:
     loss: float | None
     kv_capacity_tokens: int
     weights: WeightCheck | None = None
+    # Seconds of the weight update inside wake_weights (without the engine's resume).
+    weight_sync_seconds: float | None = None
 
 
 RankEvent = StageSample | RankIteration | OOMRecord
@@ -204,6 +206,7 @@ def run_rank(
     try:
         for iteration in range(spec.algorithm.iterations + 1):
             checks.clear()
+            machine.weight_sync_seconds = None
             outcome = machine.run_iteration(iteration)
             experience = outcome.experience
             assert experience is not None  # every iteration ends with a rollout
@@ -222,6 +225,7 @@ def run_rank(
                 )
                 if config.verify_weights
                 else None,
+                weight_sync_seconds=machine.weight_sync_seconds,
             )
             result.iterations.append(report)
             send(report)

@@ -6,6 +6,7 @@ runs inside the memory meter's boundary, so each is measured and an OOM names it
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -109,6 +110,7 @@ class StageMachine:
         # Test hook: sees every bucket right after the engine took it (weights equality check).
         self.after_weight_update = after_weight_update
         self.experience: Experience | None = None
+        self.weight_sync_seconds: float | None = None
         self._train_stats: TrainStats | None = None
         self._iteration = 0
         self._actions: dict[Stage, Callable[[], None]] = {
@@ -143,10 +145,20 @@ class StageMachine:
     def offload_optimizer(self) -> None:
         if self.offload_optimizer_enabled:
             self.trainer.offload_optimizer()
+        # The moments (and the gradients and activations freed since train) go back to the
+        # device here, so the stage that releases them shows them as free device memory.
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def wake_weights(self) -> None:
         tags = [TAG_WEIGHTS] if self.wake_up == WakeUp.STAGED else [TAG_WEIGHTS, TAG_KV_CACHE]
+        # Gradients, activations and the offloaded optimizer state were freed into torch's
+        # caching allocator, which the memory saver cannot map: give them back to the device
+        # before any resume (verl does the same before waking the engine), in both modes.
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         self.engine.resume(tags)
+        started = time.perf_counter()
         # In place, bucket by bucket: addresses stay valid (CUDA graphs) and only one bucket
         # of full tensors exists at a time on top of the sharded params and engine weights.
         for bucket in self.trainer.weight_buckets(self.bucket_bytes, self.engine_dtype):
@@ -155,6 +167,10 @@ class StageMachine:
                 self.after_weight_update(self._iteration, bucket)
         # Prefix caches computed with the old weights are wrong now.
         self.engine.flush_cache()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        # The update alone (the stage also holds the resume): what benchmarks compare with HBM.
+        self.weight_sync_seconds = time.perf_counter() - started
 
     def offload_train(self) -> None:
         if self.offload_params_enabled:

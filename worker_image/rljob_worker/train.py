@@ -9,13 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rljob.api import AlgorithmName, RLJobSpec
@@ -126,6 +125,91 @@ def _move(module: torch.nn.Module, device: torch.device) -> None:
     module.to(device)
 
 
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage (padding included)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),), (1,)
+    )
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    """Free FSDP2's unsharded params and register the shards again, in every FSDP unit.
+
+    FSDP2 keeps a root's params unsharded after a forward that no backward follows (the
+    reference model's): until resharded, parameters() are the full compute-dtype copies.
+    """
+    for child in module.modules():
+        if isinstance(child, FSDPModule):
+            child.reshard()
+
+
+def _storages(tensors: Sequence[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """The storage behind each tensor (a DTensor's local shard), each once, in order."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor.data
+        storages.setdefault(local.untyped_storage().data_ptr(), local.untyped_storage())
+    return list(storages.values())
+
+
+class _HostCopies:
+    """Empties device storages into host buffers and refills them in place.
+
+    The tensors (FSDP2's sharded params, AdamW's moments, DTensors or not) keep their identity:
+    only their storage is resized to 0 and back, the way FSDP2 frees unsharded params, so no
+    bookkeeping that holds them changes. Moving the tensors themselves does not free anything:
+    DTensor.from_local puts a CPU tensor back on the mesh's device, and module.to("cpu") copies
+    through pageable memory. Buffers are pinned on CUDA (asynchronous, full link speed) and
+    allocated once: pinning is slow, reusing is not.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.pin = device.type == "cuda"
+        self.device = device
+        self._buffers: list[torch.Tensor] = []
+        self._held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+
+    def offload(self, storages: list[torch.UntypedStorage]) -> None:
+        if self._held:
+            raise RuntimeError("offload while already offloaded: load first")
+        if not self._buffers:
+            self._allocate([storage.nbytes() for storage in storages])
+        if len(storages) != len(self._buffers):
+            raise RuntimeError(f"{len(storages)} storages to offload, {len(self._buffers)} before")
+        for index, storage in enumerate(storages):
+            source = _bytes_of(storage)
+            buffer = self._buffers[index]
+            if buffer.numel() != source.numel():
+                raise RuntimeError(f"storage {index} changed size since the last offload")
+            buffer.copy_(source, non_blocking=self.pin)
+            self._held.append((storage, buffer))
+        if self.pin:
+            torch.cuda.synchronize(self.device)  # the copies read what is freed below
+        for storage, _ in self._held:
+            storage.resize_(0)
+
+    def _allocate(self, sizes: list[int]) -> None:
+        # One host allocation, registered (pinned) as a whole: torch's pinned allocator rounds
+        # every tensor up to a power of two (up to 2x the host memory, and pinning time).
+        self._host = torch.empty(sum(sizes), dtype=torch.uint8)
+        if self.pin and self._host.numel():
+            torch.cuda.check_error(
+                torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), self._host.numel(), 0)
+            )
+        offset = 0
+        for size in sizes:
+            self._buffers.append(self._host[offset : offset + size])
+            offset += size
+
+    def load(self) -> None:
+        for storage, buffer in self._held:
+            storage.resize_(buffer.numel())
+            _bytes_of(storage).copy_(buffer, non_blocking=self.pin)
+        if self.pin:
+            torch.cuda.synchronize(self.device)
+        self._held = []
+
+
 def _response_logprobs(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
@@ -160,7 +244,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=spec.algorithm.learning_rate, weight_decay=0.0
         )
-        self._pinned: dict[tuple[int, str], torch.Tensor] = {}
+        self._optimizer_copies = _HostCopies(device)
+        self._param_copies = _HostCopies(device)
         self.optimizer_on_device = True
         self.params_on_device = True
 
@@ -221,6 +306,8 @@ class Trainer:
         )
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
+        if self.reference is not None:
+            _reshard(self.reference)  # forward only: its root would stay unsharded (see _reshard)
         self.optimizer.step()
         # Gradients are not needed until the next train stage: free them now, not at offload.
         self.optimizer.zero_grad(set_to_none=True)
@@ -233,67 +320,40 @@ class Trainer:
 
     # -- offload -----------------------------------------------------------------------------
 
-    def _move_state(self, to_device: bool) -> None:
-        # Pinned host buffers are kept per state tensor: pinning is slow, reusing them is not,
-        # and pinned memory makes the copies asynchronous.
-        pin = self.device.type == "cuda"
-        target = self.device if to_device else torch.device("cpu")
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                state: dict[str, Any] = self.optimizer.state.get(param, {})
-                for key, value in state.items():
-                    if not isinstance(value, torch.Tensor) or key == "step":
-                        continue  # AdamW keeps `step` on the CPU already
-                    state[key] = self._moved(id(param), key, value, target, pin)
-        if pin:
-            torch.cuda.synchronize(self.device)
+    def _optimizer_storages(self) -> list[torch.UntypedStorage]:
+        tensors = [
+            value
+            for group in self.optimizer.param_groups
+            for param in group["params"]
+            for key, value in self.optimizer.state.get(param, {}).items()
+            if isinstance(value, torch.Tensor) and key != "step"  # AdamW keeps `step` on CPU
+        ]
+        return _storages(tensors)
 
-    def _moved(
-        self, param_id: int, key: str, value: torch.Tensor, target: torch.device, pin: bool
-    ) -> torch.Tensor:
-        local = value.to_local() if isinstance(value, DTensor) else value
-        if local.device == target:
-            return value
-        if target.type == "cpu" and pin:
-            buffer = self._pinned.get((param_id, key))
-            if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-                buffer = torch.empty_like(local, device="cpu", pin_memory=True)
-                self._pinned[(param_id, key)] = buffer
-            moved = buffer.copy_(local, non_blocking=True)
-        else:
-            moved = local.to(target, non_blocking=pin)
-        if isinstance(value, DTensor):
-            return DTensor.from_local(
-                moved,
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
-        return moved
+    def _param_storages(self) -> list[torch.UntypedStorage]:
+        for module in self._modules():
+            _reshard(module)
+        return _storages([p for module in self._modules() for p in module.parameters()])
 
     def offload_optimizer(self) -> None:
-        """AdamW moments to (pinned) CPU memory."""
-        self._move_state(to_device=False)
+        """AdamW moments to (pinned) CPU memory; their device memory is freed."""
+        self._optimizer_copies.offload(self._optimizer_storages())
         self.optimizer_on_device = False
 
     def load_optimizer(self) -> None:
-        self._move_state(to_device=True)
+        self._optimizer_copies.load()
         self.optimizer_on_device = True
 
     def _modules(self) -> list[torch.nn.Module]:
         return [self.model] + ([self.reference] if self.reference is not None else [])
 
     def offload_params(self) -> None:
-        """Sharded params (policy and reference) to CPU; FSDP2 modules support .to() directly."""
-        for module in self._modules():
-            _move(module, torch.device("cpu"))
+        """Sharded params (policy and reference) to (pinned) CPU memory; device memory freed."""
+        self._param_copies.offload(self._param_storages())
         self.params_on_device = False
 
     def load_params(self) -> None:
-        for module in self._modules():
-            _move(module, self.device)
+        self._param_copies.load()
         self.params_on_device = True
 
     # -- weight sync -------------------------------------------------------------------------
@@ -310,8 +370,9 @@ class Trainer:
         for names in plan_buckets(sizes, bucket_bytes):
             bucket: NamedTensors = []
             for name in names:
-                param = params[name].detach()
+                # Cast the shard first, then gather: the gather moves engine-dtype bytes.
+                param = params[name].detach().to(dtype)
                 full = param.full_tensor() if isinstance(param, DTensor) else param
-                bucket.append((name, full.to(dtype)))
+                bucket.append((name, full))
             yield bucket
             del bucket
