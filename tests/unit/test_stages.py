@@ -199,6 +199,25 @@ def test_oom_raised_inside_a_stage_is_parsed_from_the_allocator_message() -> Non
     assert meter.samples[-1].stage == Stage.TRAIN
 
 
+def test_cublas_allocation_failure_is_recorded_as_an_oom_of_its_stage() -> None:
+    error = RuntimeError(
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+    )
+    machine, _, _ = _machine(WakeUp.STAGED, fail_with=error)
+    machine.run_iteration(0)
+    with pytest.raises(StageOOM) as caught:
+        machine.run_iteration(1)
+    assert caught.value.record.stage == Stage.TRAIN
+    assert caught.value.record.kind == "CUDAOutOfMemory"
+
+
+def test_other_runtime_errors_are_not_taken_for_an_oom() -> None:
+    machine, _, _ = _machine(WakeUp.STAGED, fail_with=RuntimeError("shape mismatch"))
+    machine.run_iteration(0)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        machine.run_iteration(1)
+
+
 def test_other_errors_pass_the_boundary_unchanged_and_are_still_measured() -> None:
     machine, meter, _ = _machine(WakeUp.STAGED, fail_with=KeyError("boom"))
     machine.run_iteration(0)

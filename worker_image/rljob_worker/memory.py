@@ -88,6 +88,14 @@ def _fmt(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB"
 
 
+LIBRARY_OOM_MARKERS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def is_library_oom(error: BaseException) -> bool:
+    """A CUDA library's allocation failure, raised as a RuntimeError rather than an OOM error."""
+    return any(marker in str(error) for marker in LIBRARY_OOM_MARKERS)
+
+
 def _parse_bytes(pattern: re.Pattern[str], message: str) -> int | None:
     match = pattern.search(message)
     return int(float(match.group(1)) * _UNITS[match.group(2)]) if match else None
@@ -197,6 +205,12 @@ class MemoryMeter:
                 raise self.inject.error(probe.device, total - used_at_start, total)
             yield
         except torch.OutOfMemoryError as error:
+            oom = self._oom_record(stage, iteration, error)
+        except RuntimeError as error:
+            # cuBLAS/cuDNN report a failed workspace allocation as a plain RuntimeError: it is
+            # the same out-of-memory, and status must say so (seen at memFractionStatic 0.98).
+            if not is_library_oom(error):
+                raise
             oom = self._oom_record(stage, iteration, error)
         finally:
             seconds = time.perf_counter() - start
