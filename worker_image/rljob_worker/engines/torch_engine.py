@@ -169,6 +169,17 @@ class TorchEngine:
             self.shape.num_kv_heads,
             self.shape.head_dim,
         )
+        if self.device.type == "cuda" and self._saver.releases_device_memory:
+            # As on resume: a failed mapping inside the memory saver can end the process instead
+            # of raising, so say it the way torch would while the caller can still report it.
+            pool_bytes = math.prod(pool_shape) * self.dtype.itemsize
+            free, total = torch.cuda.mem_get_info(self.device)
+            if pool_bytes > free:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. torch engine: KV pool of {capacity} tokens. Tried to "
+                    f"allocate {pool_bytes} bytes. GPU {self.device.index or 0} has a total "
+                    f"capacity of {total} bytes of which {free} bytes is free."
+                )
         with self._saver.region(TAG_KV_CACHE):
             self._kv_pool = torch.empty(pool_shape, dtype=self.dtype, device=self.device)
         self.kv_pool_bytes = self._kv_pool.nbytes
