@@ -14,7 +14,7 @@ import pytest
 from support.environment import MISSING_REASON_BY_LAYER
 
 if TYPE_CHECKING:
-    from support.plane import ControlPlane
+    from support.plane import ControlPlane, KubeRayOperator
 
 TESTS = Path(__file__).parent
 LAYERS = ("unit", "controlplane", "worker", "gpu", "e2e")
@@ -61,3 +61,14 @@ def namespace(plane: ControlPlane) -> Iterator[str]:
         yield name
     finally:
         plane.delete_namespace(name)
+
+
+@pytest.fixture
+def kuberay(plane: ControlPlane) -> Iterator[KubeRayOperator]:
+    """The real KubeRay operator for one test, stopped after it: left running, it would also
+    write the RayJob status that other tests write as KubeRay's stand-in."""
+    operator = plane.start_kuberay_operator()
+    try:
+        yield operator
+    finally:
+        operator.stop()

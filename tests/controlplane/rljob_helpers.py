@@ -3,17 +3,15 @@ and waiting with a deadline (never an unbounded sleep loop)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from kubernetes import client, config
+from support.processes import wait_for  # noqa: F401  (re-exported for the tests)
 
 from rljob.api import GROUP, PLURAL, VERSION
 
 ROOT = Path(__file__).parents[2]
-T = TypeVar("T")
 
 
 def admin_kubeconfig(plane: Any) -> Path:
@@ -44,15 +42,3 @@ def rljob(name: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": spec or {},
     }
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0) -> T:
-    """Poll `probe` until it returns something truthy; fail naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")

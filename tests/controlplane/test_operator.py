@@ -365,9 +365,8 @@ def test_operator_account_cannot_use_a_verb_it_was_not_granted(
 
 
 def test_real_kuberay_turns_the_rayjob_into_a_raycluster(
-    plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
+    kuberay: Any, operator: Operator, admin: client.ApiClient, namespace: str
 ) -> None:
-    plane.start_kuberay_operator()
     create(admin, namespace, "real", CPU_SPEC)
     rayjob = wait_for("RayJob real", lambda: get(admin, namespace, "rayjobs", "real"))
     clusters = wait_for(

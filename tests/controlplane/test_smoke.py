@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 from support.pki import token_kubeconfig_yaml
-from support.plane import REPO, Binaries, ControlPlane, pinned_versions
+from support.plane import REPO, Binaries, ControlPlane, KubeRayOperator, pinned_versions
 from support.processes import wait_for
 
 
@@ -171,10 +171,9 @@ def _ray_pod_template(container_name: str) -> dict[str, Any]:
 
 
 def test_kuberay_operator_turns_a_rayjob_into_a_raycluster_service_and_pods(
-    plane: ControlPlane, namespace: str
+    plane: ControlPlane, namespace: str, kuberay: KubeRayOperator
 ) -> None:
-    operator = plane.start_kuberay_operator()
-    assert plane.start_kuberay_operator() is operator  # one operator per plane
+    assert plane.start_kuberay_operator() is kuberay  # one operator per plane
     rayjob = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
@@ -223,7 +222,7 @@ def test_kuberay_operator_turns_a_rayjob_into_a_raycluster_service_and_pods(
         timeout=60,
     )
     assert status["jobDeploymentStatus"] == "Initializing"  # head pod never becomes ready
-    assert operator.alive(), operator.log_tail()
+    assert kuberay.alive(), kuberay.log_tail()
 
 
 _CHILD = """

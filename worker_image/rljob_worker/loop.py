@@ -86,6 +86,29 @@ class RankResult:
     oom: OOMRecord | None = None
 
 
+def join_process_group(
+    config: RankConfig, init_method: str, threads_per_rank: int, timeout_seconds: float
+) -> None:
+    """Put this rank on its device and into the job's process group (NCCL on CUDA, else gloo).
+
+    Every driver calls this in the rank's own process before run_rank.
+    """
+    from datetime import timedelta
+
+    if config.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(config.device))
+    else:
+        # Ranks share the host's cores; a few threads each keep them from thrashing.
+        torch.set_num_threads(threads_per_rank)
+    dist.init_process_group(
+        backend="nccl" if config.device.startswith("cuda") else "gloo",
+        init_method=init_method,
+        rank=config.rank,
+        world_size=config.world_size,
+        timeout=timedelta(seconds=timeout_seconds),
+    )
+
+
 def tensor_digest(tensor: torch.Tensor) -> str:
     """Exact content digest (bytes of the tensor as stored), for weight-equality checks."""
     data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)

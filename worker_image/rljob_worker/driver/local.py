@@ -15,7 +15,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from rljob.api import RLJobSpec, RLJobStatus
@@ -85,28 +84,16 @@ def _rank_main(
     """Entry point of one rank's process."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
-    from rljob_worker.loop import run_rank
+    from rljob_worker.loop import join_process_group, run_rank
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     error: str | None = None
     try:
-        if config.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(config.device))
-        else:
-            # Ranks share the host's cores; one thread each keeps them from thrashing.
-            torch.set_num_threads(threads_per_rank)
-        dist.init_process_group(
-            backend="nccl" if config.device.startswith("cuda") else "gloo",
-            init_method=init_method,
-            rank=config.rank,
-            world_size=config.world_size,
-            timeout=timedelta(seconds=timeout_seconds),
-        )
+        join_process_group(config, init_method, threads_per_rank, timeout_seconds)
         run_rank(RLJobSpec.model_validate_json(spec_json), config, events.put)
     except BaseException:  # reported to the driver, which decides; nothing is swallowed
         error = traceback.format_exc()

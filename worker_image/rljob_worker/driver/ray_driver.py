@@ -12,7 +12,6 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import ray
@@ -77,11 +76,10 @@ class RankWorker:
     ) -> None:
         """Join the process group and run every iteration; each event is put on `events` before
         the rank moves on, so what it measured survives its death."""
-        import torch
         import torch.distributed as dist
         from transformers.utils import logging as hf_logging
 
-        from rljob_worker.loop import run_rank
+        from rljob_worker.loop import join_process_group, run_rank
         from rljob_worker.model import resolve_model_path
 
         hf_logging.set_verbosity_error()
@@ -91,18 +89,8 @@ class RankWorker:
         # torch.distributed initialised, transformers' save_pretrained writes only on rank 0, and
         # another rank would publish a copy without weights.
         resolve_model_path(spec.model.path)
-        if config.device.startswith("cuda"):
-            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here.
-            torch.cuda.set_device(torch.device(config.device))
-        else:
-            torch.set_num_threads(threads_per_rank)
-        dist.init_process_group(
-            backend="nccl" if config.device.startswith("cuda") else "gloo",
-            init_method=init_method,
-            rank=config.rank,
-            world_size=config.world_size,
-            timeout=timedelta(seconds=collective_timeout_seconds),
-        )
+        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so its device is always cuda:0.
+        join_process_group(config, init_method, threads_per_rank, collective_timeout_seconds)
         try:
             run_rank(spec, config, events.put)
         finally:
