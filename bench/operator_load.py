@@ -46,14 +46,14 @@ from kubernetes import client, config, watch
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-for extra in (ROOT / "tests", ROOT, ROOT / "operator"):
+for extra in (ROOT / "tests", ROOT / "tests" / "controlplane", ROOT, ROOT / "operator"):
     if str(extra) not in sys.path:  # the plane lives in tests/support, not in a package
         sys.path.insert(0, str(extra))
 
+from rljob_helpers import grant_operator_rbac, install_rljob_crds  # noqa: E402
 from support.plane import Binaries, ControlPlane  # noqa: E402
 
 from rljob.api import GROUP, PLURAL, VERSION  # noqa: E402
-from rljob_operator.rbac import operator_cluster_role  # noqa: E402
 
 SA_NAMESPACE, SA_NAME, ROLE = "rljob-system", "rljob-operator", "rljob-operator-bench"
 WRITE_VERBS = ("POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION")
@@ -284,30 +284,8 @@ def install(plane: ControlPlane, workdir: Path) -> Path:
     """CRDs, the operator's namespace, ServiceAccount, ClusterRole (rbac.py) and binding;
     returns the ServiceAccount's kubeconfig (a TokenRequest token)."""
     plane.install_kuberay_crds()
-    for name in ("rljob.dev_rljobs.yaml", "kopf-peering.yaml"):
-        plane.kubectl(
-            "apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / name)
-        )
-    plane.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s",
-        f"crd/{PLURAL}.{GROUP}", "crd/clusterkopfpeerings.kopf.dev",
-    )  # fmt: skip
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRoleBinding",
-        "metadata": {"name": ROLE},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ROLE},
-        "subjects": [{"kind": "ServiceAccount", "name": SA_NAME, "namespace": SA_NAMESPACE}],
-    }
-    manifests = [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SA_NAMESPACE}},
-        operator_cluster_role(ROLE),
-        binding,
-    ]
-    rbac_file = workdir / "operator-rbac.yaml"
-    rbac_file.write_text(yaml.safe_dump_all(manifests))
-    plane.kubectl("apply", "-f", str(rbac_file))
-    return plane.sa_kubeconfig(SA_NAMESPACE, SA_NAME)
+    install_rljob_crds(plane)
+    return grant_operator_rbac(plane, SA_NAMESPACE, SA_NAME, ROLE)
 
 
 def rljob_body(name: str, spec: dict[str, Any]) -> dict[str, Any]:

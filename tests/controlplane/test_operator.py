@@ -17,13 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from rljob_helpers import admin_kubeconfig, api_client, install_rljob_crds, rljob, wait_for
+from rljob_helpers import (
+    admin_kubeconfig,
+    api_client,
+    grant_operator_rbac,
+    install_rljob_crds,
+    rljob,
+    wait_for,
+)
 
 from rljob.api import GROUP, PLURAL, VERSION
-from rljob_operator.rbac import operator_cluster_role
 
 SA_NAMESPACE, SA_NAME = "rljob-system", "rljob-operator"
 ROLE = "rljob-operator-test"
@@ -66,31 +71,9 @@ def admin(plane: Any) -> client.ApiClient:
 
 @pytest.fixture(scope="module")
 def operator(plane: Any, admin: client.ApiClient, tmp_path_factory: Any) -> Iterator[Operator]:
-    manifests = [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SA_NAMESPACE}},
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": {"name": SA_NAME, "namespace": SA_NAMESPACE},
-        },
-        operator_cluster_role(ROLE),
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": ROLE},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": ROLE,
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": SA_NAME, "namespace": SA_NAMESPACE}],
-        },
-    ]
-    rbac_file = tmp_path_factory.mktemp("rbac") / "operator-rbac.yaml"
-    rbac_file.write_text(yaml.safe_dump_all(manifests))
-    plane.kubectl("apply", "-f", str(rbac_file))
     proc = Operator(
-        plane.sa_kubeconfig(SA_NAMESPACE, SA_NAME), tmp_path_factory.mktemp("op") / "operator.log"
+        grant_operator_rbac(plane, SA_NAMESPACE, SA_NAME, ROLE),
+        tmp_path_factory.mktemp("op") / "operator.log",
     )
     proc.start()
     yield proc

@@ -24,17 +24,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
-from rljob_helpers import admin_kubeconfig, api_client, install_rljob_crds, rljob, wait_for
+from rljob_helpers import (
+    admin_kubeconfig,
+    api_client,
+    grant_operator_rbac,
+    install_rljob_crds,
+    rljob,
+    wait_for,
+)
 
 from rljob import kubectl_plugin
 from rljob.api import GROUP, PLURAL, VERSION, RLJobStatus
 from rljob.report import STAGE_ORDER, MemorySummary, OOMRecord, Stage, StageMemory
 from rljob_operator.oom import MAX_KILLED_ENTRIES
-from rljob_operator.rbac import operator_cluster_role
 from rljob_worker.publish import StatusPublisher
 
 SA_NAMESPACE, SA_NAME = "rljob-telemetry", "rljob-operator"
@@ -118,17 +123,9 @@ def admin(plane: Any) -> client.ApiClient:
 
 @pytest.fixture(scope="module")
 def operator(plane: Any, admin: client.ApiClient, tmp_path_factory: Any) -> Iterator[Operator]:
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRoleBinding",
-        "metadata": {"name": ROLE},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ROLE},
-        "subjects": [{"kind": "ServiceAccount", "name": SA_NAME, "namespace": SA_NAMESPACE}],
-    }
-    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SA_NAMESPACE}}
-    plane.apply_yaml(yaml.safe_dump_all([namespace, operator_cluster_role(ROLE), binding]))
     proc = Operator(
-        plane.sa_kubeconfig(SA_NAMESPACE, SA_NAME), tmp_path_factory.mktemp("op") / "operator.log"
+        grant_operator_rbac(plane, SA_NAMESPACE, SA_NAME, ROLE),
+        tmp_path_factory.mktemp("op") / "operator.log",
     )
     proc.start()
     yield proc
