@@ -334,6 +334,41 @@ def check_contract(contract: SGLangContract, root: Path) -> list[str]:
         for n in tree.module(patch_module).body
     ):
         problems.append(f"{patch_module}.{patch_function} does not exist")
+    problems += _handoff_problems(contract, tree)
+    return problems
+
+
+def _handoff_problems(contract: SGLangContract, tree: SourceTree) -> list[str]:
+    """The per-TP-rank weight handoff: serializer, wrapper, and the unpickler that admits it."""
+    problems: list[str] = []
+    module, cls, method = contract.serializer
+    if not tree.has_module(module) or tree.find_class(module, cls) is None:
+        problems.append(f"{module}.{cls} does not exist")
+    elif method not in tree.methods(module, cls):
+        problems.append(f"{cls}.{method} does not exist")
+
+    module, cls, field = contract.local_tensor
+    found = tree.find_class(module, cls) if tree.has_module(module) else None
+    # The schedulers unpickle the wrapper by the module it is defined in.
+    if found is None or found[0] != module:
+        return [*problems, f"{module}.{cls} is not defined there"]
+    if field not in annotated_fields(found[1]):
+        problems.append(f"{cls} has no field {field!r}")
+    get = tree.methods(module, cls).get("get")
+    if get is None or [a.arg for a in get.args.args] != ["self", "rank"]:
+        problems.append(f"{cls}.get(rank) does not exist: TP ranks cannot pick their value")
+
+    unpickler_module, unpickler = contract.safe_unpickler
+    allowed = tree.find_class(unpickler_module, unpickler)
+    pairs = {
+        tuple(c.value for c in node.elts if isinstance(c, ast.Constant))
+        for node in (ast.walk(allowed[1]) if allowed else ())
+        if isinstance(node, ast.Tuple) and len(node.elts) == 2
+    }
+    if (module, cls) not in pairs:
+        problems.append(
+            f"{unpickler} does not allow {module}.{cls}: the schedulers would refuse it"
+        )
     return problems
 
 
@@ -391,6 +426,19 @@ def test_contract_maps_every_tag_the_engine_interface_uses() -> None:
             "sglang.srt.environ reads no boolean SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK",
         ),
         ({"kv_capacity_key": "max_total_tokens"}, "init info has no 'max_total_tokens'"),
+        (
+            {"serializer": ("sglang.srt.utils.common", "MultiprocessingSerializer", "dumps")},
+            "MultiprocessingSerializer.dumps does not exist",
+        ),
+        (
+            {"local_tensor": (*CONTRACT.local_tensor[:2], "tensors")},
+            "LocalSerializedTensor has no field 'tensors'",
+        ),
+        # Re-exported there, but the schedulers' unpickler admits it only from weight_updater.
+        (
+            {"local_tensor": ("sglang.srt.weight_sync.utils", "LocalSerializedTensor", "values")},
+            "sglang.srt.weight_sync.utils.LocalSerializedTensor is not defined there",
+        ),
         ({"returns_success_message": ("flush_cache",)}, "flush_cache returns"),
     ],
 )

@@ -8,11 +8,11 @@ against the release) and models the sglang state rules the adapter must respect.
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from support.sglang_standin import KV_CAPACITY, SGLangEngineStandIn, staged_iteration_calls
 
 from rljob.api import RLJobSpec
 from rljob_worker.engines import make_engine
@@ -27,70 +27,7 @@ from rljob_worker.engines.base import (
 )
 from rljob_worker.engines.sglang_engine import CONTRACT, SGLangEngine, SGLangEngineError
 
-KV_CAPACITY = 4096
 ENV_SWITCH = next(iter(CONTRACT.env))
-
-
-class SGLangEngineStandIn:
-    """Stand-in for sglang.Engine (cannot run here): records calls, refuses undeclared ones.
-
-    Models what sglang 0.5.23 enforces: a tag resumed must have been released (its scheduler
-    does `offload_tags.remove(tag)`), and update_weights_from_tensor answers (False, ...)
-    outside begin_weight_update() / end_weight_update().
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        undeclared = set(kwargs) - set(CONTRACT.server_args)
-        assert not undeclared, f"Engine() keywords outside CONTRACT.server_args: {undeclared}"
-        self.calls: list[tuple[str, dict[str, Any]]] = [("__init__", kwargs)]
-        self.offloaded: set[str] = set()
-        self.session_open = False
-        self.refuse: dict[str, str] = {}
-
-    def __getattr__(self, method: str) -> Any:
-        if method not in CONTRACT.engine_methods:
-            raise AttributeError(f"the adapter calls Engine.{method}, not in CONTRACT")
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            assert not args, f"Engine.{method} called positionally; CONTRACT checks keywords"
-            undeclared = set(kwargs) - set(CONTRACT.engine_methods[method])
-            assert not undeclared, f"Engine.{method} keywords outside CONTRACT: {undeclared}"
-            self.calls.append((method, kwargs))
-            return self._answer(method, kwargs)
-
-        return call
-
-    def _answer(self, method: str, kwargs: dict[str, Any]) -> Any:
-        if method in self.refuse:
-            message = self.refuse[method]
-            if method == "flush_cache":
-                return SimpleNamespace(success=False, message=message)
-            return False, message
-        if method == "get_server_info":
-            return {CONTRACT.kv_capacity_key: KV_CAPACITY, "tp_size": 1}
-        if method == "release_memory_occupation":
-            self.offloaded.update(kwargs["tags"])
-        if method == "resume_memory_occupation":
-            for tag in kwargs["tags"]:
-                self.offloaded.remove(tag)  # KeyError, as in sglang's scheduler
-        if method == "begin_weight_update":
-            self.session_open = True
-        if method == "end_weight_update":
-            self.session_open = False
-        if method == "update_weights_from_tensor" and not self.session_open:
-            return False, "update_weights_from_tensor must run between begin and end"
-        if method in CONTRACT.returns_success_message:
-            return True, "Success"
-        if method == "flush_cache":
-            return SimpleNamespace(success=True, message="")
-        if method == "generate":
-            return [
-                {CONTRACT.output_ids_key: [len(p), 7], "meta_info": {}} for p in kwargs["input_ids"]
-            ]
-        return None
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.calls]
 
 
 def make_adapter(**overrides: Any) -> tuple[SGLangEngine, SGLangEngineStandIn]:
@@ -144,17 +81,7 @@ def test_staged_wake_up_calls_sglang_in_stage_order_for_two_iterations() -> None
         engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])  # wake_kv_cache
         assert engine.generate([[1, 2, 3], [4]], SAMPLING) == [[3, 7], [1, 7]]
         engine.release(ALL_TAGS)  # sleep
-    per_iteration = [
-        "resume_memory_occupation",
-        "begin_weight_update",
-        "update_weights_from_tensor",
-        "update_weights_from_tensor",
-        "end_weight_update",
-        "flush_cache",
-        "resume_memory_occupation",
-        "generate",
-        "release_memory_occupation",
-    ]
+    per_iteration = staged_iteration_calls(buckets=2)
     assert sgl.names()[start:] == per_iteration * 2
     calls = sgl.calls[start : start + len(per_iteration)]
     assert calls[0][1] == {"tags": [TAG_WEIGHTS]}
@@ -162,13 +89,11 @@ def test_staged_wake_up_calls_sglang_in_stage_order_for_two_iterations() -> None
     # One flush after the last bucket, not one per bucket.
     assert all(kw["flush_cache"] is False for n, kw in calls if n == "update_weights_from_tensor")
     assert calls[6][1] == {"tags": [TAG_KV_CACHE, TAG_CUDA_GRAPH]}
-    assert calls[7][1]["sampling_params"] == {
-        "max_new_tokens": 4,
-        "temperature": 0.7,
-        "top_p": 0.9,
-        "top_k": 20,
-        "sampling_seed": 3,
-    }
+    # One sampling_params dict per request; the seed moves on per request.
+    assert calls[7][1]["sampling_params"] == [
+        {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "sampling_seed": 3},
+        {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "sampling_seed": 4},
+    ]
     assert calls[8][1] == {"tags": list(ALL_TAGS)}
     assert sgl.offloaded == set(ALL_TAGS)
 
@@ -277,15 +202,14 @@ def spec(engine: str, tensor_parallel_size: int = 1, path: str = "/models/qwen")
     )
 
 
-def test_make_engine_builds_sglang_on_the_tp_group_first_gpu(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_make_engine_builds_sglang_on_the_rank_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tensorParallelSize > 1 goes through engines/tensor_parallel.py: tests/worker covers it.
     monkeypatch.setattr(sglang_module, "_load_engine_class", lambda: SGLangEngineStandIn)
-    engine = make_engine(spec("sglang", tensor_parallel_size=2), device="cuda:2")
+    engine = make_engine(spec("sglang", tensor_parallel_size=1), device="cuda:2")
     assert isinstance(engine, SGLangEngine)
     kwargs = engine._engine.calls[0][1]
     assert kwargs["model_path"] == "/models/qwen"
-    assert (kwargs["tp_size"], kwargs["base_gpu_id"]) == (2, 2)
+    assert (kwargs["tp_size"], kwargs["base_gpu_id"]) == (1, 2)
     assert (kwargs["dtype"], kwargs["mem_fraction_static"], kwargs["random_seed"]) == (
         "float16",
         0.93,

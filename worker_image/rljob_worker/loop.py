@@ -189,7 +189,7 @@ def run_rank(
 
     # The engine first, then release it: it sizes its KV pool on a device that training does
     # not yet occupy, and the loop starts where every iteration starts (engine asleep).
-    engine = make_engine(spec, device=str(device), eos_token_ids=eos_ids)
+    engine = make_engine(spec, device=str(device), eos_token_ids=eos_ids, node=config.node)
     released = engine.released_tags
     engine.release([tag for tag in ALL_TAGS if tag not in released])
     if device.type == "cuda":

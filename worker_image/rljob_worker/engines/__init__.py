@@ -30,14 +30,15 @@ def make_engine(
     device: str,
     saver: MemorySaver | None = None,
     eos_token_ids: list[int] | None = None,
+    node: str = "",
 ) -> RolloutEngine:
     """Build the rollout engine that spec.rollout.engine names, on `device`.
 
     The model is spec.model.path, resolved as training resolves it (builtin models are built
-    into the local cache). For sglang with tensor_parallel_size > 1, call this on the first rank
-    of each tensor-parallel group only, with that group's first GPU: the engine spans the group.
-    `saver` is the torch engine's memory saver (default: the one for `device`); sglang brings its
-    own.
+    into the local cache). For sglang with tensorParallelSize > 1 this is collective: every rank
+    of the job calls it with its node's name, and each group of ranks gets one engine spanning
+    its GPUs (engines/tensor_parallel.py). `saver` is the torch engine's memory saver (default:
+    the one for `device`); sglang brings its own.
     """
     # Imported here: resolving a builtin model imports transformers, and each engine module
     # imports its own heavy dependencies (torch, sglang) only when chosen.
@@ -46,15 +47,27 @@ def make_engine(
     rollout = spec.rollout
     model_path = str(resolve_model_path(spec.model.path))
     if rollout.engine is EngineName.SGLANG:
-        from rljob_worker.engines.sglang_engine import SGLangEngine
+        from rljob_worker.engines import sglang_engine, tensor_parallel
 
-        return SGLangEngine(
-            model_path=model_path,
-            dtype=spec.model.dtype,
-            mem_fraction_static=rollout.mem_fraction_static,
+        def build(tp_size: int, base_gpu_id: int) -> sglang_engine.SGLangEngine:
+            return sglang_engine.SGLangEngine(
+                model_path=model_path,
+                dtype=spec.model.dtype,
+                mem_fraction_static=rollout.mem_fraction_static,
+                tp_size=tp_size,
+                base_gpu_id=base_gpu_id,
+                seed=spec.algorithm.seed,
+            )
+
+        if rollout.tensor_parallel_size == 1:
+            return build(1, cuda_index(device))
+        return tensor_parallel.make_tensor_parallel_engine(
             tp_size=rollout.tensor_parallel_size,
-            base_gpu_id=cuda_index(device),
-            seed=spec.algorithm.seed,
+            device=device,
+            node=node,
+            # The leader sees the group's GPUs in rank order: its engine starts at the first.
+            build=lambda tp_size: build(tp_size, 0),
+            handoff=sglang_engine.load_tensor_handoff(),
         )
     if rollout.engine is EngineName.TORCH:
         if rollout.tensor_parallel_size != 1:

@@ -9,6 +9,7 @@ in CONTRACT, so a renamed method, argument, field or tag fails a CPU test, not a
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,13 @@ class SGLangContract:
     output_ids_key: str
     # Module and function that make CUDA tensors travel to other processes by device UUID.
     tensor_reduction_patch: tuple[str, str]
+    # Module, class and method that serialize a tensor into an IPC handle (ForkingPickler).
+    serializer: tuple[str, str, str]
+    # Module, class and field of the per-TP-rank tensor wrapper the schedulers unwrap by rank;
+    # the module is the one the schedulers' restricted unpickler allows it from.
+    local_tensor: tuple[str, str, str]
+    # Module and class of the restricted unpickler that must allow `local_tensor`.
+    safe_unpickler: tuple[str, str]
 
 
 CONTRACT = SGLangContract(
@@ -99,23 +107,75 @@ CONTRACT = SGLangContract(
     kv_capacity_key="max_total_num_tokens",
     output_ids_key="output_ids",
     tensor_reduction_patch=("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"),
+    serializer=("sglang.srt.utils.common", "MultiprocessingSerializer", "serialize"),
+    local_tensor=(
+        "sglang.srt.model_executor.model_runner_components.weight_updater",
+        "LocalSerializedTensor",
+        "values",
+    ),
+    safe_unpickler=("sglang.srt.utils.common", "SafeUnpickler"),
 )
+
+
+def _request_params(sampling: SamplingParams, index: int) -> dict[str, Any]:
+    """One request's sampling_params. A seed is offset per request: GRPO sends each prompt
+    group_size times, and one seed for all would make a deterministic sampler answer each copy
+    alike (sglang uses sampling_seed only with deterministic inference on)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+    }
+    if sampling.seed is not None:
+        params["sampling_seed"] = sampling.seed + index
+    return params
 
 
 class SGLangEngineError(RuntimeError):
     """sglang refused a call (it answers with success=False instead of raising)."""
 
 
+def _patch_tensor_reductions() -> None:
+    """Make CUDA tensors this process hands to sglang travel by device UUID (idempotent).
+
+    Tensors cross into the scheduler processes by CUDA IPC; sglang (0.5.23, weight_sync/utils.py)
+    patches the producer side too, so a device stays right when the scheduler sees a different
+    CUDA_VISIBLE_DEVICES than this process (Ray actors, a tensor-parallel group's union).
+    """
+    patch_module, patch_function = CONTRACT.tensor_reduction_patch
+    getattr(importlib.import_module(patch_module), patch_function)()
+
+
 def _load_engine_class() -> Callable[..., Any]:
     """Import sglang only when an engine is built: the module must import where sglang cannot."""
-    import importlib
-
-    patch_module, patch_function = CONTRACT.tensor_reduction_patch
-    # Tensors cross into the scheduler processes by CUDA IPC; sglang (0.5.23, weight_sync/utils.py)
-    # patches the producer side too so a device travels by UUID, which stays right when the
-    # scheduler sees a different CUDA_VISIBLE_DEVICES than this process (Ray actors, reindexing).
-    getattr(importlib.import_module(patch_module), patch_function)()
+    _patch_tensor_reductions()
     return getattr(importlib.import_module(CONTRACT.engine_module), CONTRACT.engine_class)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class TensorHandoff:
+    """How one rank hands its full tensors to a tensor-parallel engine's schedulers.
+
+    `serialize(tensor)` turns a tensor into an IPC handle (bytes); `local_tensor(values=[...])`
+    wraps one handle per TP rank, and TP rank i's scheduler loads values[i], a tensor on its
+    own GPU, so no scheduler reads another GPU's memory.
+    """
+
+    serialize: Callable[[Any], bytes]
+    local_tensor: Callable[..., Any]
+
+
+def load_tensor_handoff() -> TensorHandoff:
+    """sglang's own serializer and per-rank wrapper (CONTRACT.serializer, .local_tensor)."""
+    _patch_tensor_reductions()
+    module, cls, method = CONTRACT.serializer
+    serializer = getattr(importlib.import_module(module), cls)
+    module, cls, _field = CONTRACT.local_tensor
+    return TensorHandoff(
+        serialize=getattr(serializer, method),
+        local_tensor=getattr(importlib.import_module(module), cls),
+    )
 
 
 class SGLangEngine:
@@ -186,26 +246,34 @@ class SGLangEngine:
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[list[int]]:
         """Sample one response per prompt; needs weights, KV cache and CUDA graphs resident."""
+        return self.generate_many([(prompts, sampling)])[0]
+
+    def generate_many(
+        self, batches: Sequence[tuple[Sequence[Sequence[int]], SamplingParams]]
+    ) -> list[list[list[int]]]:
+        """Several ranks' batches, each with its own sampling, in one sglang call (one batch for
+        the scheduler); answers come back per batch, in order."""
         self._require_resident(ALL_TAGS, "generate")
         if self._update_open:
             raise RuntimeError("generate() during a weight update: call flush_cache() first")
-        if not prompts:
-            return []
-        params: dict[str, Any] = {
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-        }
-        if sampling.seed is not None:
-            params["sampling_seed"] = sampling.seed
-        outputs = self._engine.generate(
-            input_ids=[list(p) for p in prompts], sampling_params=params
-        )
+        input_ids: list[list[int]] = []
+        params: list[dict[str, Any]] = []
+        for prompts, sampling in batches:
+            for index, prompt in enumerate(prompts):
+                input_ids.append(list(prompt))
+                params.append(_request_params(sampling, index))
+        if not input_ids:
+            return [[] for _ in batches]
+        outputs = self._engine.generate(input_ids=input_ids, sampling_params=params)
         # A batch answers with a list of dicts; a batch of one may come back as the dict itself.
         if isinstance(outputs, dict):
             outputs = [outputs]
-        return [list(out[CONTRACT.output_ids_key]) for out in outputs]
+        responses = [list(out[CONTRACT.output_ids_key]) for out in outputs]
+        answers, start = [], 0
+        for prompts, _ in batches:
+            answers.append(responses[start : start + len(prompts)])
+            start += len(prompts)
+        return answers
 
     def release(self, tags: Sequence[str]) -> None:
         """Give the memory of these tags back (their contents are lost)."""
@@ -225,13 +293,13 @@ class SGLangEngine:
         self._engine.resume_memory_occupation(tags=todo)
         self._released.difference_update(todo)
 
-    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor | Any]]) -> None:
         """Load one bucket of full tensors into the resident weights, in place.
 
         sglang (0.5.23) loads tensors only inside a weight-update session: the first bucket
-        opens one and flush_cache() closes it. With tp_size > 1 sglang sends every TP rank the
-        whole bucket by CUDA IPC and each rank's loader takes its shard, so the tensors should
-        live on this process's GPU.
+        opens one and flush_cache() closes it. A value is a tensor (every TP rank's scheduler
+        opens it by CUDA IPC) or, from a TensorParallelEngine, a TensorHandoff.local_tensor
+        holding one handle per TP rank, each on that rank's GPU.
         """
         named_tensors = list(bucket)
         if not named_tensors:

@@ -1,0 +1,188 @@
+"""Tensor parallel > 1: one sglang engine per group of ranks, driven by every rank of the group.
+
+Two real processes in a real gloo process group call make_engine as the loop does; the engine
+they share is SGLangEngineStandIn (tests/support/sglang_standin.py: sglang cannot run here), and
+weights travel with the stand-in of sglang's serializer, which is the same ForkingPickler, so
+rank 1's tensors really cross into rank 0's process as handles. Each rank sees only its own
+"GPU" through CUDA_VISIBLE_DEVICES, as a Ray actor does; no CUDA call is made.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.worker
+
+WORLD = 2
+ITERATIONS = 2
+# Each rank's one visible GPU, as Ray sets CUDA_VISIBLE_DEVICES for an actor with num_gpus=1.
+GPU_IDS = ("3", "5")
+# Prompts of distinct lengths per rank: the stand-in answers [len(prompt), 7].
+PROMPTS = {0: [[1, 2], [1, 2, 3]], 1: [[4, 4, 4, 4]]}
+
+
+def _spec() -> Any:
+    from rljob.api import RLJobSpec
+
+    return RLJobSpec.model_validate(
+        {
+            "model": {"path": "/models/qwen", "dtype": "bfloat16"},
+            "rollout": {"engine": "sglang", "tensorParallelSize": 2, "memFractionStatic": 0.8},
+            "resources": {"workers": 1, "gpusPerWorker": 2},
+        }
+    )
+
+
+def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = GPU_IDS[rank]
+    import torch
+    import torch.distributed as dist
+    from support.sglang_standin import HANDOFF_STAND_IN, SGLangEngineStandIn
+
+    from rljob_worker.engines import make_engine, sglang_engine
+    from rljob_worker.engines.base import ALL_TAGS, TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS
+    from rljob_worker.engines.base import SamplingParams as Sampling
+
+    built: list[SGLangEngineStandIn] = []
+
+    def engine_class(**kwargs: Any) -> SGLangEngineStandIn:
+        built.append(SGLangEngineStandIn(**kwargs))
+        return built[-1]
+
+    sglang_engine._load_engine_class = lambda: engine_class  # type: ignore[assignment]
+    sglang_engine.load_tensor_handoff = lambda: HANDOFF_STAND_IN  # type: ignore[assignment]
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
+    )
+    out: dict[str, Any] = {"generated": [], "loaded": [], "engines_here": 0}
+    try:
+        node = f"node-{rank}" if scenario == "spans_nodes" else "node-a"
+        engine = make_engine(_spec(), device="cuda:0", node=node)
+        out["engines_here"] = len(built)
+        out["kv"] = engine.kv_capacity_tokens
+        out["released_at_start"] = sorted(engine.released_tags)
+        if scenario == "leader_fails" and built:
+            built[0].refuse["update_weights_from_tensor"] = "weights do not fit"
+        for iteration in range(ITERATIONS):
+            engine.resume([TAG_WEIGHTS])
+            # Distinct tensors per rank show which rank's tensor each TP scheduler loaded.
+            engine.update_weights(
+                [
+                    ("layer.a", torch.full((3,), float(10 * iteration + rank))),
+                    ("layer.b", torch.arange(4.0) + 100 * rank + iteration),
+                ]
+            )
+            if built:  # copy what the schedulers loaded while rank 1's tensors are alive
+                out["loaded"].append(
+                    {n: [t.tolist() for t in ts] for n, ts in built[0].loaded.items()}
+                )
+            engine.flush_cache()
+            engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])
+            out["generated"].append(
+                engine.generate(PROMPTS[rank], Sampling(max_new_tokens=2, seed=1000 * rank))
+            )
+            engine.release(ALL_TAGS)
+            out.setdefault("released_after", []).append(sorted(engine.released_tags))
+        engine.shutdown()
+        if built:
+            out["visible_devices"] = built[0].visible_devices
+            out["init"] = built[0].calls[0][1]
+            out["calls"] = built[0].names()
+            out["sampling"] = next(kw for n, kw in built[0].calls if n == "generate")
+        out["visible_after"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    except Exception as exc:
+        out["error"] = (type(exc).__name__, str(exc))
+    finally:
+        dist.destroy_process_group()
+        results.put((rank, out))
+
+
+def _run(scenario: str) -> dict[int, dict[str, Any]]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(
+            target=_rank_main, args=(rank, f"tcp://127.0.0.1:{port}", scenario, results)
+        )
+        for rank in range(WORLD)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        collected = dict(results.get(timeout=120) for _ in range(WORLD))
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    return collected
+
+
+def test_one_engine_per_group_on_the_groups_gpus_each_rank_gets_its_own_answers() -> None:
+    from support.sglang_standin import staged_iteration_calls
+
+    from rljob_worker.engines.base import ALL_TAGS
+
+    out = _run("iterations")
+    assert "error" not in out[0] and "error" not in out[1], out
+    # Only the leader starts sglang, over both ranks' GPUs in rank order, from the first.
+    assert (out[0]["engines_here"], out[1]["engines_here"]) == (1, 0)
+    assert out[0]["visible_devices"] == "3,5"
+    assert (out[0]["init"]["tp_size"], out[0]["init"]["base_gpu_id"]) == (2, 0)
+    # The leader's own CUDA_VISIBLE_DEVICES is back to its one GPU afterwards.
+    assert (out[0]["visible_after"], out[1]["visible_after"]) == ("3", "5")
+    # Every rank knows the engine's KV capacity and released tags.
+    assert out[0]["kv"] == out[1]["kv"] > 0
+    assert out[0]["released_at_start"] == out[1]["released_at_start"] == sorted(ALL_TAGS)
+    assert out[1]["released_after"] == [sorted(ALL_TAGS)] * ITERATIONS
+
+    for iteration in range(ITERATIONS):
+        # Rank r's answers are for rank r's prompts (lengths differ per rank).
+        assert out[0]["generated"][iteration] == [[2, 7], [3, 7]]
+        assert out[1]["generated"][iteration] == [[4, 7]]
+        # TP rank i's scheduler loaded rank i's own tensor, every bucket, every iteration.
+        loaded = out[0]["loaded"][iteration]
+        assert loaded["layer.a"] == [[10.0 * iteration] * 3, [10.0 * iteration + 1] * 3]
+        assert loaded["layer.b"] == [
+            [float(x + iteration) for x in range(4)],
+            [float(x + 100 + iteration) for x in range(4)],
+        ]
+    # One sglang call per stage step for the whole group, not one per rank.
+    per_iteration = staged_iteration_calls(buckets=1)
+    calls = out[0]["calls"]
+    assert calls[-len(per_iteration) * ITERATIONS - 1 :] == [
+        *per_iteration * ITERATIONS,
+        "shutdown",
+    ]
+    # Both ranks' prompts in one batch, each request with its rank's seed.
+    seeds = [params["sampling_seed"] for params in out[0]["sampling"]["sampling_params"]]
+    assert seeds == [0, 1, 1000]
+
+
+def test_a_failure_on_the_leader_fails_every_rank_of_the_group_naming_the_leader() -> None:
+    out = _run("leader_fails")
+    assert out[0]["error"][0] == "SGLangEngineError"
+    assert "weights do not fit" in out[0]["error"][1]
+    name, message = out[1]["error"]
+    assert name == "TensorParallelPeerError"
+    assert "update_weights failed on rank 0" in message
+    assert "tensor-parallel group [0, 1]" in message
+    assert "weights do not fit" in message
+
+
+def test_a_group_that_spans_nodes_is_refused_on_every_rank() -> None:
+    out = _run("spans_nodes")
+    for rank in range(WORLD):
+        name, message = out[rank]["error"]
+        assert name == "ValueError"
+        assert "spans nodes ['node-0', 'node-1']" in message
+        assert out[rank]["engines_here"] == 0

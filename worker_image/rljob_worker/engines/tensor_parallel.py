@@ -1,0 +1,333 @@
+"""One sglang engine per tensor-parallel group of ranks: the group's layout on nodes and GPUs,
+and the engine every rank of the group drives as if it were its own.
+
+Layout (the same as verl's colocated SGLang rollout): ranks are numbered so that a node's ranks
+are consecutive (both drivers do this), and each run of `tp_size` consecutive ranks is one group,
+which must lie on one node. The group's first rank, the leader, starts `sglang.Engine` with
+CUDA_VISIBLE_DEVICES set to the group's GPUs in rank order and base_gpu_id=0, so sglang's TP
+rank i runs on the GPU of the group's i-th rank, next to that rank's FSDP shard. Each rank may
+see only its own GPU (a Ray actor does), which is why the leader gathers the GPU ids first.
+
+Every rank of a group makes the same calls in the same order (the stage machine is the same on
+every rank); the leader runs them on the engine and the others wait for its answer over a gloo
+group, so each rank measures its GPU after the engine changed it. Weights travel per GPU: every
+rank serializes its own full tensors (IPC handles) and the leader passes one handle per TP rank
+to sglang, so TP rank i loads from its own GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import torch.distributed as dist
+
+from rljob_worker.engines.base import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from rljob_worker.engines.sglang_engine import TensorHandoff
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class GroupEngine(Protocol):
+    """What the leader's engine offers beyond RolloutEngine: several ranks' batches at once."""
+
+    @property
+    def released_tags(self) -> frozenset[str]: ...
+
+    @property
+    def kv_capacity_tokens(self) -> int: ...
+
+    def generate_many(
+        self, batches: Sequence[tuple[Sequence[Sequence[int]], SamplingParams]]
+    ) -> list[list[list[int]]]: ...
+
+    def release(self, tags: Sequence[str]) -> None: ...
+
+    def resume(self, tags: Sequence[str]) -> None: ...
+
+    def update_weights(self, bucket: Iterable[tuple[str, Any]]) -> None: ...
+
+    def flush_cache(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class TensorParallelPeerError(RuntimeError):
+    """The group's engine failed on the leader; raised on the other ranks of the group."""
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """Where one rank sits among the tensor-parallel groups of the job."""
+
+    rank: int
+    groups: tuple[tuple[int, ...], ...]
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        """This rank's group: global ranks in TP-rank order (the leader first)."""
+        return next(g for g in self.groups if self.rank in g)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.group.index(self.rank)
+
+    @property
+    def leader(self) -> int:
+        return self.group[0]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+
+def tensor_parallel_layout(rank: int, nodes: Sequence[str], tp_size: int) -> TensorParallelLayout:
+    """Groups of `tp_size` consecutive ranks; `nodes[r]` is rank r's node.
+
+    A group that spans nodes is refused: the colocated engine shares each GPU with its rank's
+    training, and sglang's multi-node TP would put NCCL traffic for every token across nodes.
+    """
+    world = len(nodes)
+    if tp_size < 1 or world % tp_size:
+        raise ValueError(
+            f"spec.rollout.tensorParallelSize={tp_size} must divide the job's {world} ranks"
+        )
+    groups = tuple(tuple(range(start, start + tp_size)) for start in range(0, world, tp_size))
+    for group in groups:
+        spread = sorted({nodes[r] for r in group})
+        if len(spread) > 1:
+            raise ValueError(
+                f"tensor-parallel group of ranks {list(group)} spans nodes {spread}: "
+                "spec.rollout.tensorParallelSize must divide the GPUs of one worker "
+                "(spec.resources.gpusPerWorker), and a node's ranks must be consecutive"
+            )
+    return TensorParallelLayout(rank=rank, groups=groups)
+
+
+def physical_gpu_id(device: str) -> str:
+    """The id (index or UUID) of this process's `device` that CUDA_VISIBLE_DEVICES would name.
+
+    `cuda:1` in a process that sees CUDA_VISIBLE_DEVICES=4,6 is GPU 6; with nothing set, the
+    process sees every GPU and the index is the id.
+    """
+    from rljob_worker.engines import cuda_index
+
+    index = cuda_index(device)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    ids = [part.strip() for part in visible.split(",") if part.strip()]
+    if index >= len(ids):
+        raise ValueError(f"{device} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    return ids[index]
+
+
+@contextlib.contextmanager
+def visible_gpus(gpu_ids: Sequence[str]) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES set to `gpu_ids` for processes started inside; restored after.
+
+    This process's own CUDA context is already made and keeps its devices: only the engine's
+    scheduler processes, spawned inside, see the group's GPUs.
+    """
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+class TensorParallelEngine:
+    """The rollout engine of one rank in a tensor-parallel group (a RolloutEngine).
+
+    Built collectively by make_tensor_parallel_engine on every rank of the job.
+    """
+
+    def __init__(
+        self,
+        layout: TensorParallelLayout,
+        group: Any,
+        engine: GroupEngine | None,
+        handoff: TensorHandoff,
+        kv_capacity_tokens: int,
+        released_tags: frozenset[str],
+    ) -> None:
+        self.layout = layout
+        self._group = group
+        self._engine = engine
+        self._handoff = handoff
+        self._kv_capacity_tokens = kv_capacity_tokens
+        self._released = released_tags
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self._kv_capacity_tokens
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        return self._released
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[list[int]]:
+        """The group's batches go to the engine as one; each rank gets its own answers."""
+        layout = self.layout
+        mine = ([list(p) for p in prompts], sampling)
+        batches: list[Any] | None = [None] * len(layout.group) if layout.is_leader else None
+        dist.gather_object(mine, batches, dst=layout.leader, group=self._group)
+        answers: list[Any] = [None]
+        if layout.is_leader:
+            assert batches is not None and self._engine is not None
+            try:
+                outcome: list[Any] = [(a, None) for a in self._engine.generate_many(batches)]
+            except Exception as exc:
+                outcome = [(None, _describe(exc))] * len(layout.group)
+                dist.scatter_object_list(answers, outcome, src=layout.leader, group=self._group)
+                raise
+            dist.scatter_object_list(answers, outcome, src=layout.leader, group=self._group)
+        else:
+            dist.scatter_object_list(answers, None, src=layout.leader, group=self._group)
+        responses, error = answers[0]
+        if error is not None:
+            raise self._peer_error("generate", error)
+        return list(responses)
+
+    def release(self, tags: Sequence[str]) -> None:
+        if any(t not in self._released for t in tags):
+            self._on_leader("release", lambda engine: engine.release(tags))
+
+    def resume(self, tags: Sequence[str]) -> None:
+        if any(t in self._released for t in tags):
+            self._on_leader("resume", lambda engine: engine.resume(tags))
+
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Every rank hands over its own full tensors; TP rank i's scheduler loads rank i's.
+
+        This rank's tensors stay referenced (`named`) until the leader reports the bucket
+        loaded: an IPC handle is only good while its tensor lives.
+        """
+        named = [(name, tensor.detach()) for name, tensor in bucket]
+        handles = [(name, self._handoff.serialize(tensor)) for name, tensor in named]
+        layout = self.layout
+        gathered: list[Any] | None = [None] * len(layout.group) if layout.is_leader else None
+        dist.gather_object(handles, gathered, dst=layout.leader, group=self._group)
+
+        def load(engine: GroupEngine) -> None:
+            assert gathered is not None
+            names = [name for name, _ in gathered[0]]
+            for tp_rank, part in enumerate(gathered):
+                if [name for name, _ in part] != names:
+                    raise RuntimeError(
+                        f"rank {layout.group[tp_rank]} sent a different bucket than rank "
+                        f"{layout.leader}: {[n for n, _ in part]} != {names}"
+                    )
+            engine.update_weights(
+                (name, self._handoff.local_tensor(values=[part[i][1] for part in gathered]))
+                for i, name in enumerate(names)
+            )
+
+        self._on_leader("update_weights", load)
+        del named
+
+    def flush_cache(self) -> None:
+        self._on_leader("flush_cache", lambda engine: engine.flush_cache())
+
+    def shutdown(self) -> None:
+        """The leader stops sglang; no collective, so it is safe after another rank failed."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def _on_leader(self, what: str, call: Callable[[GroupEngine], None]) -> None:
+        """Run `call` on the leader's engine; every rank returns once it is done (and raises if
+        it failed), with the engine's released tags."""
+        layout = self.layout
+        message: list[Any] = [None, None]
+        if layout.is_leader:
+            assert self._engine is not None, "the engine was shut down"
+            try:
+                call(self._engine)
+            except Exception as exc:
+                message = [_describe(exc), self._engine.released_tags]
+                dist.broadcast_object_list(message, src=layout.leader, group=self._group)
+                raise
+            message = [None, self._engine.released_tags]
+        dist.broadcast_object_list(message, src=layout.leader, group=self._group)
+        error, released = message
+        self._released = frozenset(released)
+        if error is not None:
+            raise self._peer_error(what, error)
+
+    def _peer_error(self, what: str, error: str) -> TensorParallelPeerError:
+        return TensorParallelPeerError(
+            f"{what} failed on rank {self.layout.leader}, which runs the sglang engine of "
+            f"tensor-parallel group {list(self.layout.group)}: {error}"
+        )
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def make_tensor_parallel_engine(
+    *,
+    tp_size: int,
+    device: str,
+    node: str,
+    build: Callable[[int], GroupEngine],
+    handoff: TensorHandoff,
+) -> TensorParallelEngine:
+    """Collective over the job's process group: every rank calls it, in the same order.
+
+    `build(tp_size)` starts the group's engine on the leader (inside visible_gpus of the group,
+    base GPU 0); the other ranks wait for its KV capacity, or its error.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    placed: list[Any] = [None] * world
+    dist.all_gather_object(placed, (node, physical_gpu_id(device)))
+    layout = tensor_parallel_layout(rank, [n for n, _ in placed], tp_size)
+    # Every rank creates every group, in the same order (new_group is collective).
+    groups = [dist.new_group(list(g), backend="gloo") for g in layout.groups]
+    group = groups[layout.groups.index(layout.group)]
+    assert isinstance(group, dist.ProcessGroup), "this rank is in its own group"
+    gpu_ids = [placed[r][1] for r in layout.group]
+    engine: GroupEngine | None = None
+    answer: list[Any] = [None, None, None]
+    if layout.is_leader:
+        log.info(
+            "rank %d starts the sglang engine of ranks %s on GPUs %s",
+            rank,
+            list(layout.group),
+            gpu_ids,
+        )
+        try:
+            with visible_gpus(gpu_ids):
+                engine = build(tp_size)
+        except Exception as exc:
+            answer = [_describe(exc), None, None]
+            dist.broadcast_object_list(answer, src=layout.leader, group=group)
+            raise
+        answer = [None, engine.kv_capacity_tokens, engine.released_tags]
+    dist.broadcast_object_list(answer, src=layout.leader, group=group)
+    error, kv_capacity_tokens, released = answer
+    if error is not None:
+        raise TensorParallelPeerError(
+            f"rank {layout.leader} could not start the sglang engine of tensor-parallel group "
+            f"{list(layout.group)} on GPUs {gpu_ids}: {error}"
+        )
+    return TensorParallelEngine(
+        layout, group, engine, handoff, int(kv_capacity_tokens), frozenset(released)
+    )
