@@ -102,10 +102,11 @@ def measure_bandwidths(size_bytes: int = 2 * GiB) -> dict[str, float]:
 def profile_weight_sync(model_name: str, repeats: int = 3) -> dict[str, float]:
     """Seconds of the weight-sync path by part, on this process's GPU with the model's shapes.
 
-    fp32 shards (world size 1) into bf16 engine tensors: (a) what Trainer.weight_buckets and
-    the engine do per tensor (DTensor cast, full_tensor, copy_), (b) the same bytes without
-    DTensor and the collective (local cast-and-copy per tensor), (c) one flat copy of all the
-    engine bytes (the HBM floor). Median of `repeats` after a warm-up.
+    fp32 shards (world size 1) into bf16 engine tensors: (a) per tensor, a DTensor cast,
+    full_tensor and copy_ (what Trainer.weight_buckets did before train.gather_full), (b)
+    train.gather_full per 512 MiB bucket and the engine's copy_ (what it does now), (c) the same
+    bytes without DTensor (local cast-and-copy per tensor), (d) one flat copy of all the engine
+    bytes (the HBM floor). Median of `repeats` after a warm-up.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -126,6 +127,18 @@ def profile_weight_sync(model_name: str, repeats: int = 3) -> dict[str, float]:
         for shard, target in zip(shards, targets, strict=True):
             target.copy_(shard.to(torch.bfloat16).full_tensor())  # type: ignore[attr-defined]
 
+    from rljob_worker.train import gather_full, plan_buckets
+
+    named = [(str(i), shard) for i, shard in enumerate(shards)]
+    buckets = plan_buckets([(n, t.numel() * 2) for n, t in named], 512 << 20)
+    by_name = dict(named)
+    target_of = {str(i): t for i, t in enumerate(targets)}
+
+    def gather_full_path() -> None:
+        for names in buckets:
+            for name, full in gather_full([(n, by_name[n]) for n in names], torch.bfloat16):
+                target_of[name].copy_(full)
+
     def local_path() -> None:
         for shard, target in zip(shards, targets, strict=True):
             target.copy_(shard.to_local())
@@ -144,6 +157,7 @@ def profile_weight_sync(model_name: str, repeats: int = 3) -> dict[str, float]:
     figures = {
         "tensors": float(len(shapes)),
         "dtensor_cast_gather_copy_seconds": timed(dtensor_path),
+        "gather_full_copy_seconds": timed(gather_full_path),
         "local_cast_copy_seconds": timed(local_path),
         "flat_copy_seconds": timed(lambda: flat_dst.copy_(flat_src)),
     }

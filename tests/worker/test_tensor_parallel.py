@@ -9,13 +9,12 @@ rank 1's tensors really cross into rank 0's process as handles. Each rank sees o
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from support.ranks import run_ranks
 
 pytestmark = pytest.mark.worker
 
@@ -104,27 +103,7 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
 
 
 def _run(scenario: str) -> dict[int, dict[str, Any]]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(
-            target=_rank_main, args=(rank, f"tcp://127.0.0.1:{port}", scenario, results)
-        )
-        for rank in range(WORLD)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        collected = dict(results.get(timeout=120) for _ in range(WORLD))
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    return collected
+    return run_ranks(_rank_main, WORLD, scenario)
 
 
 def test_one_engine_per_group_on_the_groups_gpus_each_rank_gets_its_own_answers() -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from rljob.api import AlgorithmName, RLJobSpec
 from rljob_worker.model import load_causal_lm, torch_dtype
@@ -107,6 +107,82 @@ def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch
     """Per-token k3 estimator of KL(policy || reference): non-negative, unbiased, low variance."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
+
+
+def _row_chunk(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """(first row, rows) of `rank`'s dim-0 shard as FSDP2 cuts it (torch.chunk): chunks of
+    ceil(rows / world) rows, the last ones shorter or empty."""
+    size = -(-rows // world)
+    start = min(rank * size, rows)
+    return start, min(size, rows - start)
+
+
+def gather_full(params: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype) -> NamedTensors:
+    """Full tensors in `dtype` of FSDP2-sharded params, with one all-gather for all of them.
+
+    Gathering per tensor (DTensor.full_tensor) costs a collective and its dispatch per tensor,
+    which for a 3B model's 434 tensors is most of the weight sync (bench/results/colocate.md).
+    Here each rank casts its dim-0 shards into one flat buffer, each shard padded to the full
+    chunk size so every rank sends the same number of elements; one all_gather_into_tensor
+    fills [world, elements]; each tensor is then its chunks, one per rank, unpadded. Tensors
+    not sharded that way (plain tensors, other placements) are gathered on their own.
+    Collective: every rank calls it with the same names in the same order.
+    """
+    full: dict[str, torch.Tensor] = {}
+    sharded: list[tuple[str, DTensor]] = []
+    for name, tensor in params:
+        if isinstance(tensor, DTensor) and tuple(tensor.placements) == (Shard(0),):
+            sharded.append((name, tensor))
+        elif isinstance(tensor, DTensor):
+            # Cast the shard first, then gather: the gather moves engine-dtype bytes.
+            cast = tensor.to(dtype)
+            assert isinstance(cast, DTensor)
+            full[name] = cast.full_tensor()
+        else:
+            full[name] = tensor.to(dtype)
+    if sharded:
+        mesh = sharded[0][1].device_mesh
+        world, rank = mesh.size(), mesh.get_local_rank()
+        if world == 1:
+            full.update((name, t.to_local().to(dtype)) for name, t in sharded)
+        else:
+            full.update(_gather_flat(sharded, dtype, world, rank, mesh.get_group()))
+    return [(name, full[name]) for name, _ in params]
+
+
+def _gather_flat(
+    sharded: Sequence[tuple[str, DTensor]],
+    dtype: torch.dtype,
+    world: int,
+    rank: int,
+    group: dist.ProcessGroup,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    slots: list[tuple[str, torch.Size, int, int]] = []  # name, full shape, offset, chunk numel
+    offset = 0
+    for name, tensor in sharded:
+        shape = tensor.shape
+        chunk_rows = -(-shape[0] // world)
+        chunk = chunk_rows * (tensor.numel() // shape[0] if shape[0] else 0)
+        slots.append((name, shape, offset, chunk))
+        offset += chunk
+    device = sharded[0][1].to_local().device
+    send = torch.empty(offset, dtype=dtype, device=device)
+    for (name, tensor), (_, shape, start, _chunk) in zip(sharded, slots, strict=True):
+        local = tensor.to_local()
+        _first, rows = _row_chunk(shape[0], world, rank)
+        if local.shape[0] != rows:
+            raise RuntimeError(
+                f"{name}: local shard has {local.shape[0]} rows, FSDP2's dim-0 chunking gives "
+                f"{rows} of {shape[0]} on rank {rank} of {world}"
+            )
+        send[start : start + local.numel()].view_as(local).copy_(local)
+    received = torch.empty(world * offset, dtype=dtype, device=device)
+    dist.all_gather_into_tensor(received, send, group=group)
+    by_rank = received.view(world, offset)
+    for name, shape, start, chunk in slots:
+        chunk_rows = -(-shape[0] // world)
+        parts = by_rank[:, start : start + chunk].reshape(world * chunk_rows, *shape[1:])
+        yield name, parts[: shape[0]]
 
 
 def _shard(model: torch.nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> None:
@@ -362,17 +438,14 @@ class Trainer:
         """Full (unsharded) tensors in the engine's dtype, one bucket at a time.
 
         Only one bucket of full tensors exists at once: that bound is what the bucket size
-        buys. Collective: every rank gathers the same bucket in the same order.
+        buys (while a bucket is gathered on more than one rank, twice its bytes: the gathered
+        buffer and the tensors cut from it). Collective: every rank gathers the same bucket in
+        the same order.
         """
         params = dict(self.model.named_parameters())
         element = torch.empty((), dtype=dtype).element_size()
         sizes = [(name, p.numel() * element) for name, p in params.items()]
         for names in plan_buckets(sizes, bucket_bytes):
-            bucket: NamedTensors = []
-            for name in names:
-                # Cast the shard first, then gather: the gather moves engine-dtype bytes.
-                param = params[name].detach().to(dtype)
-                full = param.full_tensor() if isinstance(param, DTensor) else param
-                bucket.append((name, full))
+            bucket = gather_full([(name, params[name].detach()) for name in names], dtype)
             yield bucket
             del bucket

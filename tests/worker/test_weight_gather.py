@@ -1,0 +1,101 @@
+"""Weight sync's gather: FSDP2 dim-0 shards to full tensors with one all-gather per bucket.
+
+Three real gloo ranks (so shards are uneven, and some ranks hold no rows of a small tensor)
+compare gather_full with DTensor.full_tensor, bit for bit, and count the collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from support.ranks import run_ranks
+
+pytestmark = pytest.mark.worker
+
+WORLD = 3
+# Rows not divisible by 3, fewer rows than ranks, 1-D, 3-D.
+SHAPES = [(7, 3), (2, 5), (5,), (1, 4), (12,), (3, 2, 2), (64, 8)]
+
+
+def _rank_main(rank: int, init_method: str, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from rljob_worker import train
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
+    out: dict[str, Any] = {}
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        torch.manual_seed(0)  # the same full tensors on every rank, then sharded
+        tensors = [distribute_tensor(torch.randn(s), mesh, [Shard(0)]) for s in SHAPES]
+        tensors.append(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
+        tensors.append(torch.randn(3))  # not a DTensor: only cast
+        named = [(f"t{i}", t) for i, t in enumerate(tensors)]
+
+        gathers: list[int] = []
+        real = dist.all_gather_into_tensor
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            gathers.append(1)
+            return real(*args, **kwargs)
+
+        train.dist.all_gather_into_tensor = counted  # type: ignore[assignment]
+        full = train.gather_full(named, torch.bfloat16)
+        train.dist.all_gather_into_tensor = real  # type: ignore[assignment]
+
+        expected = [
+            t.full_tensor().to(torch.bfloat16)
+            if isinstance(t, torch.distributed.tensor.DTensor)
+            else t.to(torch.bfloat16)
+            for t in tensors
+        ]
+        out["names"] = [name for name, _ in full]
+        out["equal"] = [torch.equal(f, e) for (_, f), e in zip(full, expected, strict=True)]
+        out["shapes"] = [tuple(f.shape) for _, f in full]
+        out["dtypes"] = sorted({str(f.dtype) for _, f in full})
+        out["flat_gathers"] = len(gathers)
+    except Exception as exc:
+        out["error"] = repr(exc)
+    finally:
+        dist.destroy_process_group()
+        results.put((rank, out))
+
+
+def test_one_all_gather_per_bucket_gives_the_same_full_tensors_as_full_tensor() -> None:
+    collected = run_ranks(_rank_main, WORLD)
+    for rank in range(WORLD):
+        out = collected[rank]
+        assert "error" not in out, out
+        assert out["names"] == [f"t{i}" for i in range(len(SHAPES) + 2)]
+        assert all(out["equal"]), out["equal"]
+        assert out["shapes"] == [*SHAPES, (4, 4), (3,)]
+        assert out["dtypes"] == ["torch.bfloat16"]
+        # Every Shard(0) tensor in one collective (the replicated one is gathered by DTensor).
+        assert out["flat_gathers"] == 1
+
+
+@pytest.mark.parametrize(
+    ("rows", "world", "chunks"),
+    [
+        (7, 3, [(0, 3), (3, 3), (6, 1)]),
+        (2, 3, [(0, 1), (1, 1), (2, 0)]),
+        (1, 4, [(0, 1), (1, 0), (1, 0), (1, 0)]),
+        (5, 4, [(0, 2), (2, 2), (4, 1), (5, 0)]),
+        (8, 2, [(0, 4), (4, 4)]),
+    ],
+)
+def test_row_chunks_follow_torch_chunk(
+    rows: int, world: int, chunks: list[tuple[int, int]]
+) -> None:
+    import torch
+
+    from rljob_worker.train import _row_chunk
+
+    assert [_row_chunk(rows, world, r) for r in range(world)] == chunks
+    # torch.chunk is what DTensor's Shard(0) and FSDP2 cut by (it may give fewer chunks).
+    pieces = torch.arange(rows).chunk(world)
+    assert [len(p) for p in pieces] == [n for _, n in chunks][: len(pieces)]
