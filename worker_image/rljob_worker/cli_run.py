@@ -139,7 +139,8 @@ def plot_timeline(samples: list[StageSample], path: Path, title: str) -> None:
             times += [start, start + sample.seconds]
             peaks += [sample.device_peak_used_bytes / 2**30] * 2
             allocated += [sample.peak_allocated_bytes / 2**30, sample.allocated_bytes / 2**30]
-        axis.step(times, peaks, where="post", label=f"rank {rank} device peak used")
+        used = "host peak used" if own[0].kind == "host" else "device peak used"
+        axis.step(times, peaks, where="post", label=f"rank {rank} {used}")
         if own[0].kind == "host":
             # On CUDA torch's allocated bytes include released memory-saver regions: not drawn.
             axis.plot(times, allocated, ls="--", label=f"rank {rank} process RSS")
