@@ -2,18 +2,23 @@
 -> the RLJob's status and Events. Thin shell: read, call render/status, write.
 
 Every handler is level-triggered: it recomputes from what exists, so running it twice (or
-after a restart) creates nothing twice and loses nothing.
+after a restart) creates nothing twice and loses nothing. Two memos in this process only skip
+work whose outcome is known: a RayJob state its RLJob's status was already computed from
+(MIRRORED), and a job-config ConfigMap version already parsed (APPLIED); a restart empties both.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import kopf
+import yaml
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
@@ -45,15 +50,56 @@ def _parse(body: kopf.Body | dict[str, Any]) -> tuple[RLJobSpec | None, list[tup
     return spec, render.deeper_problems(body["metadata"]["name"], spec)
 
 
-def _applied_spec(namespace: str, name: str) -> RLJobSpec | None:
-    """The spec the job runs with: what the job-config ConfigMap holds."""
-    data = kube.get_config_map_data(namespace, render.config_map_name(name))
-    if not data or JOB_CONFIG_FILE not in data:
+def _job_config_spec(config_map: Mapping[str, Any]) -> RLJobSpec | None:
+    text = (config_map.get("data") or {}).get(JOB_CONFIG_FILE)
+    if text is None:
         return None
     try:
-        return JobConfig.from_yaml(data[JOB_CONFIG_FILE]).spec
-    except ValidationError:
+        return JobConfig.from_yaml(text).spec
+    except (ValidationError, yaml.YAMLError):
         return None  # someone edited it by hand; the next apply rewrites it
+
+
+class AppliedSpecs:
+    """The spec each job runs with (what its job-config ConfigMap holds), parsed once per
+    version of that ConfigMap.
+
+    The ConfigMap is read every time; only the parse is reused, for the very same content (a
+    ConfigMap's uid and resourceVersion name its content exactly). Parsing that YAML was a tenth
+    of the operator's CPU in bench/operator_load.py's profile, once per RayJob change.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, str], tuple[tuple[str, str], RLJobSpec | None]] = {}
+
+    @staticmethod
+    def _version(config_map: Mapping[str, Any]) -> tuple[str, str]:
+        meta = config_map["metadata"]
+        return str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
+
+    def read(self, namespace: str, name: str) -> RLJobSpec | None:
+        found = kube.get_config_map(namespace, render.config_map_name(name))
+        if found is None:
+            self.forget(namespace, name)
+            return None
+        held = self._held.get((namespace, name))
+        if held is not None and held[0] == self._version(found):
+            return held[1]
+        spec = _job_config_spec(found)
+        self._held[(namespace, name)] = (self._version(found), spec)
+        return spec
+
+    def remember(
+        self, namespace: str, name: str, config_map: Mapping[str, Any], spec: RLJobSpec
+    ) -> None:
+        """The ConfigMap as an apply of render.config_map(spec) stored it."""
+        self._held[(namespace, name)] = (self._version(config_map), spec)
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._held.pop((namespace, name), None)
+
+
+APPLIED = AppliedSpecs()
 
 
 # Kills that finished before this moment may have been counted by an earlier operator process.
@@ -61,38 +107,52 @@ STARTED_AT = _now()
 KILLS = oom.KillCache()
 
 
-def _job_lock(namespace: str, name: str) -> threading.Lock:
+def _job_lock(namespace: str, name: str) -> threading.RLock:
     """One lock per RLJob: the operator's status writes for a job (RayJob changes, pod kills,
     derived fields) run in kopf's worker threads, and each write states every operator-owned
-    field, so they must not interleave within this process."""
+    field, so they must not interleave within this process. Reentrant: reconcile() holds it
+    from its first apply through its status write."""
     with _LOCKS_GUARD:
-        return _LOCKS.setdefault((namespace, name), threading.Lock())
+        return _LOCKS.setdefault((namespace, name), threading.RLock())
 
 
-_LOCKS: dict[tuple[str, str], threading.Lock] = {}
+_LOCKS: dict[tuple[str, str], threading.RLock] = {}
 _LOCKS_GUARD = threading.Lock()
 
-# From the fresh RLJob: the operator's non-OOM status fields and the condition transitions.
-OperatorFields = Callable[[dict[str, Any]], tuple[dict[str, Any], list[status.Transition]]]
+# From the fresh RLJob: the operator's non-OOM status fields and the condition transitions, or
+# None when this writer has nothing to say about that RLJob.
+OperatorFields = Callable[[dict[str, Any]], tuple[dict[str, Any], list[status.Transition]] | None]
 
 
 def _carry(rljob: dict[str, Any]) -> tuple[dict[str, Any], list[status.Transition]]:
     return status.carried(dict(rljob.get("status") or {})), []
 
 
-def _observing(
-    spec: RLJobSpec | None,
-    applied: RLJobSpec | None,
-    rayjob: dict[str, Any] | None,
-    problems: list[tuple[str, str]],
-) -> OperatorFields:
-    def fields(rljob: dict[str, Any]) -> tuple[dict[str, Any], list[status.Transition]]:
+@dataclass(frozen=True)
+class Observing:
+    """The OperatorFields of one observation: the spec, the spec the job runs with, and the
+    RayJob (None: it does not exist). With `spec` None and no problems the spec is parsed from
+    the fresh RLJob, and an invalid one gives None (reconcile() owns the InvalidSpec status)."""
+
+    spec: RLJobSpec | None
+    applied: RLJobSpec | None
+    rayjob: dict[str, Any] | None
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+    def __call__(
+        self, rljob: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[status.Transition]] | None:
+        spec, problems = self.spec, self.problems
+        if spec is None and not problems:
+            spec, problems = _parse(rljob)
+            if spec is None or problems:
+                return None
         current = dict(rljob.get("status") or {})
         observed = status.Observed(
             generation=int(rljob["metadata"].get("generation") or 0),
             spec=spec,
-            applied_spec=applied,
-            rayjob=rayjob,
+            applied_spec=self.applied,
+            rayjob=self.rayjob,
             previous_conditions=list(current.get("conditions") or []),
             problems=problems,
             memory=current.get("memory"),
@@ -100,7 +160,40 @@ def _observing(
         )
         return status.compute(observed, _now())
 
-    return fields
+
+class MirroredRayJobs:
+    """Per RLJob, the RayJob state (uid and status) its status was last computed from in this
+    process, so a RayJob event that brings nothing new costs no read.
+
+    The common case is the ADDED event of the RayJob reconcile() has just applied and mirrored:
+    it cost two RLJob reads, a ConfigMap read and two spec validations per job, for no write.
+    Read and kept under the job's lock with the write it describes, so it never runs ahead of
+    status; empty after a restart, when kopf lists every RayJob again and each is mirrored afresh.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+
+    @staticmethod
+    def _state(rayjob: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        # status.compute reads the RayJob's name and status only; the uid tells a recreated one.
+        return str(rayjob["metadata"].get("uid") or ""), dict(rayjob.get("status") or {})
+
+    def holds(self, namespace: str, name: str, rayjob: Mapping[str, Any] | None) -> bool:
+        seen = self._seen.get((namespace, name))
+        return rayjob is not None and seen is not None and seen == self._state(rayjob)
+
+    def remember(self, namespace: str, name: str, rayjob: Mapping[str, Any] | None) -> None:
+        if rayjob is None:
+            self.forget(namespace, name)
+        else:
+            self._seen[(namespace, name)] = copy.deepcopy(self._state(rayjob))
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._seen.pop((namespace, name), None)
+
+
+MIRRORED = MirroredRayJobs()
 
 
 def _write(
@@ -116,12 +209,17 @@ def _write(
         rljob = kube.get_rljob(namespace, name)
         if rljob is None:
             return  # deleted; the garbage collector takes its children
+        computed_fields = fields(rljob)
+        if computed_fields is None:
+            return
+        operator_fields, transitions = computed_fields
         current = dict(rljob.get("status") or {})
-        operator_fields, transitions = fields(rljob)
         killed = oom.merge(oom.current_part(current), kills, started_at=STARTED_AT)
         computed = status.with_ooms(operator_fields, current, killed)
         if status.differs(current, computed):
             kube.apply_status(namespace, name, computed)
+        if isinstance(fields, Observing):
+            MIRRORED.remember(namespace, name, fields.rayjob)
     body = kopf.Body(cast(kopf.RawBody, rljob))
     for t in transitions:
         reason = t.reason if t.status == "True" or t.type == status.SPEC_APPLIED else t.type
@@ -136,6 +234,18 @@ def _write(
         logger.warning(f"RLJob {namespace}/{name}: {message}")
 
 
+# Applied after the RayJob: its pods reference the ServiceAccount (admission refuses a pod whose
+# account is missing) and the ConfigMap (a volume) when KubeRay creates them, but only the driver
+# uses the Role and RoleBinding, once Ray runs, seconds later (and its status publisher retries a
+# refused write). So the RayJob exists two requests sooner after an RLJob is created.
+AFTER_RAYJOB = ("Role", "RoleBinding")
+
+
+def _apply_order(children: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """render.children() reordered for applying: the RayJob as soon as its pods' references exist."""
+    return sorted(children, key=lambda child: child["kind"] in AFTER_RAYJOB)  # stable
+
+
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
@@ -148,16 +258,21 @@ def reconcile(
     spec, problems = _parse(body)
     try:
         if spec is None or problems:
-            _write(namespace, name, _observing(spec, None, None, problems), logger)
+            _write(namespace, name, Observing(spec, None, None, problems), logger)
             text = "; ".join(f"{path}: {msg}" for path, msg in problems)
             raise kopf.PermanentError(f"RLJob {name}: {text}")
-        applied = _applied_spec(namespace, name)
+        applied = APPLIED.read(namespace, name)
         run_spec = status.applied_after_update(spec, applied)
         owner = render.Owner(name=name, namespace=namespace, uid=uid)
-        rayjob: dict[str, Any] = {}
-        for child in render.children(owner, run_spec):
-            rayjob = kube.apply(child)  # the RayJob is last
-        _write(namespace, name, _observing(spec, run_spec, rayjob, []), logger)
+        children = _apply_order(render.children(owner, run_spec))
+        # Under the job's lock, so a RayJob event that arrives meanwhile (its own ADDED, while
+        # the Role and RoleBinding are applied) waits for this status write: then it finds its
+        # state mirrored and costs nothing, or, if KubeRay changed the RayJob since the apply
+        # answered, it writes the newer state after this one instead of being overwritten by it.
+        with _job_lock(namespace, name):
+            stored = {child["kind"]: kube.apply(child) for child in children}
+            APPLIED.remember(namespace, name, stored["ConfigMap"], run_spec)
+            _write(namespace, name, Observing(spec, run_spec, stored["RayJob"]), logger)
         logger.info(f"reconciled RLJob {namespace}/{name}")
     except (ApiException, HTTPError) as exc:
         raise kube.as_kopf_error(exc, f"RLJob {namespace}/{name}") from exc
@@ -173,16 +288,13 @@ def rayjob_changed(
     failure here is logged and the next RayJob event or the RLJob's resume repairs it."""
     name = labels[render.JOB_LABEL]
     assert namespace is not None  # RayJobs are namespaced
+    rayjob = None if type == "DELETED" else dict(body)
     try:
-        rljob = kube.get_rljob(namespace, name)
-        if rljob is None:
-            return  # deleted; the garbage collector takes the RayJob too
-        spec, problems = _parse(rljob)
-        if spec is None or problems:
-            return  # reconcile() owns the InvalidSpec status
-        rayjob = None if type == "DELETED" else dict(body)
-        fields = _observing(spec, _applied_spec(namespace, name), rayjob, [])
-        _write(namespace, name, fields, logger)
+        with _job_lock(namespace, name):
+            if MIRRORED.holds(namespace, name, rayjob):
+                return  # the RLJob's status was computed from this very RayJob state
+            # The spec is parsed from the RLJob _write reads (one read, under the same lock).
+            _write(namespace, name, Observing(None, APPLIED.read(namespace, name), rayjob), logger)
     except (ApiException, HTTPError) as exc:
         logger.warning(f"RLJob {namespace}/{name}: status not updated: {exc}")
 
@@ -197,6 +309,8 @@ def rljob_changed(
     assert namespace is not None
     if type == "DELETED":
         metrics.JOBS.forget(namespace, name)
+        MIRRORED.forget(namespace, name)
+        APPLIED.forget(namespace, name)
         return
     current = dict(body.get("status") or {})
     metrics.JOBS.observe(namespace, name, current)

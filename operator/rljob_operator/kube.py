@@ -6,6 +6,7 @@ the driver's status fields (its own field manager) are never clobbered.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Callable
@@ -22,6 +23,10 @@ FIELD_MANAGER = "rljob-operator"
 APPLY = "application/apply-patch+yaml"
 # Statuses worth retrying: conflicts, throttling, apiserver trouble.
 TRANSIENT = {409, 429, 500, 502, 503, 504}
+# Every call below passes _preload_content=False and parses the answer's JSON itself: the
+# generated client otherwise builds a typed model (V1ConfigMap, V1Role...) that the operator only
+# turned back into a dict, and it types only the 200 of a patch, so the 201 of an apply that
+# creates came back as None.
 
 
 _SHARED: client.ApiClient | None = None
@@ -42,44 +47,50 @@ def _api() -> client.ApiClient:
         return _SHARED
 
 
+@functools.cache
 def _custom() -> client.CustomObjectsApi:
     return client.CustomObjectsApi(_api())
 
 
+@functools.cache
+def _core() -> client.CoreV1Api:
+    return client.CoreV1Api(_api())
+
+
+@functools.cache
 def _apply_fn(kind: str) -> Callable[..., Any]:
-    core, rbac = client.CoreV1Api(_api()), client.RbacAuthorizationV1Api(_api())
+    """The generated client's patch call for a built-in kind: fn(name, namespace, body, ...)."""
+    rbac = client.RbacAuthorizationV1Api(_api())
     table: dict[str, Callable[..., Any]] = {
-        "ServiceAccount": core.patch_namespaced_service_account,
-        "ConfigMap": core.patch_namespaced_config_map,
+        "ServiceAccount": _core().patch_namespaced_service_account,
+        "ConfigMap": _core().patch_namespaced_config_map,
         "Role": rbac.patch_namespaced_role,
         "RoleBinding": rbac.patch_namespaced_role_binding,
     }
     return table[kind]
 
 
-def _plain(result: Any) -> dict[str, Any]:
-    """A client model or dict as a plain camelCase dict."""
-    if isinstance(result, dict):
-        return result
-    plain: dict[str, Any] = _api().sanitize_for_serialization(result)
-    return plain
+def _json(response: Any) -> dict[str, Any]:
+    """A raw (not preloaded) answer's body as a dict."""
+    body: dict[str, Any] = json.loads(response.data)
+    return body
 
 
 def apply(obj: dict[str, Any]) -> dict[str, Any]:
     """Server-side apply one manifest; returns the object as stored."""
     meta = obj["metadata"]
-    kwargs: dict[str, Any] = {"field_manager": FIELD_MANAGER, "force": True, "_content_type": APPLY}
+    kwargs: dict[str, Any] = {
+        "field_manager": FIELD_MANAGER, "force": True, "_content_type": APPLY,
+        "_preload_content": False,
+    }  # fmt: skip
     if obj["kind"] == "RayJob":
         group, version = obj["apiVersion"].split("/")
-        # Raw body: the generated client types only a 200 answer and returns None for the 201
-        # an apply that creates gets, which made reconcile see "no RayJob" on every create.
-        response: Any = _custom().patch_namespaced_custom_object(
-            group, version, meta["namespace"], "rayjobs", meta["name"], obj,
-            _preload_content=False, **kwargs,
-        )  # fmt: skip
-        stored: dict[str, Any] = json.loads(response.data)
-        return stored
-    return _plain(_apply_fn(obj["kind"])(meta["name"], meta["namespace"], obj, **kwargs))
+        response = _custom().patch_namespaced_custom_object(
+            group, version, meta["namespace"], "rayjobs", meta["name"], obj, **kwargs
+        )
+    else:
+        response = _apply_fn(obj["kind"])(meta["name"], meta["namespace"], obj, **kwargs)
+    return _json(response)
 
 
 def apply_status(namespace: str, name: str, status: dict[str, Any]) -> None:
@@ -90,36 +101,36 @@ def apply_status(namespace: str, name: str, status: dict[str, Any]) -> None:
         "metadata": {"name": name, "namespace": namespace},
         "status": status,
     }
-    _custom().patch_namespaced_custom_object_status(
+    response: Any = _custom().patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, name, body,
-        field_manager=FIELD_MANAGER, force=True, _content_type=APPLY,
+        field_manager=FIELD_MANAGER, force=True, _content_type=APPLY, _preload_content=False,
     )  # fmt: skip
+    response.drain_conn()  # the answer is not needed; read to the end, the connection is reused
 
 
 def get_rljob(namespace: str, name: str) -> dict[str, Any] | None:
     return _get(lambda: _custom().get_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, name))  # fmt: skip
+        GROUP, VERSION, namespace, PLURAL, name, _preload_content=False))  # fmt: skip
 
 
 def get_rayjob(namespace: str, name: str) -> dict[str, Any] | None:
     return _get(lambda: _custom().get_namespaced_custom_object(
-        "ray.io", "v1", namespace, "rayjobs", name))  # fmt: skip
+        "ray.io", "v1", namespace, "rayjobs", name, _preload_content=False))  # fmt: skip
 
 
-def get_config_map_data(namespace: str, name: str) -> dict[str, str] | None:
-    found = _get(lambda: client.CoreV1Api(_api()).read_namespaced_config_map(name, namespace))
-    return None if found is None else dict(found.get("data") or {})
+def get_config_map(namespace: str, name: str) -> dict[str, Any] | None:
+    return _get(lambda: _core().read_namespaced_config_map(name, namespace, _preload_content=False))
 
 
 def _get(call: Callable[[], Any]) -> dict[str, Any] | None:
     """The object, or None when it does not exist."""
     try:
-        result = call()
+        response = call()
     except ApiException as exc:
         if exc.status == 404:
             return None
         raise
-    return _plain(result)
+    return _json(response)
 
 
 def as_kopf_error(exc: Exception, what: str) -> kopf.TemporaryError | kopf.PermanentError:

@@ -224,7 +224,8 @@ def job_role_binding(owner: Owner) -> dict[str, Any]:
 
 
 def children(owner: Owner, spec: RLJobSpec) -> list[dict[str, Any]]:
-    """All children in creation order: identity and config before the RayJob that uses them."""
+    """All children: identity and config before the RayJob that uses them (the operator applies
+    the Role and RoleBinding after the RayJob: see handlers.AFTER_RAYJOB)."""
     return [
         service_account(owner),
         job_role(owner),
