@@ -22,7 +22,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from rljob_worker.engines.sglang_engine import TensorHandoff
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class GroupEngine(Protocol):
@@ -188,22 +186,15 @@ class TensorParallelEngine:
         mine = ([list(p) for p in prompts], sampling)
         batches: list[Any] | None = [None] * len(layout.group) if layout.is_leader else None
         dist.gather_object(mine, batches, dst=layout.leader, group=self._group)
-        answers: list[Any] = [None]
-        if layout.is_leader:
+
+        def answer_all() -> list[list[list[int]]]:
             assert batches is not None and self._engine is not None
-            try:
-                outcome: list[Any] = [(a, None) for a in self._engine.generate_many(batches)]
-            except Exception as exc:
-                outcome = [(None, _describe(exc))] * len(layout.group)
-                dist.scatter_object_list(answers, outcome, src=layout.leader, group=self._group)
-                raise
-            dist.scatter_object_list(answers, outcome, src=layout.leader, group=self._group)
-        else:
-            dist.scatter_object_list(answers, None, src=layout.leader, group=self._group)
-        responses, error = answers[0]
+            return self._engine.generate_many(batches)
+
+        answers, error = _lead(self._group, layout, answer_all)
         if error is not None:
             raise self._peer_error("generate", error)
-        return list(responses)
+        return list(answers[layout.tp_rank])
 
     def release(self, tags: Sequence[str]) -> None:
         if any(t not in self._released for t in tags):
@@ -240,7 +231,6 @@ class TensorParallelEngine:
             )
 
         self._on_leader("update_weights", load)
-        del named
 
     def flush_cache(self) -> None:
         self._on_leader("flush_cache", lambda engine: engine.flush_cache())
@@ -254,22 +244,16 @@ class TensorParallelEngine:
     def _on_leader(self, what: str, call: Callable[[GroupEngine], None]) -> None:
         """Run `call` on the leader's engine; every rank returns once it is done (and raises if
         it failed), with the engine's released tags."""
-        layout = self.layout
-        message: list[Any] = [None, None]
-        if layout.is_leader:
+
+        def run() -> frozenset[str]:
             assert self._engine is not None, "the engine was shut down"
-            try:
-                call(self._engine)
-            except Exception as exc:
-                message = [_describe(exc), self._engine.released_tags]
-                dist.broadcast_object_list(message, src=layout.leader, group=self._group)
-                raise
-            message = [None, self._engine.released_tags]
-        dist.broadcast_object_list(message, src=layout.leader, group=self._group)
-        error, released = message
-        self._released = frozenset(released)
+            call(self._engine)
+            return self._engine.released_tags
+
+        released, error = _lead(self._group, self.layout, run)
         if error is not None:
             raise self._peer_error(what, error)
+        self._released = frozenset(released)
 
     def _peer_error(self, what: str, error: str) -> TensorParallelPeerError:
         return TensorParallelPeerError(
@@ -278,8 +262,22 @@ class TensorParallelEngine:
         )
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+def _lead(
+    group: Any, layout: TensorParallelLayout, work: Callable[[], Any]
+) -> tuple[Any, str | None]:
+    """Run `work` on the group's leader and give every rank of the group its outcome:
+    (result, None), or (None, the leader's error). The leader raises its own error itself,
+    after the others have it, so none of them waits for an answer that never comes."""
+    message: list[Any] = [None, None]
+    if layout.is_leader:
+        try:
+            message = [work(), None]
+        except Exception as exc:
+            message = [None, f"{type(exc).__name__}: {exc}"]
+            dist.broadcast_object_list(message, src=layout.leader, group=group)
+            raise
+    dist.broadcast_object_list(message, src=layout.leader, group=group)
+    return message[0], message[1]
 
 
 def make_tensor_parallel_engine(
@@ -304,30 +302,31 @@ def make_tensor_parallel_engine(
     group = groups[layout.groups.index(layout.group)]
     assert isinstance(group, dist.ProcessGroup), "this rank is in its own group"
     gpu_ids = [placed[r][1] for r in layout.group]
-    engine: GroupEngine | None = None
-    answer: list[Any] = [None, None, None]
-    if layout.is_leader:
+    built: list[GroupEngine] = []
+
+    def start() -> tuple[int, frozenset[str]]:
         log.info(
             "rank %d starts the sglang engine of ranks %s on GPUs %s",
             rank,
             list(layout.group),
             gpu_ids,
         )
-        try:
-            with visible_gpus(gpu_ids):
-                engine = build(tp_size)
-        except Exception as exc:
-            answer = [_describe(exc), None, None]
-            dist.broadcast_object_list(answer, src=layout.leader, group=group)
-            raise
-        answer = [None, engine.kv_capacity_tokens, engine.released_tags]
-    dist.broadcast_object_list(answer, src=layout.leader, group=group)
-    error, kv_capacity_tokens, released = answer
+        with visible_gpus(gpu_ids):
+            built.append(build(tp_size))
+        return built[0].kv_capacity_tokens, built[0].released_tags
+
+    started, error = _lead(group, layout, start)
     if error is not None:
         raise TensorParallelPeerError(
             f"rank {layout.leader} could not start the sglang engine of tensor-parallel group "
             f"{list(layout.group)} on GPUs {gpu_ids}: {error}"
         )
+    kv_capacity_tokens, released = started
     return TensorParallelEngine(
-        layout, group, engine, handoff, int(kv_capacity_tokens), frozenset(released)
+        layout,
+        group,
+        built[0] if built else None,
+        handoff,
+        int(kv_capacity_tokens),
+        frozenset(released),
     )
