@@ -109,10 +109,14 @@ def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def _chunk_rows(rows: int, world: int) -> int:
+    """Rows of a full dim-0 chunk as FSDP2 cuts it (torch.chunk): ceil(rows / world)."""
+    return -(-rows // world)
+
+
 def _row_chunk(rows: int, world: int, rank: int) -> tuple[int, int]:
-    """(first row, rows) of `rank`'s dim-0 shard as FSDP2 cuts it (torch.chunk): chunks of
-    ceil(rows / world) rows, the last ones shorter or empty."""
-    size = -(-rows // world)
+    """(first row, rows) of `rank`'s dim-0 shard: full chunks, the last ones shorter or empty."""
+    size = _chunk_rows(rows, world)
     start = min(rank * size, rows)
     return start, min(size, rows - start)
 
@@ -157,17 +161,18 @@ def _gather_flat(
     rank: int,
     group: dist.ProcessGroup,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    slots: list[tuple[str, torch.Size, int, int]] = []  # name, full shape, offset, chunk numel
+    # name, full shape, rows of a full chunk, offset in the flat buffer, elements of a chunk
+    slots: list[tuple[str, torch.Size, int, int, int]] = []
     offset = 0
     for name, tensor in sharded:
         shape = tensor.shape
-        chunk_rows = -(-shape[0] // world)
+        chunk_rows = _chunk_rows(shape[0], world)
         chunk = chunk_rows * (tensor.numel() // shape[0] if shape[0] else 0)
-        slots.append((name, shape, offset, chunk))
+        slots.append((name, shape, chunk_rows, offset, chunk))
         offset += chunk
     device = sharded[0][1].to_local().device
     send = torch.empty(offset, dtype=dtype, device=device)
-    for (name, tensor), (_, shape, start, _chunk) in zip(sharded, slots, strict=True):
+    for (name, tensor), (_, shape, _rows, start, _chunk) in zip(sharded, slots, strict=True):
         local = tensor.to_local()
         _first, rows = _row_chunk(shape[0], world, rank)
         if local.shape[0] != rows:
@@ -179,8 +184,7 @@ def _gather_flat(
     received = torch.empty(world * offset, dtype=dtype, device=device)
     dist.all_gather_into_tensor(received, send, group=group)
     by_rank = received.view(world, offset)
-    for name, shape, start, chunk in slots:
-        chunk_rows = -(-shape[0] // world)
+    for name, shape, chunk_rows, start, chunk in slots:
         parts = by_rank[:, start : start + chunk].reshape(world * chunk_rows, *shape[1:])
         yield name, parts[: shape[0]]
 
