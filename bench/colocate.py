@@ -384,11 +384,16 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
         return []
     if "error" in profile:
         return [f"- weight-sync profile failed: {profile['error']}"]
+    gathered = (
+        f" train.gather_full per bucket + copy {profile['gather_full_copy_seconds'] * 1e3:.1f} ms;"
+        if "gather_full_copy_seconds" in profile  # absent from runs before train.gather_full
+        else ""
+    )
     return [
         f"- weight-sync path by part ({int(profile['tensors'])} tensors, fp32 shards to bf16): "
         f"DTensor cast + full_tensor + copy {profile['dtensor_cast_gather_copy_seconds'] * 1e3:.1f}"
-        f" ms; local cast-and-copy {profile['local_cast_copy_seconds'] * 1e3:.1f} ms; one flat "
-        f"copy of the engine bytes {profile['flat_copy_seconds'] * 1e3:.1f} ms"
+        f" ms;{gathered} local cast-and-copy {profile['local_cast_copy_seconds'] * 1e3:.1f} ms; one"
+        f" flat copy of the engine bytes {profile['flat_copy_seconds'] * 1e3:.1f} ms"
     ]
 
 
@@ -412,7 +417,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f" GB/s (HBM read+write {_num(bw.get('hbm_read_write_bytes_per_second', 0) / 1e9, 0)}"
         f" GB/s), pinned host-to-device {_num(bw.get('h2d_pinned_bytes_per_second', 0) / 1e9, 1)}"
         f" GB/s, device-to-host {_num(bw.get('d2h_pinned_bytes_per_second', 0) / 1e9, 1)} GB/s",
-        "- commands: " + "; ".join(f"`{c}`" for c in result["commands"]),
+        "- commands: " + "; ".join(f"({i}) `{c}`" for i, c in enumerate(result["commands"], 1)),
         *_profile_lines(result.get("weight_sync_profile") or {}),
         "",
         "Times are medians over iterations 2..N (iteration 1 also pins host buffers). "
@@ -420,8 +425,8 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         "",
         "| mode | memFractionStatic | result | KV tokens | peak wake_weights GiB | "
         "peak wake_kv_cache GiB | peak rollout GiB | rollout tok/s | sync s | offload s | "
-        "onload s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "onload s | run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in sorted(result["points"], key=lambda p: (p["mode"], p["fraction"])):
         peaks = p["stage_peak_bytes"]
@@ -435,7 +440,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
             f"| {_gib(peaks.get('wake_weights'))} | {_gib(peaks.get('wake_kv_cache'))} | "
             f"{_gib(peaks.get('rollout'))} | {_num(p['rollout_tokens_per_second'], 0)} | "
             f"{_num(p['weight_sync_seconds'], 3)} | {_num(p['offload_seconds'])} | "
-            f"{_num(p['onload_seconds'])} |"
+            f"{_num(p['onload_seconds'])} | {p.get('run', 1)} |"
         )
     lines += ["", "## Targets", ""]
     lines += [
@@ -617,6 +622,9 @@ def merge(paths: list[Path], out: Path) -> None:
     for point in (p for r in results for p in r["points"]):
         if point["failure"] and point["oom_stage"] is None:  # written before "engine_start"
             point["oom_stage"] = "engine_start"
+    for run, result in enumerate(results, 1):  # which command (numbered in the md) ran it
+        for point in result["points"]:
+            point["run"] = run
     merged = results[0]
     for other in results[1:]:
         if other["environment"]["device"] != merged["environment"]["device"]:

@@ -1,7 +1,8 @@
 """Weight sync's gather: FSDP2 dim-0 shards to full tensors with one all-gather per bucket.
 
 Three real gloo ranks (so shards are uneven, and some ranks hold no rows of a small tensor)
-compare gather_full with DTensor.full_tensor, bit for bit, and count the collectives.
+compare gather_full with DTensor.full_tensor, bit for bit, and count the collectives; one rank
+(the single-GPU case) must give the same with no collective at all.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ WORLD = 3
 SHAPES = [(7, 3), (2, 5), (5,), (1, 4), (12,), (3, 2, 2), (64, 8)]
 
 
-def _rank_main(rank: int, init_method: str, results: Any) -> None:
+def _rank_main(rank: int, init_method: str, world: int, results: Any) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -26,10 +27,10 @@ def _rank_main(rank: int, init_method: str, results: Any) -> None:
 
     from rljob_worker import train
 
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     out: dict[str, Any] = {}
     try:
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)  # the same full tensors on every rank, then sharded
         tensors = [distribute_tensor(torch.randn(s), mesh, [Shard(0)]) for s in SHAPES]
         tensors.append(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
@@ -66,7 +67,7 @@ def _rank_main(rank: int, init_method: str, results: Any) -> None:
 
 
 def test_one_all_gather_per_bucket_gives_the_same_full_tensors_as_full_tensor() -> None:
-    collected = run_ranks(_rank_main, WORLD)
+    collected = run_ranks(_rank_main, WORLD, WORLD)
     for rank in range(WORLD):
         out = collected[rank]
         assert "error" not in out, out
@@ -76,6 +77,15 @@ def test_one_all_gather_per_bucket_gives_the_same_full_tensors_as_full_tensor() 
         assert out["dtypes"] == ["torch.bfloat16"]
         # Every Shard(0) tensor in one collective (the replicated one is gathered by DTensor).
         assert out["flat_gathers"] == 1
+
+
+def test_one_rank_only_casts_without_a_collective() -> None:
+    out = run_ranks(_rank_main, 1, 1)[0]
+    assert "error" not in out, out
+    assert all(out["equal"]), out["equal"]
+    assert out["shapes"] == [*SHAPES, (4, 4), (3,)]
+    assert out["dtypes"] == ["torch.bfloat16"]
+    assert out["flat_gathers"] == 0
 
 
 @pytest.mark.parametrize(
