@@ -600,11 +600,20 @@ class JobConfig(_Spec):
     spec: RLJobSpec
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(by_alias=True, mode="json"), sort_keys=False)
+        return yaml.dump(
+            self.model_dump(by_alias=True, mode="json"), Dumper=_SafeDumper, sort_keys=False
+        )
 
     @classmethod
     def from_yaml(cls, text: str) -> JobConfig:
-        return cls.model_validate(yaml.safe_load(text))
+        return cls.model_validate(yaml.load(text, Loader=_SafeLoader))
+
+
+# libyaml's safe dumper and loader where PyYAML was built with it (its wheels are): the same
+# text as the pure-Python ones for these documents (the golden ConfigMaps), 5-9x faster; the
+# operator renders and parses a job config on every reconcile.
+_SafeDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def parse_manifest(doc: dict[str, Any]) -> tuple[str, RLJobSpec]:

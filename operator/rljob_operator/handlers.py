@@ -116,6 +116,13 @@ def _job_lock(namespace: str, name: str) -> threading.RLock:
         return _LOCKS.setdefault((namespace, name), threading.RLock())
 
 
+def _drop_job_lock(namespace: str, name: str) -> None:
+    """Forget a deleted RLJob's lock (one per job ever seen would otherwise stay for the life
+    of the process). A handler still holding it finishes with it; its writes meet a 404."""
+    with _LOCKS_GUARD:
+        _LOCKS.pop((namespace, name), None)
+
+
 _LOCKS: dict[tuple[str, str], threading.RLock] = {}
 _LOCKS_GUARD = threading.Lock()
 
@@ -311,6 +318,7 @@ def rljob_changed(
         metrics.JOBS.forget(namespace, name)
         MIRRORED.forget(namespace, name)
         APPLIED.forget(namespace, name)
+        _drop_job_lock(namespace, name)
         return
     current = dict(body.get("status") or {})
     metrics.JOBS.observe(namespace, name, current)

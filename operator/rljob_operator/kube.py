@@ -113,11 +113,6 @@ def get_rljob(namespace: str, name: str) -> dict[str, Any] | None:
         GROUP, VERSION, namespace, PLURAL, name, _preload_content=False))  # fmt: skip
 
 
-def get_rayjob(namespace: str, name: str) -> dict[str, Any] | None:
-    return _get(lambda: _custom().get_namespaced_custom_object(
-        "ray.io", "v1", namespace, "rayjobs", name, _preload_content=False))  # fmt: skip
-
-
 def get_config_map(namespace: str, name: str) -> dict[str, Any] | None:
     return _get(lambda: _core().read_namespaced_config_map(name, namespace, _preload_content=False))
 
