@@ -27,7 +27,8 @@ summary() {
 
 run_pytest() {
   local rc
-  PYTHONPATH=hack .venv/bin/python -m pytest -p pytest_layer_guard -rs --timeout=1200 "$@"
+  # --durations: the slowest tests in every run, so CI time can be followed test by test.
+  PYTHONPATH=hack .venv/bin/python -m pytest -p pytest_layer_guard -rs --timeout=1200 --durations=20 "$@"
   rc=$?
   if [[ $rc == 5 ]]; then
     echo "pytest collected no tests: that is a failure here, not a pass" >&2
