@@ -143,10 +143,13 @@ def profile_weight_sync(model_name: str, repeats: int = 3) -> dict[str, float]:
         for shard, target in zip(shards, targets, strict=True):
             target.copy_(shard.to_local())
 
-    def timed(work: Any) -> float:
+    def timed(work: Any, cold: bool = False) -> float:
+        # cold: the caching allocator emptied first, as the loop's wake_weights does.
         work()
         times = []
         for _ in range(repeats):
+            if cold:
+                torch.cuda.empty_cache()
             torch.cuda.synchronize()
             started = time.perf_counter()
             work()
@@ -158,6 +161,7 @@ def profile_weight_sync(model_name: str, repeats: int = 3) -> dict[str, float]:
         "tensors": float(len(shapes)),
         "dtensor_cast_gather_copy_seconds": timed(dtensor_path),
         "gather_full_copy_seconds": timed(gather_full_path),
+        "gather_full_copy_cold_seconds": timed(gather_full_path, cold=True),
         "local_cast_copy_seconds": timed(local_path),
         "flat_copy_seconds": timed(lambda: flat_dst.copy_(flat_src)),
     }
@@ -389,6 +393,9 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
         if "gather_full_copy_seconds" in profile  # absent from runs before train.gather_full
         else ""
     )
+    if "gather_full_copy_cold_seconds" in profile:
+        cold = profile["gather_full_copy_cold_seconds"] * 1e3
+        gathered = f"{gathered[:-1]} ({cold:.1f} ms after emptying the allocator);"
     return [
         f"- weight-sync path by part ({int(profile['tensors'])} tensors, fp32 shards to bf16): "
         f"DTensor cast + full_tensor + copy {profile['dtensor_cast_gather_copy_seconds'] * 1e3:.1f}"

@@ -201,6 +201,16 @@ def test_update_weights_with_unknown_name_or_wrong_shape_raises_clearly(
         engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))])
     with pytest.raises(ValueError, match=r"shape \(64, 64\), the engine's is \(128, 64\)"):
         engine.update_weights([("model.layers.0.mlp.up_proj.weight", torch.zeros(64, 64))])
+    # A bad tensor anywhere in a bucket rejects the whole bucket: nothing was written.
+    before = dict(engine.named_weights())["model.layers.0.mlp.down_proj.weight"].clone()
+    with pytest.raises(ValueError, match="up_proj"):
+        engine.update_weights(
+            [
+                ("model.layers.0.mlp.down_proj.weight", torch.ones_like(before)),
+                ("model.layers.0.mlp.up_proj.weight", torch.zeros(64, 64)),
+            ]
+        )
+    assert torch.equal(dict(engine.named_weights())["model.layers.0.mlp.down_proj.weight"], before)
 
 
 def test_release_and_resume_reach_the_pass_through_saver_in_order(

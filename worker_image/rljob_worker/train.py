@@ -128,28 +128,31 @@ def gather_full(params: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype) 
     which for a 3B model's 434 tensors is most of the weight sync (bench/results/colocate.md).
     Here each rank casts its dim-0 shards into one flat buffer, each shard padded to the full
     chunk size so every rank sends the same number of elements; one all_gather_into_tensor
-    fills [world, elements]; each tensor is then its chunks, one per rank, unpadded. Tensors
-    not sharded that way (plain tensors, other placements) are gathered on their own.
+    fills [world, elements]; each tensor is then its chunks, one per rank, unpadded, copied into
+    one output buffer. With one rank the flat buffer of cast shards is the answer. Tensors not
+    sharded that way (plain tensors, other placements) are gathered on their own.
+
+    What costs here is per-tensor host work, not bytes (bench/colocate.py --profile-sync): no
+    autograd (a DTensor's detach or to_local with grad on is ~15-30 us each), views cut by one
+    split, and each group of copies is one torch._foreach_copy_.
     Collective: every rank calls it with the same names in the same order.
     """
-    full: dict[str, torch.Tensor] = {}
-    sharded: list[tuple[str, DTensor]] = []
-    for name, tensor in params:
-        if isinstance(tensor, DTensor) and tuple(tensor.placements) == (Shard(0),):
-            sharded.append((name, tensor))
-        elif isinstance(tensor, DTensor):
-            # Cast the shard first, then gather: the gather moves engine-dtype bytes.
-            cast = tensor.to(dtype)
-            assert isinstance(cast, DTensor)
-            full[name] = cast.full_tensor()
-        else:
-            full[name] = tensor.to(dtype)
-    if sharded:
-        mesh = sharded[0][1].device_mesh
-        world, rank = mesh.size(), mesh.get_local_rank()
-        if world == 1:
-            full.update((name, t.to_local().to(dtype)) for name, t in sharded)
-        else:
+    with torch.no_grad():
+        full: dict[str, torch.Tensor] = {}
+        sharded: list[tuple[str, DTensor]] = []
+        for name, tensor in params:
+            if isinstance(tensor, DTensor) and tuple(tensor.placements) == (Shard(0),):
+                sharded.append((name, tensor))
+            elif isinstance(tensor, DTensor):
+                # Cast the shard first, then gather: the gather moves engine-dtype bytes.
+                cast = tensor.to(dtype)
+                assert isinstance(cast, DTensor)
+                full[name] = cast.full_tensor()
+            else:
+                full[name] = tensor.to(dtype)
+        if sharded:
+            mesh = sharded[0][1].device_mesh
+            world, rank = mesh.size(), mesh.get_local_rank()
             full.update(_gather_flat(sharded, dtype, world, rank, mesh.get_group()))
     return [(name, full[name]) for name, _ in params]
 
@@ -161,32 +164,43 @@ def _gather_flat(
     rank: int,
     group: dist.ProcessGroup,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    # name, full shape, rows of a full chunk, offset in the flat buffer, elements of a chunk
-    slots: list[tuple[str, torch.Size, int, int, int]] = []
-    offset = 0
-    for name, tensor in sharded:
-        shape = tensor.shape
-        chunk_rows = _chunk_rows(shape[0], world)
-        chunk = chunk_rows * (tensor.numel() // shape[0] if shape[0] else 0)
-        slots.append((name, shape, chunk_rows, offset, chunk))
-        offset += chunk
-    device = sharded[0][1].to_local().device
-    send = torch.empty(offset, dtype=dtype, device=device)
-    for (name, tensor), (_, shape, _rows, start, _chunk) in zip(sharded, slots, strict=True):
-        local = tensor.to_local()
-        _first, rows = _row_chunk(shape[0], world, rank)
+    names = [name for name, _ in sharded]
+    shapes = [tensor.shape for _, tensor in sharded]
+    locals_ = [tensor.to_local() for _, tensor in sharded]
+    # Elements per row, and rows of a full chunk (the padded size every rank sends).
+    row_sizes = [shape[1:].numel() for shape in shapes]
+    chunk_rows = [_chunk_rows(shape[0], world) for shape in shapes]
+    chunks = [rows * size for rows, size in zip(chunk_rows, row_sizes, strict=True)]
+    for name, shape, local in zip(names, shapes, locals_, strict=True):
+        rows = _row_chunk(shape[0], world, rank)[1]
         if local.shape[0] != rows:
             raise RuntimeError(
                 f"{name}: local shard has {local.shape[0]} rows, FSDP2's dim-0 chunking gives "
                 f"{rows} of {shape[0]} on rank {rank} of {world}"
             )
-        send[start : start + local.numel()].view_as(local).copy_(local)
-    received = torch.empty(world * offset, dtype=dtype, device=device)
+    device = locals_[0].device
+    send = torch.empty(sum(chunks), dtype=dtype, device=device)
+    slots = send.split(chunks)
+    torch._foreach_copy_(
+        [slot[: local.numel()].view_as(local) for slot, local in zip(slots, locals_, strict=True)],
+        locals_,
+    )
+    if world == 1:  # the cast shards are the full tensors
+        yield from (
+            (n, slot.view(shape)) for n, slot, shape in zip(names, slots, shapes, strict=True)
+        )
+        return
+    received = torch.empty(world * send.numel(), dtype=dtype, device=device)
     dist.all_gather_into_tensor(received, send, group=group)
-    by_rank = received.view(world, offset)
-    for name, shape, chunk_rows, start, chunk in slots:
-        parts = by_rank[:, start : start + chunk].reshape(world * chunk_rows, *shape[1:])
-        yield name, parts[: shape[0]]
+    # received is [world, send]: tensor i is column block i of every rank's row. Copy each into
+    # its own block of one output buffer, laid out as the padded full tensor [world * chunk rows].
+    by_rank = received.view(world, send.numel()).split(chunks, dim=1)
+    out = torch.empty_like(received).split([world * chunk for chunk in chunks])
+    torch._foreach_copy_(
+        [o.view(world, c) for o, c in zip(out, chunks, strict=True)], list(by_rank)
+    )
+    for name, shape, block, size in zip(names, shapes, out, row_sizes, strict=True):
+        yield name, block[: shape[0] * size].view(shape)
 
 
 def _shard(model: torch.nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> None:
@@ -450,6 +464,7 @@ class Trainer:
         element = torch.empty((), dtype=dtype).element_size()
         sizes = [(name, p.numel() * element) for name, p in params.items()]
         for names in plan_buckets(sizes, bucket_bytes):
-            bucket = gather_full([(name, params[name].detach()) for name in names], dtype)
+            # No detach: gather_full runs without autograd (a DTensor's detach is ~30 us each).
+            bucket = gather_full([(name, params[name]) for name in names], dtype)
             yield bucket
             del bucket

@@ -224,24 +224,31 @@ class TorchEngine:
             raise RuntimeError(
                 "torch engine: update_weights while weights are released; resume first"
             )
+        targets: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        names: list[str] = []
+        for name, value in bucket:  # the whole bucket checked before any weight changes
+            canonical = self._aliases.get(name, name)
+            target = self._params.get(canonical)
+            if target is None:
+                known = ", ".join(self.parameter_names()[:4])
+                raise KeyError(
+                    f"torch engine: unknown weight {name!r} (the engine has "
+                    f"{len(self.parameter_names())} weights named like {known}, ...)"
+                )
+            if value.shape != target.shape:
+                raise ValueError(
+                    f"torch engine: weight {name!r} has shape {tuple(value.shape)}, "
+                    f"the engine's is {tuple(target.shape)} (send full, unsharded tensors)"
+                )
+            targets.append(target)
+            values.append(value)
+            names.append(canonical)
+        # In place: the addresses stay, so anything holding them (graphs, views) stays valid.
+        # One foreach copy per bucket: per-tensor copy_ calls cost more host time than bytes.
         with torch.no_grad():
-            for name, value in bucket:
-                canonical = self._aliases.get(name, name)
-                target = self._params.get(canonical)
-                if target is None:
-                    known = ", ".join(self.parameter_names()[:4])
-                    raise KeyError(
-                        f"torch engine: unknown weight {name!r} (the engine has "
-                        f"{len(self.parameter_names())} weights named like {known}, ...)"
-                    )
-                if tuple(value.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"torch engine: weight {name!r} has shape {tuple(value.shape)}, "
-                        f"the engine's is {tuple(target.shape)} (send full, unsharded tensors)"
-                    )
-                # In place: the address stays, so anything holding it (graphs, views) stays valid.
-                target.copy_(value)
-                self._stale_weights.discard(canonical)
+            torch._foreach_copy_(targets, values)
+        self._stale_weights.difference_update(names)
 
     def release(self, tags: Sequence[str]) -> None:
         self._require_alive()
