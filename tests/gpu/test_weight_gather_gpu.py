@@ -1,0 +1,76 @@
+"""Weight sync's multi-rank gather on a GPU: train.gather_full's CUDA path over a real
+collective, on the one GPU a single-GPU machine has.
+
+Two processes share cuda:0 and join a gloo group (gloo all-gathers CUDA tensors through host
+memory; NCCL refuses two ranks on one device). What is exercised is the device side of the
+gather: the cast into one padded flat buffer, the strided copy-out per tensor and the foreach
+copies, on CUDA, against the full tensors bit for bit. NCCL itself runs in test_multi_gpu.py,
+which needs two GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from support.ranks import run_ranks
+
+WORLD = 2
+# Rows not divisible by 2, fewer rows than ranks, 1-D, 3-D, one large (a 3B model's MLP).
+SHAPES = [(7, 3), (1, 5), (5,), (3, 2, 2), (11008, 2048)]
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _rank_main(rank: int, init_method: str, results: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from rljob_worker import train
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
+    out: dict[str, Any] = {}
+    try:
+        mesh = DeviceMesh("cuda", list(range(WORLD)))
+        generator = torch.Generator().manual_seed(0)  # the same full tensors on every rank
+        fulls = [torch.randn(s, generator=generator).cuda() for s in SHAPES]
+        # src_data_rank=None: each rank cuts its own shard, no scatter.
+        named = [
+            (f"t{i}", distribute_tensor(f, mesh, [Shard(0)], src_data_rank=None))
+            for i, f in enumerate(fulls)
+        ]
+        gathers: list[int] = []
+        real = dist.all_gather_into_tensor
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            gathers.append(1)
+            return real(*args, **kwargs)
+
+        train.dist.all_gather_into_tensor = counted  # type: ignore[assignment]
+        got = train.gather_full(named, torch.bfloat16)
+        torch.cuda.synchronize()
+        out["equal"] = [
+            torch.equal(g, f.to(torch.bfloat16)) for (_, g), f in zip(got, fulls, strict=True)
+        ]
+        out["devices"] = sorted({str(g.device) for _, g in got})
+        out["shapes"] = [tuple(g.shape) for _, g in got]
+        out["flat_gathers"] = len(gathers)
+    except Exception as exc:
+        out["error"] = repr(exc)
+    finally:
+        dist.destroy_process_group()
+        results.put((rank, out))
+
+
+def test_gather_full_on_cuda_over_two_ranks_equals_the_full_tensors() -> None:
+    collected = run_ranks(_rank_main, WORLD, timeout_seconds=180)
+    for rank in range(WORLD):
+        out = collected[rank]
+        assert "error" not in out, out
+        assert all(out["equal"]), out["equal"]
+        assert out["devices"] == ["cuda:0"]
+        assert out["shapes"] == SHAPES
+        assert out["flat_gathers"] == 1
