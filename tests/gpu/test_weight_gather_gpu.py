@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.ranks import run_ranks
+from support.ranks import counted_all_gathers, run_ranks
 
 WORLD = 2
 # Rows not divisible by 2, fewer rows than ranks, 1-D, 3-D, one large (a 3B model's MLP).
@@ -42,15 +42,8 @@ def _rank_main(rank: int, init_method: str, results: Any) -> None:
             (f"t{i}", distribute_tensor(f, mesh, [Shard(0)], src_data_rank=None))
             for i, f in enumerate(fulls)
         ]
-        gathers: list[int] = []
-        real = dist.all_gather_into_tensor
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            gathers.append(1)
-            return real(*args, **kwargs)
-
-        train.dist.all_gather_into_tensor = counted  # type: ignore[assignment]
-        got = train.gather_full(named, torch.bfloat16)
+        with counted_all_gathers() as gathers:
+            got = train.gather_full(named, torch.bfloat16)
         torch.cuda.synchronize()
         out["equal"] = [
             torch.equal(g, f.to(torch.bfloat16)) for (_, g), f in zip(got, fulls, strict=True)

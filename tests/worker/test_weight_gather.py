@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support.ranks import run_ranks
+from support.ranks import counted_all_gathers, run_ranks
 
 pytestmark = pytest.mark.worker
 
@@ -37,16 +37,8 @@ def _rank_main(rank: int, init_method: str, world: int, results: Any) -> None:
         tensors.append(torch.randn(3))  # not a DTensor: only cast
         named = [(f"t{i}", t) for i, t in enumerate(tensors)]
 
-        gathers: list[int] = []
-        real = dist.all_gather_into_tensor
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            gathers.append(1)
-            return real(*args, **kwargs)
-
-        train.dist.all_gather_into_tensor = counted  # type: ignore[assignment]
-        full = train.gather_full(named, torch.bfloat16)
-        train.dist.all_gather_into_tensor = real  # type: ignore[assignment]
+        with counted_all_gathers() as gathers:
+            full = train.gather_full(named, torch.bfloat16)
 
         expected = [
             t.full_tensor().to(torch.bfloat16)
