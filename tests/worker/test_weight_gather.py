@@ -32,7 +32,9 @@ def _rank_main(rank: int, init_method: str, world: int, results: Any) -> None:
     try:
         mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)  # the same full tensors on every rank, then sharded
-        tensors = [distribute_tensor(torch.randn(s), mesh, [Shard(0)]) for s in SHAPES]
+        tensors: list[torch.Tensor] = [
+            distribute_tensor(torch.randn(s), mesh, [Shard(0)]) for s in SHAPES
+        ]
         tensors.append(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
         tensors.append(torch.randn(3))  # not a DTensor: only cast
         named = [(f"t{i}", t) for i, t in enumerate(tensors)]
