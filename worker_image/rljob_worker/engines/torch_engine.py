@@ -245,7 +245,7 @@ class TorchEngine:
             values.append(value)
             names.append(canonical)
         # In place: the addresses stay, so anything holding them (graphs, views) stays valid.
-        # One foreach copy per bucket: per-tensor copy_ calls cost more host time than bytes.
+        # One foreach copy per bucket rather than a copy_ call (and its host time) per tensor.
         with torch.no_grad():
             torch._foreach_copy_(targets, values)
         self._stale_weights.difference_update(names)
