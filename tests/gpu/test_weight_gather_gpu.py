@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from support.ranks import counted_all_gathers, run_ranks
+from support.ranks import run_ranks
+from support.weight_gather import gather_and_describe
 
 WORLD = 2
 # Rows not divisible by 2, fewer rows than ranks, 1-D, 3-D, one large (a 3B model's MLP).
@@ -28,8 +29,6 @@ def _rank_main(rank: int, init_method: str, results: Any) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from rljob_worker import train
-
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     out: dict[str, Any] = {}
@@ -42,15 +41,7 @@ def _rank_main(rank: int, init_method: str, results: Any) -> None:
             (f"t{i}", distribute_tensor(f, mesh, [Shard(0)], src_data_rank=None))
             for i, f in enumerate(fulls)
         ]
-        with counted_all_gathers() as gathers:
-            got = train.gather_full(named, torch.bfloat16)
-        torch.cuda.synchronize()
-        out["equal"] = [
-            torch.equal(g, f.to(torch.bfloat16)) for (_, g), f in zip(got, fulls, strict=True)
-        ]
-        out["devices"] = sorted({str(g.device) for _, g in got})
-        out["shapes"] = [tuple(g.shape) for _, g in got]
-        out["flat_gathers"] = len(gathers)
+        out.update(gather_and_describe(named, [f.to(torch.bfloat16) for f in fulls]))
     except Exception as exc:
         out["error"] = repr(exc)
     finally:

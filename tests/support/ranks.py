@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 
@@ -36,23 +35,3 @@ def run_ranks(
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
-
-
-@contextlib.contextmanager
-def counted_all_gathers() -> Iterator[list[int]]:
-    """Inside a rank: count torch.distributed.all_gather_into_tensor calls (each is appended
-    to the yielded list) while still running them; the real function is back on exit."""
-    import torch.distributed as dist
-
-    calls: list[int] = []
-    real = dist.all_gather_into_tensor
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    dist.all_gather_into_tensor = counted  # type: ignore[assignment]
-    try:
-        yield calls
-    finally:
-        dist.all_gather_into_tensor = real  # type: ignore[assignment]

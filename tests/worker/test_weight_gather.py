@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support.ranks import counted_all_gathers, run_ranks
+from support.ranks import run_ranks
+from support.weight_gather import gather_and_describe
 
 pytestmark = pytest.mark.worker
 
@@ -25,8 +26,6 @@ def _rank_main(rank: int, init_method: str, world: int, results: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from rljob_worker import train
-
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     out: dict[str, Any] = {}
     try:
@@ -39,20 +38,13 @@ def _rank_main(rank: int, init_method: str, world: int, results: Any) -> None:
         tensors.append(torch.randn(3))  # not a DTensor: only cast
         named = [(f"t{i}", t) for i, t in enumerate(tensors)]
 
-        with counted_all_gathers() as gathers:
-            full = train.gather_full(named, torch.bfloat16)
-
         expected = [
             t.full_tensor().to(torch.bfloat16)
             if isinstance(t, torch.distributed.tensor.DTensor)
             else t.to(torch.bfloat16)
             for t in tensors
         ]
-        out["names"] = [name for name, _ in full]
-        out["equal"] = [torch.equal(f, e) for (_, f), e in zip(full, expected, strict=True)]
-        out["shapes"] = [tuple(f.shape) for _, f in full]
-        out["dtypes"] = sorted({str(f.dtype) for _, f in full})
-        out["flat_gathers"] = len(gathers)
+        out.update(gather_and_describe(named, expected))
     except Exception as exc:
         out["error"] = repr(exc)
     finally:

@@ -1,0 +1,49 @@
+"""Inside a rank of a weight-gather test: run train.gather_full and describe what it gave, for
+the CPU (tests/worker) and GPU (tests/gpu) tests to assert on alike."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+
+@contextlib.contextmanager
+def counted_all_gathers() -> Iterator[list[int]]:
+    """Count torch.distributed.all_gather_into_tensor calls (each is appended to the yielded
+    list) while still running them; the real function is back on exit."""
+    import torch.distributed as dist
+
+    calls: list[int] = []
+    real = dist.all_gather_into_tensor
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_gather_into_tensor = counted  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        dist.all_gather_into_tensor = real  # type: ignore[assignment]
+
+
+def gather_and_describe(
+    named: Sequence[tuple[str, Any]], expected: Sequence[Any]
+) -> dict[str, Any]:
+    """gather_full(named, bfloat16) against `expected` (the full bf16 tensors, in order): names,
+    bit-for-bit equality per tensor, shapes, dtypes, devices, and the all-gathers it made."""
+    import torch
+
+    from rljob_worker import train
+
+    with counted_all_gathers() as gathers:
+        got = train.gather_full(named, torch.bfloat16)
+    return {
+        "names": [name for name, _ in got],
+        "equal": [torch.equal(g, e) for (_, g), e in zip(got, expected, strict=True)],
+        "shapes": [tuple(g.shape) for _, g in got],
+        "dtypes": sorted({str(g.dtype) for _, g in got}),
+        "devices": sorted({str(g.device) for _, g in got}),
+        "flat_gathers": len(gathers),
+    }
