@@ -388,14 +388,13 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
         return []
     if "error" in profile:
         return [f"- weight-sync profile failed: {profile['error']}"]
-    gathered = (
-        f" train.gather_full per bucket + copy {profile['gather_full_copy_seconds'] * 1e3:.1f} ms;"
-        if "gather_full_copy_seconds" in profile  # absent from runs before train.gather_full
-        else ""
-    )
-    if "gather_full_copy_cold_seconds" in profile:
-        cold = profile["gather_full_copy_cold_seconds"] * 1e3
-        gathered = f"{gathered[:-1]} ({cold:.1f} ms after emptying the allocator);"
+    gathered = ""  # absent from runs before train.gather_full
+    if "gather_full_copy_seconds" in profile:
+        gathered = f" train.gather_full per bucket + copy {profile['gather_full_copy_seconds'] * 1e3:.1f} ms"
+        if "gather_full_copy_cold_seconds" in profile:  # and before the cold figure
+            cold = profile["gather_full_copy_cold_seconds"] * 1e3
+            gathered += f" ({cold:.1f} ms after emptying the allocator)"
+        gathered += ";"
     return [
         f"- weight-sync path by part ({int(profile['tensors'])} tensors, fp32 shards to bf16): "
         f"DTensor cast + full_tensor + copy {profile['dtensor_cast_gather_copy_seconds'] * 1e3:.1f}"
@@ -626,12 +625,11 @@ def finish(result: dict[str, Any], out: Path) -> None:
 def merge(paths: list[Path], out: Path) -> None:
     """Several runs' colocate.json (e.g. one per device call) into one result."""
     results = [json.loads(p.read_text()) for p in paths]
-    for point in (p for r in results for p in r["points"]):
-        if point["failure"] and point["oom_stage"] is None:  # written before "engine_start"
-            point["oom_stage"] = "engine_start"
-    for run, result in enumerate(results, 1):  # which command (numbered in the md) ran it
+    for run, result in enumerate(results, 1):
         for point in result["points"]:
-            point["run"] = run
+            point["run"] = run  # which command (numbered in the md) ran it
+            if point["failure"] and point["oom_stage"] is None:  # written before "engine_start"
+                point["oom_stage"] = "engine_start"
     merged = results[0]
     for other in results[1:]:
         if other["environment"]["device"] != merged["environment"]["device"]:
