@@ -95,17 +95,21 @@ def join_process_group(
     """
     from datetime import timedelta
 
+    device: torch.device | None = None
     if config.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(config.device))
+        device = torch.device(config.device)
+        torch.cuda.set_device(device)
     else:
         # Ranks share the host's cores; a few threads each keep them from thrashing.
         torch.set_num_threads(threads_per_rank)
     dist.init_process_group(
-        backend="nccl" if config.device.startswith("cuda") else "gloo",
+        backend="nccl" if device is not None else "gloo",
         init_method=init_method,
         rank=config.rank,
         world_size=config.world_size,
         timeout=timedelta(seconds=timeout_seconds),
+        # Binds NCCL to this rank's GPU (collectives and barrier() need not guess it).
+        device_id=device,
     )
 
 
