@@ -99,35 +99,84 @@ def measure_bandwidths(size_bytes: int = 2 * GiB) -> dict[str, float]:
     return figures
 
 
-def profile_weight_sync(model_name: str, repeats: int = 3) -> dict[str, float]:
-    """Seconds of the weight-sync path by part, on this process's GPU with the model's shapes.
+def profile_weight_sync(model_name: str, repeats: int = 3, ranks: int = 1) -> dict[str, float]:
+    """Seconds of the weight-sync path by part, with the model's shapes sharded over `ranks` GPUs.
 
-    fp32 shards (world size 1) into bf16 engine tensors: (a) per tensor, a DTensor cast,
-    full_tensor and copy_ (what Trainer.weight_buckets did before train.gather_full), (b)
-    train.gather_full per 512 MiB bucket and the engine's copy_ (what it does now), (c) the same
-    bytes without DTensor (local cast-and-copy per tensor), (d) one flat copy of all the engine
-    bytes (the HBM floor). Median of `repeats` after a warm-up.
+    fp32 shards into bf16 engine tensors: (a) per tensor, a DTensor cast, full_tensor and copy_
+    (what Trainer.weight_buckets did before train.gather_full), (b) train.gather_full per
+    512 MiB bucket and the engine's copy_ (what it does now), (c) the rank's own shards without
+    DTensor (local cast-and-copy per tensor; with one rank, the same bytes as the engine's),
+    (d) one flat copy of all the engine bytes (the HBM floor) and, with more than one rank,
+    (e) the all-gathers alone, one per bucket, as gather_full sends them (NCCL between the GPUs).
+    Median of `repeats` after a warm-up, as rank 0 saw them. One rank runs in this process; more
+    run in their own processes on cuda:0..ranks-1, as the loop's ranks do.
     """
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    if ranks == 1:
+        return _profile_rank(0, 1, init_method, model_name, repeats)
+    import multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    answers = context.Queue()
+    processes = [
+        context.Process(
+            target=_profile_rank_main,
+            args=(rank, ranks, init_method, model_name, repeats, answers),
+        )
+        for rank in range(ranks)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        answer = answers.get(timeout=300)
+    finally:
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.terminate()
+    if isinstance(answer, str):
+        raise RuntimeError(answer)
+    return dict(answer)
+
+
+def _profile_rank_main(
+    rank: int, world: int, init_method: str, model_name: str, repeats: int, answers: Any
+) -> None:
+    try:
+        figures = _profile_rank(rank, world, init_method, model_name, repeats)
+    except Exception as error:
+        answers.put(f"rank {rank}: {type(error).__name__}: {error}"[:500])
+        raise
+    if rank == 0:
+        answers.put(figures)
+
+
+def _profile_rank(
+    rank: int, world: int, init_method: str, model_name: str, repeats: int
+) -> dict[str, float]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                            world_size=1, device_id=torch.device("cuda", 0))  # fmt: skip
-    mesh = init_device_mesh("cuda", (1,))
+    from rljob_worker.train import _chunk_rows, gather_full, plan_buckets
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
+                            device_id=device)  # fmt: skip
+    mesh = init_device_mesh("cuda", (world,))
     with torch.device("meta"):
         shapes = [p.shape for p in Qwen2ForCausalLM(Qwen2Config(**_QWEN25_COMMON, **QWEN25[model_name])).parameters()]  # fmt: skip
     shards = [distribute_tensor(torch.randn(s, device="cuda"), mesh, [Shard(0)]) for s in shapes]
     targets = [torch.empty(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
+    own = [torch.empty_like(s.to_local(), dtype=torch.bfloat16) for s in shards]
     flat_src = torch.empty(sum(t.numel() for t in targets), dtype=torch.bfloat16, device="cuda")
     flat_dst = torch.empty_like(flat_src)
 
     def dtensor_path() -> None:
         for shard, target in zip(shards, targets, strict=True):
             target.copy_(shard.to(torch.bfloat16).full_tensor())  # type: ignore[attr-defined]
-
-    from rljob_worker.train import gather_full, plan_buckets
 
     named = [(str(i), shard) for i, shard in enumerate(shards)]
     buckets = plan_buckets([(n, t.numel() * 2) for n, t in named], 512 << 20)
@@ -140,8 +189,21 @@ def profile_weight_sync(model_name: str, repeats: int = 3) -> dict[str, float]:
                 target_of[name].copy_(full)
 
     def local_path() -> None:
-        for shard, target in zip(shards, targets, strict=True):
+        for shard, target in zip(shards, own, strict=True):
             target.copy_(shard.to_local())
+
+    # What gather_full sends per bucket: each tensor's full chunk (padded), in bf16.
+    sends = []
+    for names in buckets:
+        chunks = [_chunk_rows(by_name[n].shape[0], world) * by_name[n].shape[1:].numel() for n in names]  # fmt: skip
+        sends.append(torch.empty(sum(chunks), dtype=torch.bfloat16, device="cuda"))
+    receives = [
+        torch.empty(world * send.numel(), dtype=send.dtype, device="cuda") for send in sends
+    ]
+
+    def all_gathers() -> None:
+        for send, receive in zip(sends, receives, strict=True):
+            dist.all_gather_into_tensor(receive, send)
 
     def timed(work: Any, cold: bool = False) -> float:
         # cold: the caching allocator emptied first, as the loop's wake_weights does.
@@ -151,6 +213,7 @@ def profile_weight_sync(model_name: str, repeats: int = 3) -> dict[str, float]:
             if cold:
                 torch.cuda.empty_cache()
             torch.cuda.synchronize()
+            dist.barrier()
             started = time.perf_counter()
             work()
             torch.cuda.synchronize()
@@ -159,12 +222,16 @@ def profile_weight_sync(model_name: str, repeats: int = 3) -> dict[str, float]:
 
     figures = {
         "tensors": float(len(shapes)),
+        "ranks": float(world),
         "dtensor_cast_gather_copy_seconds": timed(dtensor_path),
         "gather_full_copy_seconds": timed(gather_full_path),
         "gather_full_copy_cold_seconds": timed(gather_full_path, cold=True),
         "local_cast_copy_seconds": timed(local_path),
         "flat_copy_seconds": timed(lambda: flat_dst.copy_(flat_src)),
     }
+    if world > 1:
+        figures["all_gather_seconds"] = timed(all_gathers)
+        figures["all_gather_bytes"] = float(sum(r.numel() * r.element_size() for r in receives))
     dist.destroy_process_group()
     return figures  # the tensors go with this frame; the caller empties the cache
 
@@ -395,11 +462,19 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
             cold = profile["gather_full_copy_cold_seconds"] * 1e3
             gathered += f" ({cold:.1f} ms after emptying the allocator)"
         gathered += ";"
+    ranks = int(profile.get("ranks", 1))
+    over = f", over {ranks} ranks" if ranks > 1 else ""
+    gathers = ""
+    if "all_gather_seconds" in profile:
+        gathers = (
+            f"; the all-gathers alone {profile['all_gather_seconds'] * 1e3:.1f} ms "
+            f"({profile['all_gather_bytes'] / 1e9:.1f} GB received)"
+        )
     return [
-        f"- weight-sync path by part ({int(profile['tensors'])} tensors, fp32 shards to bf16): "
+        f"- weight-sync path by part ({int(profile['tensors'])} tensors, fp32 shards to bf16{over}): "
         f"DTensor cast + full_tensor + copy {profile['dtensor_cast_gather_copy_seconds'] * 1e3:.1f}"
         f" ms;{gathered} local cast-and-copy {profile['local_cast_copy_seconds'] * 1e3:.1f} ms; one"
-        f" flat copy of the engine bytes {profile['flat_copy_seconds'] * 1e3:.1f} ms"
+        f" flat copy of the engine bytes {profile['flat_copy_seconds'] * 1e3:.1f} ms{gathers}"
     ]
 
 
@@ -714,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     sync_profile: dict[str, Any] = {}
     if on_cuda and args.profile_sync:
         try:
-            sync_profile = profile_weight_sync(model_name)
+            sync_profile = profile_weight_sync(model_name, ranks=args.ranks)
         except Exception as error:  # an auxiliary measurement: recorded, and the sweep goes on
             sync_profile = {"error": f"{type(error).__name__}: {error}"[:500]}
     if on_cuda:
