@@ -159,7 +159,7 @@ def _profile_rank(
     from torch.distributed.tensor import Shard, distribute_tensor
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rljob_worker.train import _chunk_rows, gather_full, plan_buckets
+    from rljob_worker.train import FLAT_ALL_GATHER, _chunk_rows, gather_full, plan_buckets
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -203,7 +203,7 @@ def _profile_rank(
 
     def all_gathers() -> None:
         for send, receive in zip(sends, receives, strict=True):
-            dist.all_gather_into_tensor(receive, send)
+            getattr(dist, FLAT_ALL_GATHER)(receive, send)
 
     def timed(work: Any, cold: bool = False) -> float:
         # cold: the caching allocator emptied first, as the loop's wake_weights does.

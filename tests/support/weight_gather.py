@@ -10,22 +10,24 @@ from typing import Any
 
 @contextlib.contextmanager
 def counted_all_gathers() -> Iterator[list[int]]:
-    """Count torch.distributed.all_gather_into_tensor calls (each is appended to the yielded
-    list) while still running them; the real function is back on exit."""
+    """Count the flat all-gathers gather_full makes (train.FLAT_ALL_GATHER, each call appended
+    to the yielded list) while still running them; the real function is back on exit."""
     import torch.distributed as dist
 
+    from rljob_worker.train import FLAT_ALL_GATHER
+
     calls: list[int] = []
-    real = dist.all_gather_into_tensor
+    real = getattr(dist, FLAT_ALL_GATHER)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return real(*args, **kwargs)
 
-    dist.all_gather_into_tensor = counted  # type: ignore[assignment]
+    setattr(dist, FLAT_ALL_GATHER, counted)
     try:
         yield calls
     finally:
-        dist.all_gather_into_tensor = real  # type: ignore[assignment]
+        setattr(dist, FLAT_ALL_GATHER, real)
 
 
 def gather_and_describe(

@@ -121,13 +121,21 @@ def _row_chunk(rows: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(size, rows - start)
 
 
+# torch.distributed's one-buffer all-gather: `all_gather_single` from torch 2.14 (where
+# `all_gather_into_tensor` warns that it is deprecated), `all_gather_into_tensor` before it
+# (torch 2.11 on the GPU machines has only that).
+FLAT_ALL_GATHER = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+)
+
+
 def gather_full(params: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype) -> NamedTensors:
     """Full tensors in `dtype` of FSDP2-sharded params, with one all-gather for all of them.
 
     Gathering per tensor (DTensor.full_tensor) costs a collective and its dispatch per tensor,
     which for a 3B model's 434 tensors is most of the weight sync (bench/results/colocate.md).
     Here each rank casts its dim-0 shards into one flat buffer, each shard padded to the full
-    chunk size so every rank sends the same number of elements; one all_gather_into_tensor
+    chunk size so every rank sends the same number of elements; one flat all-gather
     fills [world, elements]; each tensor is then its chunks, one per rank, unpadded, copied into
     one output buffer. With one rank the flat buffer of cast shards is the answer. Tensors not
     sharded that way (plain tensors, other placements) are gathered on their own.
@@ -193,7 +201,7 @@ def _gather_flat(
         )
         return
     received = torch.empty(world * send.numel(), dtype=dtype, device=device)
-    dist.all_gather_into_tensor(received, send, group=group)
+    getattr(dist, FLAT_ALL_GATHER)(received, send, group=group)
     # received is [world, send]: tensor i is column block i of every rank's row. Copy each into
     # its own block of one output buffer, laid out as the padded full tensor [world * chunk rows].
     by_rank = received.view(world, send.numel()).split(chunks, dim=1)
