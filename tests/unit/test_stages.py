@@ -68,14 +68,21 @@ class RecordingEngine:
 
     def __init__(self, log: list[str]) -> None:
         self.log = log
+        self._released: set[str] = set()
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        return frozenset(self._released)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: object) -> list[list[int]]:
         return [[1] for _ in prompts]
 
     def release(self, tags: Sequence[str]) -> None:
+        self._released.update(tags)
         self.log.append(f"release:{'+'.join(tags)}")
 
     def resume(self, tags: Sequence[str]) -> None:
+        self._released.difference_update(tags)
         self.log.append(f"resume:{'+'.join(tags)}")
 
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
