@@ -159,7 +159,7 @@ def _profile_rank(
     from torch.distributed.tensor import Shard, distribute_tensor
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rljob_worker.train import FLAT_ALL_GATHER, _chunk_rows, gather_full, plan_buckets
+    from rljob_worker.train import flat_all_gather, flat_chunk_elements, gather_full, plan_buckets
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -193,17 +193,18 @@ def _profile_rank(
             target.copy_(shard.to_local())
 
     # What gather_full sends per bucket: each tensor's full chunk (padded), in bf16.
-    sends = []
-    for names in buckets:
-        chunks = [_chunk_rows(by_name[n].shape[0], world) * by_name[n].shape[1:].numel() for n in names]  # fmt: skip
-        sends.append(torch.empty(sum(chunks), dtype=torch.bfloat16, device="cuda"))
+    sends = [
+        torch.empty(sum(flat_chunk_elements(by_name[n].shape, world) for n in names),
+                    dtype=torch.bfloat16, device="cuda")
+        for names in buckets
+    ]  # fmt: skip
     receives = [
         torch.empty(world * send.numel(), dtype=send.dtype, device="cuda") for send in sends
     ]
 
     def all_gathers() -> None:
         for send, receive in zip(sends, receives, strict=True):
-            getattr(dist, FLAT_ALL_GATHER)(receive, send)
+            flat_all_gather(receive, send)
 
     def timed(work: Any, cold: bool = False) -> float:
         # cold: the caching allocator emptied first, as the loop's wake_weights does.

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.ranks import run_ranks
+from support.ranks import gloo_rank, run_ranks
 from support.weight_gather import gather_and_describe
 
 WORLD = 2
@@ -25,14 +25,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _rank_main(rank: int, init_method: str, results: Any) -> None:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
-    out: dict[str, Any] = {}
-    try:
+    with gloo_rank(rank, WORLD, init_method, results) as out:
         mesh = DeviceMesh("cuda", list(range(WORLD)))
         generator = torch.Generator().manual_seed(0)  # the same full tensors on every rank
         fulls = [torch.randn(s, generator=generator).cuda() for s in SHAPES]
@@ -42,11 +39,6 @@ def _rank_main(rank: int, init_method: str, results: Any) -> None:
             for i, f in enumerate(fulls)
         ]
         out.update(gather_and_describe(named, [f.to(torch.bfloat16) for f in fulls]))
-    except Exception as exc:
-        out["error"] = repr(exc)
-    finally:
-        dist.destroy_process_group()
-        results.put((rank, out))
 
 
 def test_gather_full_on_cuda_over_two_ranks_equals_the_full_tensors() -> None:

@@ -1,11 +1,13 @@
 """Run a function as N real processes (spawned, as the local driver does) that each put one
-(rank, result) on a queue; a test then joins a gloo process group inside the function."""
+(rank, result) on a queue; a test then joins a gloo process group inside the function
+(`gloo_rank` does the joining, leaving and putting for the common case)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -35,3 +37,21 @@ def run_ranks(
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, init_method: str, results: Any) -> Iterator[dict[str, Any]]:
+    """Inside a rank: join a gloo group of `world` for the block, which fills the yielded dict;
+    an exception in the block is recorded as its "error" (repr) instead of raised. On the way
+    out the group is left and (rank, dict) is put on `results`, as run_ranks expects."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    out: dict[str, Any] = {}
+    try:
+        yield out
+    except Exception as exc:
+        out["error"] = repr(exc)
+    finally:
+        dist.destroy_process_group()
+        results.put((rank, out))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support.ranks import run_ranks
+from support.ranks import gloo_rank, run_ranks
 from support.weight_gather import gather_and_describe
 
 pytestmark = pytest.mark.worker
@@ -22,13 +22,10 @@ SHAPES = [(7, 3), (2, 5), (5,), (1, 4), (12,), (3, 2, 2), (64, 8)]
 
 def _rank_main(rank: int, init_method: str, world: int, results: Any) -> None:
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    out: dict[str, Any] = {}
-    try:
+    with gloo_rank(rank, world, init_method, results) as out:
         mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)  # the same full tensors on every rank, then sharded
         tensors: list[torch.Tensor] = [
@@ -45,11 +42,6 @@ def _rank_main(rank: int, init_method: str, world: int, results: Any) -> None:
             for t in tensors
         ]
         out.update(gather_and_describe(named, expected))
-    except Exception as exc:
-        out["error"] = repr(exc)
-    finally:
-        dist.destroy_process_group()
-        results.put((rank, out))
 
 
 def test_one_all_gather_per_bucket_gives_the_same_full_tensors_as_full_tensor() -> None:

@@ -121,12 +121,28 @@ def _row_chunk(rows: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(size, rows - start)
 
 
+def flat_chunk_elements(shape: torch.Size, world: int) -> int:
+    """Elements each rank sends for one tensor in gather_full's flat all-gather: a full dim-0
+    chunk, the rank's shard padded up to it, so every rank sends the same number."""
+    return _chunk_rows(shape[0], world) * shape[1:].numel()
+
+
 # torch.distributed's one-buffer all-gather: `all_gather_single` from torch 2.14 (where
 # `all_gather_into_tensor` warns that it is deprecated), `all_gather_into_tensor` before it
 # (torch 2.11 on the GPU machines has only that).
 FLAT_ALL_GATHER = (
     "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 )
+
+
+def flat_all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> None:
+    """`input` of every rank of `group`, in rank order, into `output` (world x its size).
+
+    The function is looked up by name on each call, so a test that counts the calls by
+    replacing torch.distributed's FLAT_ALL_GATHER sees every one."""
+    getattr(dist, FLAT_ALL_GATHER)(output, input, group=group)
 
 
 def gather_full(params: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype) -> NamedTensors:
@@ -177,10 +193,7 @@ def _gather_flat(
     names = [name for name, _ in sharded]
     shapes = [tensor.shape for _, tensor in sharded]
     locals_ = [tensor.to_local() for _, tensor in sharded]
-    # Elements per row, and rows of a full chunk (the padded size every rank sends).
-    row_sizes = [shape[1:].numel() for shape in shapes]
-    chunk_rows = [_chunk_rows(shape[0], world) for shape in shapes]
-    chunks = [rows * size for rows, size in zip(chunk_rows, row_sizes, strict=True)]
+    chunks = [flat_chunk_elements(shape, world) for shape in shapes]
     for name, shape, local in zip(names, shapes, locals_, strict=True):
         rows = _row_chunk(shape[0], world, rank)[1]
         if local.shape[0] != rows:
@@ -201,7 +214,7 @@ def _gather_flat(
         )
         return
     received = torch.empty(world * send.numel(), dtype=dtype, device=device)
-    getattr(dist, FLAT_ALL_GATHER)(received, send, group=group)
+    flat_all_gather(received, send, group=group)
     # received is [world, send]: tensor i is column block i of every rank's row. Copy each into
     # its own block of one output buffer, laid out as the padded full tensor [world * chunk rows].
     by_rank = received.view(world, send.numel()).split(chunks, dim=1)
@@ -209,8 +222,8 @@ def _gather_flat(
     torch._foreach_copy_(
         [o.view(world, c) for o, c in zip(out, chunks, strict=True)], list(by_rank)
     )
-    for name, shape, block, size in zip(names, shapes, out, row_sizes, strict=True):
-        yield name, block[: shape[0] * size].view(shape)
+    for name, shape, block in zip(names, shapes, out, strict=True):
+        yield name, block[: shape.numel()].view(shape)
 
 
 def _shard(model: torch.nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> None:
