@@ -6,13 +6,14 @@ The CRD in crds/ is generated from these models (`rljob crd`); the worker reads 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from rljob.report import MemorySummary, OOMRecord
@@ -25,8 +26,42 @@ PLURAL = "rljobs"
 SINGULAR = "rljob"
 SHORT_NAMES = ["rlj"]
 
-# Kubernetes quantity syntax (the apiserver's own regex for resource.Quantity strings).
-QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+# Builtin models and prompt sources the worker makes itself (no download). The worker resolves
+# exactly these (rljob_worker.model, rljob_worker.task) and admission refuses any other
+# `builtin:` name, so the two cannot disagree.
+BUILTIN_PREFIX = "builtin:"
+TINY_QWEN2 = "builtin:tiny-qwen2"
+BUILTIN_MODELS: tuple[str, ...] = (TINY_QWEN2,)
+BUILTIN_ARITHMETIC = "builtin:arithmetic"
+BUILTIN_DATA_SOURCES: tuple[str, ...] = (BUILTIN_ARITHMETIC,)
+
+# Kubernetes quantity syntax exactly (resource.Quantity's grammar: an optionally signed decimal
+# number, then one binary-SI, decimal-SI or exponent suffix). No lone dots, no repeated dots,
+# no suffix soup. Also valid RE2 (the apiserver) and Rust regex (pydantic).
+QUANTITY_PATTERN = (
+    r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+)
+# Names as the apiserver checks them (k8s.io/apimachinery/pkg/util/validation).
+_DNS_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+DNS_SUBDOMAIN_PATTERN = rf"^{_DNS_LABEL}(?:\.{_DNS_LABEL})*$"
+# A Service name (KubeRay names the head Service after the RayJob): starts with a letter.
+DNS_1035_LABEL_PATTERN = r"^[a-z](?:[-a-z0-9]*[a-z0-9])?$"
+LABEL_KEY_PATTERN = (
+    rf"^(?:{_DNS_LABEL}(?:\.{_DNS_LABEL})*/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+LABEL_VALUE_PATTERN = r"^(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
+# A container image reference (the grammar of github.com/distribution/reference):
+# [domain[:port]/]path[:tag][@digest], path components lower case.
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:__|[._]|-+)[a-z0-9]+)*"
+_DOMAIN_COMPONENT = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_DOMAIN = rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
+IMAGE_PATTERN = (
+    rf"^(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
+)
+# A URL scheme (ftp://, s3://, https://): the worker reads builtin sources and files in the pod.
+URL_SCHEME_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://"
 
 
 @dataclass(frozen=True)
@@ -49,6 +84,24 @@ class CrossFieldRule:
         }
 
 
+@dataclass(frozen=True)
+class ValueRule:
+    """A rule on one field's value, written once and enforced twice: as CEL on the field itself
+    (`self` is the value, so the apiserver's error names the field) and as a pydantic validator."""
+
+    cel: str
+    message: str
+    check: Callable[[Any], bool]
+
+    def to_k8s(self) -> dict[str, str]:
+        return {"rule": self.cel, "message": self.message, "reason": "FieldValueInvalid"}
+
+    def validate(self, value: Any) -> Any:
+        if value is not None and not self.check(value):
+            raise ValueError(self.message)
+        return value
+
+
 def immutable(what: str) -> dict[str, Any]:
     """json_schema_extra for a field that cannot change after creation (a CEL transition rule)."""
     return {
@@ -58,7 +111,7 @@ def immutable(what: str) -> dict[str, Any]:
     }
 
 
-def _cel_rules(*rules: CrossFieldRule) -> dict[str, Any]:
+def _cel_rules(*rules: CrossFieldRule | ValueRule) -> dict[str, Any]:
     return {"x-kubernetes-validations": [r.to_k8s() for r in rules]}
 
 
@@ -66,6 +119,74 @@ def _check_rules(model: BaseModel, rules: tuple[CrossFieldRule, ...], where: str
     broken = [r for r in rules if not r.check(model)]
     if broken:
         raise ValueError("; ".join(f"{where}{r.field_path}: {r.message}" for r in broken))
+
+
+def _positive_quantity(value: str) -> bool:
+    # The pattern has already held (pydantic checks it first), so the value's sign and its
+    # number's digits decide: every suffix multiplies by a positive factor.
+    number = re.match(r"[+-]?[0-9.]*", value)
+    digits = number.group() if number else ""
+    return not digits.startswith("-") and any(c in "123456789" for c in digits)
+
+
+POSITIVE_QUANTITY_RULE = ValueRule(
+    cel="isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))",
+    message="must be a Kubernetes quantity greater than 0 (e.g. 8, 500m, 64Gi)",
+    check=_positive_quantity,
+)
+
+
+def _builtin_rule(what: str, known: tuple[str, ...]) -> ValueRule:
+    names = ", ".join(known)
+    return ValueRule(
+        cel=f"!self.startsWith('{BUILTIN_PREFIX}') || self in ["
+        + ", ".join(f"'{n}'" for n in known)
+        + "]",
+        message=f"unknown builtin {what}; the builtin {what}s are: {names}",
+        check=lambda v: not v.startswith(BUILTIN_PREFIX) or v in known,
+    )
+
+
+def _no_url_rule(what: str) -> ValueRule:
+    return ValueRule(
+        cel=f"!self.matches(r'{URL_SCHEME_PATTERN}')",
+        message=f"URL schemes (ftp://, s3://, https://...) are not read: {what}",
+        check=lambda v: re.match(URL_SCHEME_PATTERN, v) is None,
+    )
+
+
+BUILTIN_MODEL_RULE = _builtin_rule("model", BUILTIN_MODELS)
+MODEL_URL_RULE = _no_url_rule(
+    "use a path in the pod (a mounted volume) or a Hugging Face id such as Qwen/Qwen2.5-0.5B"
+)
+BUILTIN_DATA_RULE = _builtin_rule("data source", BUILTIN_DATA_SOURCES)
+DATA_URL_RULE = _no_url_rule("use a builtin source or the path of a JSONL file in the pod")
+
+
+def _with_rules(*rules: ValueRule) -> list[Any]:
+    """Annotated metadata of a field carrying `rules`: their CEL in the CRD, their checks here."""
+    return [
+        Field(json_schema_extra=_cel_rules(*rules)),
+        *(AfterValidator(rule.validate) for rule in rules),
+    ]
+
+
+# A resource quantity that must be > 0 (cpu, memory, /dev/shm).
+PositiveQuantity = Annotated[
+    str,
+    Field(pattern=QUANTITY_PATTERN, max_length=64),
+    *_with_rules(POSITIVE_QUANTITY_RULE),
+]
+ModelPath = Annotated[
+    str, Field(min_length=1, max_length=4096), *_with_rules(BUILTIN_MODEL_RULE, MODEL_URL_RULE)
+]
+DataSource = Annotated[
+    str, Field(min_length=1, max_length=4096), *_with_rules(BUILTIN_DATA_RULE, DATA_URL_RULE)
+]
+ImageReference = Annotated[str, Field(pattern=IMAGE_PATTERN, min_length=1, max_length=512)]
+DNSSubdomain = Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, min_length=1, max_length=253)]
+LabelKey = Annotated[str, Field(pattern=LABEL_KEY_PATTERN, min_length=1, max_length=317)]
+LabelValue = Annotated[str, Field(pattern=LABEL_VALUE_PATTERN, max_length=63)]
 
 
 class _Spec(BaseModel):
@@ -81,14 +202,12 @@ class ModelSpec(_Spec):
 
     model_config = ConfigDict(json_schema_extra=immutable("spec.model"))
 
-    path: str = Field(
-        default="builtin:tiny-qwen2",
-        min_length=1,
-        max_length=4096,
+    path: ModelPath = Field(
+        default=TINY_QWEN2,
         description="Model to load with transformers' from_pretrained: a local directory, a "
         "mounted volume path, or a Hugging Face id (verl: actor_rollout_ref.model.path). "
         "'builtin:tiny-qwen2' builds a tiny randomly initialised Qwen2 model and tokenizer "
-        "locally (no download), for CPU runs and tests.",
+        "locally (no download), for CPU runs and tests. No URL schemes.",
     )
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         default="bfloat16",
@@ -155,11 +274,11 @@ class AlgorithmSpec(_Spec):
 class DataSpec(_Spec):
     """Where prompts come from."""
 
-    source: str = Field(
-        default="builtin:arithmetic",
-        min_length=1,
+    source: DataSource = Field(
+        default=BUILTIN_ARITHMETIC,
         description="'builtin:arithmetic' generates addition prompts with an exact-match reward "
-        "(no download); otherwise a path to a JSONL file of {prompt, answer} rows.",
+        "(no download); otherwise the path (in the pod) of a JSONL file of {prompt, answer} "
+        "rows. No URL schemes: the worker reads local files.",
     )
     train_batch_size: int = Field(
         default=8,
@@ -303,15 +422,11 @@ class Toleration(_Spec):
     )
 
     # Bounded lengths keep the apiserver's CEL cost estimate of this list's rule small.
-    key: str | None = Field(
-        default=None, max_length=253, description="Taint key; empty matches all keys."
-    )
+    key: LabelKey | None = Field(default=None, description="Taint key; empty matches all keys.")
     operator: Literal["Exists", "Equal"] | None = Field(
         default=None, description="Exists or Equal (the default)."
     )
-    value: str | None = Field(
-        default=None, max_length=63, description="Taint value (operator Equal)."
-    )
+    value: LabelValue | None = Field(default=None, description="Taint value (operator Equal).")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect to match; empty matches all effects."
     )
@@ -326,8 +441,29 @@ class Toleration(_Spec):
         return self
 
 
+def _quantity(value: str) -> Any:
+    # kubernetes.utils is the client's own parser; imported here so that `rljob.api` itself
+    # needs only pydantic (the operator and the worker have the client installed).
+    from kubernetes.utils import parse_quantity
+
+    return parse_quantity(value)
+
+
+SHM_WITHIN_MEMORY_RULE = CrossFieldRule(
+    cel="!isQuantity(self.sharedMemory) || !isQuantity(self.memory) || "
+    "quantity(self.sharedMemory).compareTo(quantity(self.memory)) <= 0",
+    message="sharedMemory is memory-backed (/dev/shm counts against the pod's memory limit), "
+    "so it may not exceed memory",
+    field_path=".sharedMemory",
+    check=lambda r: _quantity(r.shared_memory) <= _quantity(r.memory),
+)
+RESOURCES_RULES: tuple[CrossFieldRule, ...] = (SHM_WITHIN_MEMORY_RULE,)
+
+
 class ResourcesSpec(_Spec):
     """Where and how big the Ray pods are."""
+
+    model_config = ConfigDict(json_schema_extra=_cel_rules(*RESOURCES_RULES))
 
     workers: int = Field(
         default=1,
@@ -352,43 +488,43 @@ class ResourcesSpec(_Spec):
         "on GPU. Immutable after creation.",
         json_schema_extra=immutable("spec.resources.cpuRanksPerWorker"),
     )
-    image: str = Field(
+    image: ImageReference = Field(
         default="ghcr.io/rljob/worker:0.1.0",
-        min_length=1,
-        description="Worker image for the Ray head and workers.",
+        description="Worker image for the Ray head and workers: [registry[:port]/]path[:tag]"
+        "[@digest].",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Pull policy of the worker image."
     )
-    cpu: str = Field(
-        default="8", pattern=QUANTITY_PATTERN, description="CPU request and limit per worker pod."
+    cpu: PositiveQuantity = Field(default="8", description="CPU request and limit per worker pod.")
+    memory: PositiveQuantity = Field(
+        default="64Gi", description="Memory request and limit per worker pod."
     )
-    memory: str = Field(
-        default="64Gi",
-        pattern=QUANTITY_PATTERN,
-        description="Memory request and limit per worker pod.",
-    )
-    shared_memory: str = Field(
+    shared_memory: PositiveQuantity = Field(
         default="16Gi",
-        pattern=QUANTITY_PATTERN,
         description="Size of the /dev/shm volume (NCCL, Ray object store); memory-backed, so it "
-        "counts against the pod's memory.",
+        "counts against the pod's memory and may not exceed it.",
     )
-    head_cpu: str = Field(
-        default="2", pattern=QUANTITY_PATTERN, description="CPU of the Ray head pod."
-    )
-    head_memory: str = Field(
-        default="8Gi", pattern=QUANTITY_PATTERN, description="Memory of the Ray head pod."
-    )
-    node_selector: dict[str, str] = Field(
-        default_factory=dict, description="Node labels the worker pods must match."
+    head_cpu: PositiveQuantity = Field(default="2", description="CPU of the Ray head pod.")
+    head_memory: PositiveQuantity = Field(default="8Gi", description="Memory of the Ray head pod.")
+    node_selector: dict[LabelKey, LabelValue] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Node labels the worker pods must match.",
     )
     tolerations: list[Toleration] = Field(
         default_factory=list, max_length=32, description="Tolerations of the worker pods."
     )
-    priority_class_name: str | None = Field(
-        default=None, description="PriorityClass of the head and worker pods."
+    priority_class_name: DNSSubdomain | None = Field(
+        default=None,
+        description="PriorityClass of the head and worker pods (it must exist: the apiserver "
+        "refuses pods that name a missing one, and the RLJob then fails to start).",
     )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> ResourcesSpec:
+        _check_rules(self, RESOURCES_RULES, "spec.resources")
+        return self
 
     @property
     def ranks_per_worker(self) -> int:
@@ -412,6 +548,36 @@ SGLANG_NEEDS_GPU_RULE = CrossFieldRule(
 )
 SPEC_RULES: tuple[CrossFieldRule, ...] = (TP_DIVIDES_RANKS_RULE, SGLANG_NEEDS_GPU_RULE)
 
+DEFAULT_STARTUP_TIMEOUT_SECONDS = 900
+
+# KubeRay names the RayCluster after the RayJob (which carries the RLJob's name) plus a suffix,
+# and Services after that: it refuses RayJob names over 47 characters or not DNS-1035 labels.
+MAX_NAME_LENGTH = 47
+NAME_RULES: tuple[CrossFieldRule, ...] = (
+    CrossFieldRule(
+        cel=f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+        message=f"metadata.name must be at most {MAX_NAME_LENGTH} characters (KubeRay names "
+        "the Ray cluster and its Services after it)",
+        field_path=".metadata.name",
+        check=lambda name: len(name) <= MAX_NAME_LENGTH,
+    ),
+    CrossFieldRule(
+        cel=f"self.metadata.name.matches(r'{DNS_1035_LABEL_PATTERN}')",
+        message="metadata.name must start with a letter and hold only lower-case letters, "
+        "digits and '-' (a DNS-1035 label: KubeRay names a Service after it)",
+        field_path=".metadata.name",
+        check=lambda name: re.match(DNS_1035_LABEL_PATTERN, name) is not None,
+    ),
+)
+
+
+def name_problems(name: str) -> list[tuple[str, str]]:
+    """(field, message) for each NAME_RULES rule the RLJob's name breaks (admission checks the
+    same rules at the CRD's root, so this finds something only under an older CRD)."""
+    return [
+        ("metadata.name", f"{r.message}; got {name!r}") for r in NAME_RULES if not r.check(name)
+    ]
+
 
 class RLJobSpec(_Spec):
     """A colocated RL job: FSDP training and a rollout engine on the same GPUs."""
@@ -432,6 +598,15 @@ class RLJobSpec(_Spec):
         ge=0,
         description="Delete the Ray cluster (its pods) this long after the job finishes; the "
         "RayJob and the RLJob with its status stay. Unset means 0: as soon as it finishes.",
+    )
+
+    startup_timeout_seconds: int = Field(
+        default=DEFAULT_STARTUP_TIMEOUT_SECONDS,
+        ge=1,
+        le=7 * 24 * 3600,
+        description="A job whose Ray job is not running this long after it was created (or "
+        "resumed) fails with reason StartupTimeout and the last cause seen; the operator then "
+        "suspends its RayJob, so KubeRay deletes its pods (README: startup timeout).",
     )
 
     @model_validator(mode="after")
@@ -549,6 +724,12 @@ class RLJobStatus(_Spec):
     attempts and OOMKilled entries; the job's driver owns iteration, memory and CUDA OOMs."""
 
     phase: Phase | None = None
+    cause: str | None = Field(
+        default=None,
+        max_length=512,
+        description="Why the job failed or is blocked, one short line (the Failed or PodsReady "
+        "condition's reason and message); absent while nothing is wrong.",
+    )
     observed_generation: int | None = None
     conditions: list[Condition] = Field(
         default_factory=list,

@@ -14,7 +14,17 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from rljob.api import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, RLJobSpec, RLJobStatus
+from rljob.api import (
+    GROUP,
+    KIND,
+    NAME_RULES,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+    RLJobSpec,
+    RLJobStatus,
+)
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_PATH = "crds/rljob.dev_rljobs.yaml"
@@ -31,6 +41,7 @@ _KEPT = {
     "pattern",
     "minItems",
     "maxItems",
+    "maxProperties",
     "required",
     "default",
     "format",
@@ -46,6 +57,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Highest per-stage peak memory fraction of the latest iteration.",
     },
     {"name": "OOMs", "type": "integer", "jsonPath": ".status.oomTotal"},
+    {
+        "name": "Cause",
+        "type": "string",
+        "jsonPath": ".status.cause",
+        "description": "Why the job failed or is blocked (kubectl rljob describe has every cause).",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
@@ -77,6 +94,15 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         out["properties"] = {name: _property(sub, defs) for name, sub in node["properties"].items()}
     if isinstance(node.get("additionalProperties"), dict):
         out["additionalProperties"] = _structural(node["additionalProperties"], defs)
+    if "patternProperties" in node:
+        # A map with constrained keys (dict[LabelKey, ...]): pydantic gives the key pattern as
+        # patternProperties and the key's lengths as propertyNames. OpenAPI v3 has neither, so
+        # the values become additionalProperties and the keys' rule becomes CEL.
+        ((pattern, values),) = node["patternProperties"].items()
+        out["type"] = "object"
+        out["additionalProperties"] = _structural(values, defs)
+        longest = node.get("propertyNames", {})["maxLength"]
+        out.setdefault("x-kubernetes-validations", []).append(_key_rule(pattern, longest))
     if "items" in node:
         out["items"] = _structural(node["items"], defs)
     for key, value in node.items():
@@ -87,6 +113,15 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if nullable:
         out["nullable"] = True
     return out
+
+
+def _key_rule(pattern: str, longest: int) -> dict[str, str]:
+    """The CEL rule for a map's keys."""
+    return {
+        "rule": f"self.all(k, k.size() <= {longest} && k.matches(r'{pattern}'))",
+        "message": f"every key must match {pattern} (at most {longest} characters)",
+        "reason": "FieldValueInvalid",
+    }
 
 
 def _property(sub: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
@@ -132,6 +167,10 @@ def crd() -> dict[str, Any]:
             "spec": spec,
             "status": status,
         },
+        # CEL at the root may read metadata.name (and only name and generateName).
+        "x-kubernetes-validations": [
+            {"rule": r.cel, "message": r.message, "reason": "FieldValueInvalid"} for r in NAME_RULES
+        ],
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

@@ -17,6 +17,7 @@ from rljob.api import (
     KIND,
     JobConfig,
     RLJobSpec,
+    name_problems,
 )
 from rljob_operator.rbac import job_rules
 
@@ -27,8 +28,6 @@ RAY_VERSION = "2.60.0"
 RAY_API_VERSION = "ray.io/v1"
 JOB_LABEL = "rljob.dev/job"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rljob-operator"}
-# KubeRay names the RayCluster after the RayJob plus a suffix and refuses longer RayJob names.
-MAX_RAYJOB_NAME_LENGTH = 47
 WORKER_GROUP = "workers"
 
 
@@ -236,14 +235,7 @@ def children(owner: Owner, spec: RLJobSpec) -> list[dict[str, Any]]:
 
 
 def deeper_problems(name: str, spec: RLJobSpec) -> list[tuple[str, str]]:
-    """Problems admission cannot see: (field path, message). Empty when the job can run."""
-    problems: list[tuple[str, str]] = []
-    if len(name) > MAX_RAYJOB_NAME_LENGTH:
-        problems.append(
-            (
-                "metadata.name",
-                f"must be at most {MAX_RAYJOB_NAME_LENGTH} characters (KubeRay names the Ray "
-                f"cluster after it); got {len(name)}",
-            )
-        )
-    return problems
+    """Problems the models cannot see in the spec alone: (field path, message). Empty when the
+    job can run. The name rules are also CEL at the CRD's root; checked again here for RLJobs
+    admitted under an older CRD."""
+    return name_problems(name)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from rljob_helpers import (
@@ -17,6 +18,7 @@ from rljob_helpers import (
     install_rljob_crds,
     rljob,
 )
+from support.malformed import MALFORMED, Malformed
 
 from rljob.api import GROUP, PLURAL, VERSION
 
@@ -106,6 +108,40 @@ def test_invalid_rljob_is_rejected_naming_the_field(
 
 def test_at_least_twenty_invalid_cases() -> None:
     assert len(INVALID) >= 20
+
+
+@pytest.mark.parametrize("case", MALFORMED, ids=lambda c: c.id)
+def test_kubectl_apply_refuses_the_malformed_rljob_naming_the_field(
+    plane: Any, custom: client.CustomObjectsApi, namespace: str, case: Malformed
+) -> None:
+    """Issue 17's "Seen" cases and more: each was (or would be) accepted and then never run."""
+    manifest = yaml.safe_dump(rljob(case.job_name, case.spec))
+    result = plane.kubectl("apply", "-n", namespace, "-f", "-", input=manifest, check=False)
+    assert result.returncode != 0, f"{case.id} was accepted:\n{manifest}"
+    assert "is invalid" in result.stderr, result.stderr
+    assert case.field in result.stderr, result.stderr
+    gone = plane.kubectl("get", "rlj", case.job_name, "-n", namespace, check=False)
+    assert gone.returncode != 0  # nothing was stored
+
+
+def test_a_valid_neighbour_of_each_malformed_kind_applies(plane: Any, namespace: str) -> None:
+    """The rules do not overreach: real quantities, images, names and paths are admitted."""
+    spec = {
+        "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"},
+        "data": {"source": "/data/prompts.jsonl"},
+        "startupTimeoutSeconds": 60,
+        "resources": {
+            "cpu": "500m", "memory": "1.5Gi", "sharedMemory": "1536Mi", "headCpu": "1.0",
+            "headMemory": "+2Gi", "image": "localhost:5000/rljob/worker:dev@sha256:" + "a" * 64,
+            "priorityClassName": "high-priority.gpu", "nodeSelector": {"nvidia.com/gpu.product": "H100"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+    }  # fmt: skip
+    name = "a" * 47
+    plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(rljob(name, spec)))
+    stored = plane.kubectl_json("get", "rlj", name, "-n", namespace)
+    assert stored["spec"]["resources"]["memory"] == "1.5Gi"
+    assert stored["spec"]["startupTimeoutSeconds"] == 60
 
 
 def test_defaults_fill_the_stored_spec(custom: client.CustomObjectsApi, namespace: str) -> None:

@@ -115,6 +115,7 @@ def test_crd_has_status_subresource_short_name_and_printer_columns() -> None:
         "Iteration": ".status.iteration",
         "Worst-Stage": ".status.worstStageFraction",
         "OOMs": ".status.oomTotal",
+        "Cause": ".status.cause",
         "Age": ".metadata.creationTimestamp",
     }
     status_props = _schema()["properties"]["status"]["properties"]

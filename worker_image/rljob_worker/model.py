@@ -14,12 +14,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# The builtin names live in the shared API module, which admission checks model.path against.
+from rljob.api import BUILTIN_MODELS as BUILTIN_MODELS
+from rljob.api import BUILTIN_PREFIX as BUILTIN_PREFIX
+from rljob.api import TINY_QWEN2 as TINY_QWEN2
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-BUILTIN_PREFIX = "builtin:"
-TINY_QWEN2 = "builtin:tiny-qwen2"
 
 # Small enough that 2 ranks x 2 iterations run on 2 CPU cores in seconds, large enough to have
 # several layers, grouped-query attention and tied embeddings, like the real Qwen2 family.
@@ -109,8 +111,8 @@ def resolve_model_path(path: str) -> Path | str:
     """
     if not path.startswith(BUILTIN_PREFIX):
         return path
-    if path != TINY_QWEN2:
-        raise ValueError(f"unknown builtin model {path!r}; the builtin model is {TINY_QWEN2!r}")
+    if path not in BUILTIN_MODELS:
+        raise ValueError(f"unknown builtin model {path!r}; the builtin models are {BUILTIN_MODELS}")
     target = cache_root() / "models" / f"tiny-qwen2-{_config_key()}"
     if (target / "config.json").exists():
         return target

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-BUILTIN_ARITHMETIC = "builtin:arithmetic"
+# The builtin names live in the shared API module, which admission checks data.source against.
+from rljob.api import BUILTIN_ARITHMETIC as BUILTIN_ARITHMETIC
+from rljob.api import BUILTIN_DATA_SOURCES, BUILTIN_PREFIX
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,8 @@ def make_task(source: str, seed: int) -> Task:
     """The task for the spec's data.source."""
     if source == BUILTIN_ARITHMETIC:
         return ArithmeticTask(seed)
-    if source.startswith("builtin:"):
+    if source.startswith(BUILTIN_PREFIX):
         raise ValueError(
-            f"unknown builtin data source {source!r}; the builtin source is {BUILTIN_ARITHMETIC!r}"
+            f"unknown builtin data source {source!r}; the builtin sources are {BUILTIN_DATA_SOURCES}"
         )
     return JsonlTask(Path(source), seed)

@@ -1,0 +1,142 @@
+"""Malformed RLJobs, each with the field its rejection must name: one table for both layers.
+
+The unit layer checks that the models refuse each spec (what `rljob run` and the operator see);
+the control-plane layer checks that `kubectl apply` is refused by the generated CRD's schema and
+CEL rules. One table is what keeps the two checks from drifting apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Malformed:
+    id: str
+    spec: dict[str, Any]
+    field: str  # the field path the rejection names
+    name: str = ""  # metadata.name; empty: the id
+    seen: bool = False  # one of issue 17's "Seen" cases
+
+    @property
+    def job_name(self) -> str:
+        return self.name or self.id
+
+
+def _res(**fields: Any) -> dict[str, Any]:
+    return {"resources": fields}
+
+
+def _pull(image: str) -> dict[str, Any]:
+    return _res(image=image)
+
+
+MALFORMED: list[Malformed] = [
+    # Issue 17, "Seen": accepted before, and each could never run.
+    Malformed("memory-negative", _res(memory="-4Gi"), "spec.resources.memory", seen=True),
+    Malformed("memory-zero", _res(memory="0"), "spec.resources.memory", seen=True),
+    Malformed("cpu-lone-dot", _res(cpu="."), "spec.resources.cpu", seen=True),
+    Malformed("cpu-two-dots", _res(cpu="1.2.3"), "spec.resources.cpu", seen=True),
+    Malformed("shm-negative", _res(sharedMemory="-1Gi"), "spec.resources.sharedMemory", seen=True),
+    Malformed(
+        "image-space", _pull("ghcr.io/rljob/worker 0.1.0"), "spec.resources.image", seen=True
+    ),
+    Malformed(
+        "image-newline", _pull("ghcr.io/rljob/worker:0.1.0\n"), "spec.resources.image", seen=True
+    ),
+    Malformed(
+        "priority-class-not-a-name",
+        _res(priorityClassName="Not_A_Name!"),
+        "spec.resources.priorityClassName",
+        seen=True,
+    ),
+    Malformed(
+        "model-builtin-unknown", {"model": {"path": "builtin:gpt-17"}}, "spec.model.path", seen=True
+    ),
+    Malformed(
+        "data-builtin-unknown",
+        {"data": {"source": "builtin:poetry"}},
+        "spec.data.source",
+        seen=True,
+    ),
+    Malformed(
+        "data-ftp",
+        {"data": {"source": "ftp://example.com/prompts.jsonl"}},
+        "spec.data.source",
+        seen=True,
+    ),
+    Malformed("name-too-long", {}, "metadata.name", name="n" * 48, seen=True),
+    # More of our own.
+    Malformed("memory-gb-suffix", _res(memory="64GB"), "spec.resources.memory"),
+    Malformed("memory-no-number", _res(memory="Gi"), "spec.resources.memory"),
+    Malformed("memory-double-suffix", _res(memory="1GiKi"), "spec.resources.memory"),
+    Malformed("head-memory-zero-gi", _res(headMemory="0Gi"), "spec.resources.headMemory"),
+    Malformed("head-cpu-negative", _res(headCpu="-1"), "spec.resources.headCpu"),
+    Malformed("cpu-dangling-exponent", _res(cpu="1e"), "spec.resources.cpu"),
+    Malformed("cpu-trailing-space", _res(cpu="8 "), "spec.resources.cpu"),
+    Malformed("cpu-zero-millis", _res(cpu="0m"), "spec.resources.cpu"),
+    Malformed(
+        "shm-larger-than-memory",
+        _res(memory="16Gi", sharedMemory="32Gi"),
+        "spec.resources.sharedMemory",
+    ),
+    Malformed("image-empty", _pull(""), "spec.resources.image"),
+    Malformed("image-upper-case-path", _pull("ghcr.io/RLJob/worker:1"), "spec.resources.image"),
+    Malformed("image-empty-tag", _pull("ghcr.io/rljob/worker:"), "spec.resources.image"),
+    Malformed(
+        "image-short-digest", _pull("ghcr.io/rljob/worker@sha256:abc"), "spec.resources.image"
+    ),
+    Malformed("image-empty-component", _pull("ghcr.io//worker"), "spec.resources.image"),
+    Malformed(
+        "priority-class-leading-dash",
+        _res(priorityClassName="-high"),
+        "spec.resources.priorityClassName",
+    ),
+    Malformed(
+        "priority-class-upper-case",
+        _res(priorityClassName="High"),
+        "spec.resources.priorityClassName",
+    ),
+    Malformed(
+        "priority-class-too-long",
+        _res(priorityClassName="p" * 254),
+        "spec.resources.priorityClassName",
+    ),
+    Malformed(
+        "node-selector-bad-key",
+        _res(nodeSelector={"gpu type": "h100"}),
+        "spec.resources.nodeSelector",
+    ),
+    Malformed(
+        "node-selector-bad-value",
+        _res(nodeSelector={"gpu": "h100 sxm"}),
+        "spec.resources.nodeSelector",
+    ),
+    Malformed(
+        "toleration-bad-key",
+        _res(tolerations=[{"key": "a/b/c", "operator": "Exists"}]),
+        "spec.resources.tolerations[0].key",
+    ),
+    Malformed(
+        "toleration-bad-value",
+        _res(tolerations=[{"key": "gpu", "value": "yes please"}]),
+        "spec.resources.tolerations[0].value",
+    ),
+    Malformed("model-s3", {"model": {"path": "s3://bucket/qwen"}}, "spec.model.path"),
+    Malformed("model-builtin-empty", {"model": {"path": "builtin:"}}, "spec.model.path"),
+    Malformed(
+        "data-https",
+        {"data": {"source": "https://example.com/prompts.jsonl"}},
+        "spec.data.source",
+    ),
+    Malformed(
+        "data-builtin-wrong-case", {"data": {"source": "builtin:Arithmetic"}}, "spec.data.source"
+    ),
+    Malformed("startup-timeout-zero", {"startupTimeoutSeconds": 0}, "spec.startupTimeoutSeconds"),
+    Malformed(
+        "startup-timeout-negative", {"startupTimeoutSeconds": -5}, "spec.startupTimeoutSeconds"
+    ),
+    Malformed("name-starts-with-digit", {}, "metadata.name", name="1job"),
+    Malformed("name-with-dots", {}, "metadata.name", name="job.v2"),
+]
