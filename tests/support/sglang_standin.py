@@ -1,11 +1,12 @@
 """Stand-ins for the parts of sglang the adapter calls, which cannot run on any machine here
-(sglang.Engine needs CUDA and torch 2.14.1). Named as stand-ins wherever a test uses them.
+(sglang.Engine needs CUDA). Named as stand-ins wherever a test uses them.
 
-SGLangEngineStandIn accepts only the methods and keywords declared in the adapter's CONTRACT
-(test_sglang_contract.py checks CONTRACT against the release) and models the sglang state rules
-the adapter must respect. The handoff stand-ins mirror sglang's MultiprocessingSerializer
-(ForkingPickler: a tensor travels as a handle to its memory) and LocalSerializedTensor (one
-handle per TP rank, unwrapped by each TP scheduler with its rank).
+SGLangEngineStandIn imitates one supported release (the newest unless told): it accepts only the
+methods and keywords that release's contract declares (test_sglang_contract.py checks each
+contract against its release) and models the sglang state rules the adapter must respect there.
+The handoff stand-ins mirror sglang's MultiprocessingSerializer (ForkingPickler: a tensor travels
+as a handle to its memory) and LocalSerializedTensor (one handle per TP rank, unwrapped by each
+TP scheduler with its rank).
 """
 
 from __future__ import annotations
@@ -18,9 +19,16 @@ from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 from typing import Any
 
-from rljob_worker.engines.sglang_engine import CONTRACT, TensorHandoff
+from rljob_worker.engines.sglang_engine import (
+    CONTRACTS,
+    SUPPORTED_SGLANG_VERSIONS,
+    SGLangContract,
+    TensorHandoff,
+)
 
 KV_CAPACITY = 4096
+# The release a stand-in imitates unless told: the worker image's.
+NEWEST = CONTRACTS[SUPPORTED_SGLANG_VERSIONS[-1]]
 
 
 def serialize(obj: Any) -> bytes:
@@ -47,14 +55,16 @@ class LocalSerializedTensorStandIn:
 HANDOFF_STAND_IN = TensorHandoff(serialize=serialize, local_tensor=LocalSerializedTensorStandIn)
 
 
-def staged_iteration_calls(buckets: int) -> list[str]:
+def staged_iteration_calls(buckets: int, contract: SGLangContract = NEWEST) -> list[str]:
     """The sglang calls of one staged iteration whose weights come in `buckets` buckets:
-    wake_weights (resume, one update session), wake_kv_cache, rollout, sleep."""
+    wake_weights (resume, one update session where the release has them), wake_kv_cache,
+    rollout, sleep."""
+    session = contract.opens_weight_update_session
     return [
         "resume_memory_occupation",
-        "begin_weight_update",
+        *(["begin_weight_update"] if session else []),
         *["update_weights_from_tensor"] * buckets,
-        "end_weight_update",
+        *(["end_weight_update"] if session else []),
         "flush_cache",
         "resume_memory_occupation",
         "generate",
@@ -65,14 +75,16 @@ def staged_iteration_calls(buckets: int) -> list[str]:
 class SGLangEngineStandIn:
     """Stand-in for sglang.Engine (cannot run here): records calls, refuses undeclared ones.
 
-    Models what sglang 0.5.23 enforces: a tag resumed must have been released (its scheduler
-    does `offload_tags.remove(tag)`), and update_weights_from_tensor answers (False, ...)
-    outside begin_weight_update() / end_weight_update().
+    Models what the imitated release enforces: a tag resumed must have been released (its
+    scheduler does `offload_tags.remove(tag)`), and, where the release has weight-update sessions
+    (0.5.23), update_weights_from_tensor answers (False, ...) outside begin_weight_update() /
+    end_weight_update(); 0.5.17 has neither method and loads at once.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        undeclared = set(kwargs) - set(CONTRACT.server_args)
-        assert not undeclared, f"Engine() keywords outside CONTRACT.server_args: {undeclared}"
+    def __init__(self, *, contract: SGLangContract = NEWEST, **kwargs: Any) -> None:
+        self.contract = contract
+        undeclared = set(kwargs) - set(contract.server_args)
+        assert not undeclared, f"Engine() keywords outside the contract's server_args: {undeclared}"
         self.calls: list[tuple[str, dict[str, Any]]] = [("__init__", kwargs)]
         # What the scheduler processes would inherit: the GPUs they may use.
         self.visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -83,13 +95,16 @@ class SGLangEngineStandIn:
         self.refuse: dict[str, str] = {}
 
     def __getattr__(self, method: str) -> Any:
-        if method not in CONTRACT.engine_methods:
-            raise AttributeError(f"the adapter calls Engine.{method}, not in CONTRACT")
+        contract = self.contract
+        if method not in contract.engine_methods:
+            raise AttributeError(
+                f"the adapter calls Engine.{method}, not in sglang {contract.release}'s contract"
+            )
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            assert not args, f"Engine.{method} called positionally; CONTRACT checks keywords"
-            undeclared = set(kwargs) - set(CONTRACT.engine_methods[method])
-            assert not undeclared, f"Engine.{method} keywords outside CONTRACT: {undeclared}"
+            assert not args, f"Engine.{method} called positionally; the contract checks keywords"
+            undeclared = set(kwargs) - set(contract.engine_methods[method])
+            assert not undeclared, f"Engine.{method} keywords outside the contract: {undeclared}"
             self.calls.append((method, kwargs))
             return self._answer(method, kwargs)
 
@@ -102,7 +117,7 @@ class SGLangEngineStandIn:
                 return SimpleNamespace(success=False, message=message)
             return False, message
         if method == "get_server_info":
-            return {CONTRACT.kv_capacity_key: KV_CAPACITY, "tp_size": 1}
+            return {self.contract.kv_capacity_key: KV_CAPACITY, "tp_size": 1}
         if method == "release_memory_occupation":
             self.offloaded.update(kwargs["tags"])
         if method == "resume_memory_occupation":
@@ -112,17 +127,19 @@ class SGLangEngineStandIn:
             self.session_open = True
         if method == "end_weight_update":
             self.session_open = False
-        if method == "update_weights_from_tensor" and not self.session_open:
+        needs_session = self.contract.opens_weight_update_session
+        if method == "update_weights_from_tensor" and needs_session and not self.session_open:
             return False, "update_weights_from_tensor must run between begin and end"
         if method == "update_weights_from_tensor":
             self._load(kwargs["named_tensors"])
-        if method in CONTRACT.returns_success_message:
+        if method in self.contract.returns_success_message:
             return True, "Success"
         if method == "flush_cache":
             return SimpleNamespace(success=True, message="")
         if method == "generate":
             return [
-                {CONTRACT.output_ids_key: [len(p), 7], "meta_info": {}} for p in kwargs["input_ids"]
+                {self.contract.output_ids_key: [len(p), 7], "meta_info": {}}
+                for p in kwargs["input_ids"]
             ]
         return None
 

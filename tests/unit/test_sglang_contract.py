@@ -1,7 +1,9 @@
-"""The SGLang adapter's CONTRACT checked against the pinned sglang release's own source.
+"""The SGLang adapter's contract for each supported release, checked against that release's source.
 
-The release (pyproject's `sglang` extra, `sglang==X`) is fetched once without its dependencies
-into ~/.cache/rljob (or $RLJOB_CACHE_DIR) and read with `ast`: sglang cannot be imported here.
+Every release in the adapter's CONTRACTS (which pyproject's `sglang` extra admits, and only those)
+is fetched once without its dependencies into ~/.cache/rljob (or $RLJOB_CACHE_DIR) and read with
+`ast`: sglang cannot be imported here. Where releases differ, a test says which contract handles
+which difference.
 """
 
 from __future__ import annotations
@@ -17,33 +19,34 @@ import sys
 import tempfile
 import tomllib
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
+from packaging.requirements import Requirement
 
 from rljob_worker.engines.base import ALL_TAGS
-from rljob_worker.engines.sglang_engine import CONTRACT, SGLangContract
+from rljob_worker.engines.sglang_engine import CONTRACTS, SUPPORTED_SGLANG_VERSIONS, SGLangContract
 
 REPO = Path(__file__).resolve().parents[2]
-# The one wheel the release publishes (cp311, manylinux_2_34 x86_64); naming it makes the
-# download the same on any host. pip and uv spell the platform differently.
+# The one wheel each release publishes (cp311, manylinux_2_34 x86_64, 0.5.17 and 0.5.23 alike);
+# naming it makes the download the same on any host. pip and uv spell the platform differently.
 WHEEL_PYTHON = "3.11"
 PIP_PLATFORM = "manylinux_2_34_x86_64"
 UV_PLATFORM = "x86_64-manylinux_2_34"
 
 
-def pinned_sglang_version() -> str:
-    """The version in pyproject's sglang extra, which must pin exactly one release."""
+def sglang_extra() -> Requirement:
+    """pyproject's sglang extra, which must be the one requirement on sglang."""
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
-    for requirement in extras["sglang"]:
-        match = re.fullmatch(r"\s*sglang\s*==\s*([\w.+-]+)\s*", requirement)
-        if match:
-            return match.group(1)
-    raise AssertionError(f"pyproject's sglang extra {extras['sglang']} does not pin sglang==X")
+    (requirement,) = extras["sglang"]
+    parsed = Requirement(requirement)
+    assert parsed.name == "sglang", requirement
+    return parsed
 
 
 def _cache_root() -> Path:
@@ -83,9 +86,8 @@ def _fetch_wheel_into(version: str, target: Path) -> None:
 
 
 @cache
-def sglang_source() -> Path:
-    """The folder holding the pinned release's `sglang` package (fetched on first use)."""
-    version = pinned_sglang_version()
+def sglang_source(version: str) -> Path:
+    """The folder holding release `version`'s `sglang` package (fetched on first use)."""
     folder = _cache_root() / f"sglang-{version}"
     if not (folder / "sglang" / "srt" / "entrypoints" / "engine.py").exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -220,6 +222,16 @@ def _dict_keys(node: ast.AST) -> Iterator[str]:
                     yield key.value
 
 
+def _env_readers(root: Path, name: str) -> list[Path]:
+    """Modules outside sglang.srt.environ that read the switch (`envs.NAME.get()` and the like)."""
+    environ = root / "sglang" / "srt" / "environ.py"
+    return [
+        path
+        for path in (root / "sglang").rglob("*.py")
+        if path != environ and f"envs.{name}." in path.read_text(errors="replace")
+    ]
+
+
 def _tokenizer_manager_returns(tree: SourceTree, method: str) -> str | None:
     for node in ast.walk(tree.module("sglang.srt.managers.tokenizer_control_mixin")):
         if isinstance(node, ast.AsyncFunctionDef) and node.name == method and node.returns:
@@ -248,6 +260,12 @@ def check_contract(contract: SGLangContract, root: Path) -> list[str]:
             problems.append(
                 f"Engine.{method} requires {missing!r}, which the adapter does not pass"
             )
+    # A release with weight-update sessions (0.5.23) refuses updates outside one.
+    if "begin_weight_update" in methods and not contract.opens_weight_update_session:
+        problems.append(
+            "Engine.begin_weight_update exists: update_weights_from_tensor needs a session "
+            "the contract does not open"
+        )
 
     # Engine(**kwargs) builds ServerArgs from the keywords.
     init = methods.get("__init__")
@@ -306,6 +324,9 @@ def check_contract(contract: SGLangContract, root: Path) -> list[str]:
             problems.append(f"sglang.srt.environ reads no boolean {name}")
         elif value.lower() not in accepted:
             problems.append(f"{name}={value!r} is not a boolean sglang parses")
+        elif not _env_readers(root, name):
+            # 0.5.17 declares SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK and reads it nowhere.
+            problems.append(f"sglang.srt.environ declares {name}, but nothing reads it")
 
     # Results the adapter inspects.
     for method in contract.returns_success_message:
@@ -360,91 +381,199 @@ def _handoff_problems(contract: SGLangContract, tree: SourceTree) -> list[str]:
 
     unpickler_module, unpickler = contract.safe_unpickler
     allowed = tree.find_class(unpickler_module, unpickler)
-    pairs = {
-        tuple(c.value for c in node.elts if isinstance(c, ast.Constant))
-        for node in (ast.walk(allowed[1]) if allowed else ())
-        if isinstance(node, ast.Tuple) and len(node.elts) == 2
-    }
-    if (module, cls) not in pairs:
+    if allowed is None or not _unpickler_allows(allowed[1], module, cls):
         problems.append(
             f"{unpickler} does not allow {module}.{cls}: the schedulers would refuse it"
         )
     return problems
 
 
+def _unpickler_allows(unpickler: ast.ClassDef, module: str, cls: str) -> bool:
+    """Whether the restricted unpickler admits module.cls: 0.5.23 lists (module, class) pairs
+    (ALLOWED_GLOBALS), 0.5.17 module prefixes ending in '.' (ALLOWED_MODULE_PREFIXES)."""
+    pairs: set[tuple[Any, ...]] = set()
+    prefixes: set[str] = set()
+    for node in ast.walk(unpickler):
+        if isinstance(node, ast.Tuple) and len(node.elts) == 2:
+            pairs.add(tuple(c.value for c in node.elts if isinstance(c, ast.Constant)))
+        if (
+            isinstance(node, ast.Assign)
+            and any(
+                isinstance(t, ast.Name) and t.id == "ALLOWED_MODULE_PREFIXES" for t in node.targets
+            )
+            and isinstance(node.value, ast.Set)
+        ):
+            prefixes |= {
+                e.value
+                for e in node.value.elts
+                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+            }
+    return (module, cls) in pairs or any(f"{module}.".startswith(p) for p in prefixes)
+
+
 # --- tests --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def release() -> Path:
-    return sglang_source()
+class Release(NamedTuple):
+    version: str
+    root: Path
+    contract: SGLangContract
 
 
-def test_cached_release_is_the_version_pyproject_pins(release: Path) -> None:
-    (metadata,) = release.glob("sglang-*.dist-info/METADATA")
+@pytest.fixture(scope="module", params=SUPPORTED_SGLANG_VERSIONS)
+def release(request: pytest.FixtureRequest) -> Release:
+    version: str = request.param
+    return Release(version, sglang_source(version), CONTRACTS[version])
+
+
+def test_cached_release_is_the_version_it_is_cached_for(release: Release) -> None:
+    (metadata,) = release.root.glob("sglang-*.dist-info/METADATA")
     version = re.search(r"^Version: (\S+)$", metadata.read_text(), re.MULTILINE)
     assert version is not None
-    assert version.group(1) == pinned_sglang_version()
+    assert version.group(1) == release.version == release.contract.release
 
 
-def test_adapter_contract_matches_the_pinned_release(release: Path) -> None:
-    assert check_contract(CONTRACT, release) == []
+def test_adapter_contract_matches_its_release(release: Release) -> None:
+    assert check_contract(release.contract, release.root) == []
 
 
-def test_contract_maps_every_tag_the_engine_interface_uses() -> None:
-    assert sorted(CONTRACT.tags.values()) == sorted(ALL_TAGS)
+def test_sglang_extra_admits_exactly_the_supported_releases() -> None:
+    specifier = sglang_extra().specifier
+    oldest, newest = SUPPORTED_SGLANG_VERSIONS[0], SUPPORTED_SGLANG_VERSIONS[-1]
+    major_minor, first = oldest.rsplit(".", 1)
+    last = int(newest.rsplit(".", 1)[1])
+    # Every release from one below the oldest to one above the newest, with a post release each.
+    candidates = [
+        f"{major_minor}.{patch}{post}"
+        for patch in range(int(first) - 1, last + 2)
+        for post in ("", ".post1")
+    ]
+    admitted = [v for v in candidates if specifier.contains(v)]
+    assert set(SUPPORTED_SGLANG_VERSIONS) <= set(admitted)
+    # A post release of the oldest is admitted by `>=` but refused at run time; nothing else.
+    assert set(admitted) - set(SUPPORTED_SGLANG_VERSIONS) <= {f"{oldest}.post1"}, admitted
+
+
+@pytest.mark.parametrize("contract", CONTRACTS.values(), ids=CONTRACTS.keys())
+def test_contract_maps_every_tag_the_engine_interface_uses(contract: SGLangContract) -> None:
+    assert sorted(contract.tags.values()) == sorted(ALL_TAGS)
+
+
+# Where the supported releases differ: each row is a contract read against the other release's
+# source, and what that source says about it. The adapter's answer is in its own contract.
+@pytest.mark.parametrize(
+    ("contract_of", "source_of", "expected"),
+    [
+        # 0.5.17's Engine has no weight-update session (entrypoints/engine.py; its scheduler's
+        # update_weights_from_tensor loads at once, managers/scheduler_components/
+        # weight_updater.py:153): the 0.5.23 contract's begin/end calls do not exist there.
+        (
+            "0.5.23",
+            "0.5.17",
+            [
+                "Engine.begin_weight_update does not exist",
+                "Engine.end_weight_update does not exist",
+                "begin_weight_update returns None, not (success, message)",
+                "end_weight_update returns None, not (success, message)",
+            ],
+        ),
+        # 0.5.23 refuses update_weights_from_tensor outside begin/end_weight_update()
+        # (managers/scheduler_components/weight_updater.py:234): the 0.5.17 contract opens none.
+        (
+            "0.5.17",
+            "0.5.23",
+            [
+                "Engine.begin_weight_update exists: update_weights_from_tensor needs a session "
+                "the contract does not open"
+            ],
+        ),
+    ],
+)
+def test_each_contract_handles_what_only_its_release_does(
+    contract_of: str, source_of: str, expected: list[str]
+) -> None:
+    assert check_contract(CONTRACTS[contract_of], sglang_source(source_of)) == expected
+
+
+def test_0_5_17_declares_a_disable_switch_that_nothing_reads() -> None:
+    # srt/environ.py:346 declares SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK; only
+    # SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK is read (distributed/bootstrap.py:268), as in 0.5.23.
+    contract = dataclasses.replace(
+        CONTRACTS["0.5.17"], env={"SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true"}
+    )
+    assert check_contract(contract, sglang_source("0.5.17")) == [
+        "sglang.srt.environ declares SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK, but nothing reads it"
+    ]
+
+
+Drift = Callable[[SGLangContract], dict[str, Any]]
 
 
 @pytest.mark.parametrize(
     ("drift", "expected"),
     [
         (
-            {"engine_methods": {**CONTRACT.engine_methods, "release_memory_occupation": ("tag",)}},
+            lambda c: {
+                "engine_methods": {**c.engine_methods, "release_memory_occupation": ("tag",)}
+            },
             "Engine.release_memory_occupation has no parameter 'tag'",
         ),
         (
-            {"engine_methods": {**CONTRACT.engine_methods, "update_weights": ("named_tensors",)}},
+            lambda c: {
+                "engine_methods": {**c.engine_methods, "update_weights": ("named_tensors",)}
+            },
             "Engine.update_weights does not exist",
         ),
         (
-            {"engine_methods": {**CONTRACT.engine_methods, "update_weights_from_tensor": ()}},
+            lambda c: {"engine_methods": {**c.engine_methods, "update_weights_from_tensor": ()}},
             "Engine.update_weights_from_tensor requires 'named_tensors'",
         ),
         (
-            {"server_args": (*CONTRACT.server_args, "mem_fraction_statics")},
+            lambda c: {"server_args": (*c.server_args, "mem_fraction_statics")},
             "ServerArgs has no field 'mem_fraction_statics'",
         ),
-        ({"server_arg_choices": {"dtype": ("bf16",)}}, "ServerArgs.dtype='bf16' is not in"),
-        ({"sampling_params": ("max_tokens",)}, "SamplingParams has no field 'max_tokens'"),
         (
-            {"tags": {**CONTRACT.tags, "GPU_MEMORY_TYPE_KV_CACHE": "kv-cache"}},
+            lambda c: {"server_arg_choices": {"dtype": ("bf16",)}},
+            "ServerArgs.dtype='bf16' is not in",
+        ),
+        (
+            lambda c: {"sampling_params": ("max_tokens",)},
+            "SamplingParams has no field 'max_tokens'",
+        ),
+        (
+            lambda c: {"tags": {**c.tags, "GPU_MEMORY_TYPE_KV_CACHE": "kv-cache"}},
             "GPU_MEMORY_TYPE_KV_CACHE is 'kv_cache', the adapter uses 'kv-cache'",
         ),
-        # The switch that older releases read; this one rewrites it to a name nothing reads.
+        # The switch that older releases read; these rename or copy it to other names.
         (
-            {"env": {"SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "True"}},
+            lambda c: {"env": {"SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "True"}},
             "sglang.srt.environ reads no boolean SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK",
         ),
-        ({"kv_capacity_key": "max_total_tokens"}, "init info has no 'max_total_tokens'"),
+        (lambda c: {"kv_capacity_key": "max_total_tokens"}, "init info has no 'max_total_tokens'"),
         (
-            {"serializer": ("sglang.srt.utils.common", "MultiprocessingSerializer", "dumps")},
+            lambda c: {
+                "serializer": ("sglang.srt.utils.common", "MultiprocessingSerializer", "dumps")
+            },
             "MultiprocessingSerializer.dumps does not exist",
         ),
         (
-            {"local_tensor": (*CONTRACT.local_tensor[:2], "tensors")},
+            lambda c: {"local_tensor": (*c.local_tensor[:2], "tensors")},
             "LocalSerializedTensor has no field 'tensors'",
         ),
         # Re-exported there, but the schedulers' unpickler admits it only from weight_updater.
         (
-            {"local_tensor": ("sglang.srt.weight_sync.utils", "LocalSerializedTensor", "values")},
+            lambda c: {
+                "local_tensor": ("sglang.srt.weight_sync.utils", "LocalSerializedTensor", "values")
+            },
             "sglang.srt.weight_sync.utils.LocalSerializedTensor is not defined there",
         ),
-        ({"returns_success_message": ("flush_cache",)}, "flush_cache returns"),
+        (lambda c: {"returns_success_message": ("flush_cache",)}, "flush_cache returns"),
     ],
 )
 def test_checker_reports_a_contract_that_drifted_from_the_release(
-    release: Path, drift: dict[str, object], expected: str
+    release: Release, drift: Drift, expected: str
 ) -> None:
-    problems = check_contract(dataclasses.replace(CONTRACT, **drift), release)  # type: ignore[arg-type]
+    drifted = dataclasses.replace(release.contract, **drift(release.contract))
+    problems = check_contract(drifted, release.root)
     assert len(problems) == 1, problems
     assert expected in problems[0]

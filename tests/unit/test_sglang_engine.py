@@ -1,18 +1,27 @@
 """The SGLang adapter's calls, per stage, against a recording stand-in for sglang.Engine.
 
-sglang.Engine needs CUDA and torch 2.14.1, so it cannot run here. The stand-in accepts only the
-methods and keywords declared in the adapter's CONTRACT (which test_sglang_contract.py checks
-against the release) and models the sglang state rules the adapter must respect.
+sglang.Engine needs CUDA, so it cannot run here. The stand-in imitates one supported release: it
+accepts only the methods and keywords of that release's contract (which test_sglang_contract.py
+checks against the release's source) and models the sglang state rules the adapter must respect.
+Tests that hold for every supported release run once per release.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import os
+import re
 from typing import Any
 
 import pytest
 import torch
-from support.sglang_standin import KV_CAPACITY, SGLangEngineStandIn, staged_iteration_calls
+from support.sglang_standin import (
+    KV_CAPACITY,
+    NEWEST,
+    SGLangEngineStandIn,
+    staged_iteration_calls,
+)
 
 from rljob.api import RLJobSpec
 from rljob_worker.engines import make_engine
@@ -25,16 +34,28 @@ from rljob_worker.engines.base import (
     RolloutEngine,
     SamplingParams,
 )
-from rljob_worker.engines.sglang_engine import CONTRACT, SGLangEngine, SGLangEngineError
+from rljob_worker.engines.sglang_engine import (
+    CONTRACTS,
+    SUPPORTED_SGLANG_VERSIONS,
+    SGLangContract,
+    SGLangEngine,
+    SGLangEngineError,
+    SGLangVersionError,
+    installed_contract,
+)
 
-ENV_SWITCH = next(iter(CONTRACT.env))
+ENV_SWITCH = next(iter(NEWEST.env))
+# Run a test once per supported release, the stand-in imitating it.
+every_release = pytest.mark.parametrize("release", SUPPORTED_SGLANG_VERSIONS)
 
 
-def make_adapter(**overrides: Any) -> tuple[SGLangEngine, SGLangEngineStandIn]:
+def make_adapter(
+    contract: SGLangContract = NEWEST, **overrides: Any
+) -> tuple[SGLangEngine, SGLangEngineStandIn]:
     holder: list[SGLangEngineStandIn] = []
 
     def engine_class(**kwargs: Any) -> SGLangEngineStandIn:
-        holder.append(SGLangEngineStandIn(**kwargs))
+        holder.append(SGLangEngineStandIn(contract=contract, **kwargs))
         return holder[0]
 
     options: dict[str, Any] = {
@@ -42,7 +63,7 @@ def make_adapter(**overrides: Any) -> tuple[SGLangEngine, SGLangEngineStandIn]:
         "dtype": "bfloat16",
         "mem_fraction_static": 0.9,
     }
-    engine = SGLangEngine(**{**options, **overrides}, engine_class=engine_class)
+    engine = SGLangEngine(**{**options, **overrides}, engine_class=engine_class, contract=contract)
     return engine, holder[0]
 
 
@@ -70,8 +91,9 @@ def test_engine_starts_colocated_with_spec_knobs_then_releases_every_tag() -> No
     assert isinstance(engine, RolloutEngine)
 
 
-def test_staged_wake_up_calls_sglang_in_stage_order_for_two_iterations() -> None:
-    engine, sgl = make_adapter()
+@every_release
+def test_staged_wake_up_calls_sglang_in_stage_order_for_two_iterations(release: str) -> None:
+    engine, sgl = make_adapter(CONTRACTS[release])
     start = len(sgl.calls)
     for _ in range(2):
         engine.resume([TAG_WEIGHTS])  # wake_weights
@@ -81,25 +103,71 @@ def test_staged_wake_up_calls_sglang_in_stage_order_for_two_iterations() -> None
         engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])  # wake_kv_cache
         assert engine.generate([[1, 2, 3], [4]], SAMPLING) == [[3, 7], [1, 7]]
         engine.release(ALL_TAGS)  # sleep
-    per_iteration = staged_iteration_calls(buckets=2)
+    per_iteration = staged_iteration_calls(buckets=2, contract=CONTRACTS[release])
     assert sgl.names()[start:] == per_iteration * 2
-    calls = sgl.calls[start : start + len(per_iteration)]
-    assert calls[0][1] == {"tags": [TAG_WEIGHTS]}
-    assert [n for n, _ in calls[2][1]["named_tensors"]] == ["a", "b"]
+    calls = dict(enumerate(sgl.calls[start : start + len(per_iteration)]))
+    updates = [kw for n, kw in calls.values() if n == "update_weights_from_tensor"]
+    resumes = [kw for n, kw in calls.values() if n == "resume_memory_occupation"]
+    (generate,) = [kw for n, kw in calls.values() if n == "generate"]
+    (release_call,) = [kw for n, kw in calls.values() if n == "release_memory_occupation"]
+    assert resumes == [{"tags": [TAG_WEIGHTS]}, {"tags": [TAG_KV_CACHE, TAG_CUDA_GRAPH]}]
+    assert [n for n, _ in updates[0]["named_tensors"]] == ["a", "b"]
     # One flush after the last bucket, not one per bucket.
-    assert all(kw["flush_cache"] is False for n, kw in calls if n == "update_weights_from_tensor")
-    assert calls[6][1] == {"tags": [TAG_KV_CACHE, TAG_CUDA_GRAPH]}
+    assert all(kw["flush_cache"] is False for kw in updates)
     # One sampling_params dict per request; the seed moves on per request.
-    assert calls[7][1]["sampling_params"] == [
+    assert generate["sampling_params"] == [
         {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "sampling_seed": 3},
         {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "sampling_seed": 4},
     ]
-    assert calls[8][1] == {"tags": list(ALL_TAGS)}
+    assert release_call == {"tags": list(ALL_TAGS)}
     assert sgl.offloaded == set(ALL_TAGS)
 
 
-def test_single_wake_up_resumes_weights_and_kv_cache_in_one_call() -> None:
-    engine, sgl = make_adapter()
+def test_0_5_23_weight_update_runs_inside_one_session_per_wake_up() -> None:
+    # sglang 0.5.23 refuses update_weights_from_tensor outside begin/end_weight_update().
+    engine, sgl = make_adapter(CONTRACTS["0.5.23"])
+    engine.resume([TAG_WEIGHTS])
+    start = len(sgl.calls)
+    engine.update_weights(bucket("a"))
+    assert sgl.session_open
+    engine.update_weights(bucket("b"))
+    engine.flush_cache()
+    assert not sgl.session_open
+    assert sgl.names()[start:] == [
+        "begin_weight_update",
+        "update_weights_from_tensor",
+        "update_weights_from_tensor",
+        "end_weight_update",
+        "flush_cache",
+    ]
+    assert sorted(sgl.loaded) == ["a", "b"]
+
+
+def test_0_5_17_has_no_weight_update_session_and_the_adapter_updates_without_one() -> None:
+    # sglang 0.5.17's Engine has neither begin_weight_update nor end_weight_update (the stand-in
+    # refuses them, as the release would with AttributeError); its update loads at once.
+    engine, sgl = make_adapter(CONTRACTS["0.5.17"])
+    with pytest.raises(AttributeError, match=r"not in sglang 0\.5\.17's contract"):
+        sgl.begin_weight_update  # noqa: B018
+    engine.resume(ALL_TAGS)
+    start = len(sgl.calls)
+    engine.update_weights(bucket("a"))
+    engine.update_weights(bucket("b"))
+    # Still no generate() before the flush that drops prefixes cached with the old weights.
+    with pytest.raises(RuntimeError, match="flush_cache"):
+        engine.generate([[1]], SAMPLING)
+    engine.flush_cache()
+    assert sgl.names()[start:] == [
+        "update_weights_from_tensor",
+        "update_weights_from_tensor",
+        "flush_cache",
+    ]
+    assert sorted(sgl.loaded) == ["a", "b"]
+
+
+@every_release
+def test_single_wake_up_resumes_weights_and_kv_cache_in_one_call(release: str) -> None:
+    engine, sgl = make_adapter(CONTRACTS[release])
     start = len(sgl.calls)
     for _ in range(2):
         engine.resume(ALL_TAGS)
@@ -148,9 +216,16 @@ def test_generate_before_flush_after_an_update_raises() -> None:
         engine.generate([[1]], SAMPLING)
 
 
-@pytest.mark.parametrize("method", ["begin_weight_update", "update_weights_from_tensor"])
-def test_sglang_refusing_a_weight_update_raises_with_its_message(method: str) -> None:
-    engine, sgl = make_adapter()
+@pytest.mark.parametrize(
+    ("release", "method"),
+    [
+        ("0.5.17", "update_weights_from_tensor"),
+        ("0.5.23", "begin_weight_update"),
+        ("0.5.23", "update_weights_from_tensor"),
+    ],
+)
+def test_sglang_refusing_a_weight_update_raises_with_its_message(release: str, method: str) -> None:
+    engine, sgl = make_adapter(CONTRACTS[release])
     engine.resume([TAG_WEIGHTS])
     sgl.refuse[method] = "shape mismatch for a"
     with pytest.raises(SGLangEngineError, match=f"{method} failed: shape mismatch for a"):
@@ -170,14 +245,59 @@ def test_unknown_tag_is_refused() -> None:
         engine.resume(["weight"])
 
 
+@every_release
 def test_tensor_parallel_engine_turns_off_sglang_memory_balance_check(
-    monkeypatch: pytest.MonkeyPatch,
+    release: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Both releases read the same switch (the contract test checks where).
+    assert CONTRACTS[release].env == {ENV_SWITCH: "false"}
     monkeypatch.delenv(ENV_SWITCH, raising=False)
-    make_adapter(tp_size=1)
+    make_adapter(CONTRACTS[release], tp_size=1)
     assert ENV_SWITCH not in os.environ
-    make_adapter(tp_size=2)
+    make_adapter(CONTRACTS[release], tp_size=2)
     assert os.environ[ENV_SWITCH] == "false"
+
+
+def _pretend_installed(monkeypatch: pytest.MonkeyPatch, sglang_version: str | None) -> None:
+    """Make importlib.metadata report this sglang (None: not installed); other packages as is."""
+    real_version = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name != "sglang":
+            return real_version(name)
+        if sglang_version is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return sglang_version
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+
+
+@every_release
+def test_installed_release_picks_its_contract(
+    release: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _pretend_installed(monkeypatch, release)
+    assert installed_contract() is CONTRACTS[release]
+    assert installed_contract().release == release
+
+
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.20", "0.5.23.post1", "0.6.0"])
+def test_release_outside_the_checked_ones_is_refused_naming_the_supported_ones(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _pretend_installed(monkeypatch, version)
+    with pytest.raises(
+        SGLangVersionError, match=rf"sglang {re.escape(version)} is not supported.*0\.5\.17"
+    ):
+        installed_contract()
+    with pytest.raises(SGLangVersionError, match=r"0\.5\.17 and 0\.5\.23"):
+        SGLangEngine(model_path="/m", dtype="bfloat16", mem_fraction_static=0.9)
+
+
+def test_sglang_not_installed_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _pretend_installed(monkeypatch, None)
+    with pytest.raises(SGLangVersionError, match=r"needs sglang, which is not installed here"):
+        installed_contract()
 
 
 def test_shutdown_is_idempotent() -> None:
@@ -202,11 +322,17 @@ def spec(engine: str, tensor_parallel_size: int = 1, path: str = "/models/qwen")
     )
 
 
-def test_make_engine_builds_sglang_on_the_rank_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+@every_release
+def test_make_engine_builds_sglang_on_the_rank_gpu(
+    release: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # tensorParallelSize > 1 goes through engines/tensor_parallel.py: tests/worker covers it.
-    monkeypatch.setattr(sglang_module, "_load_engine_class", lambda: SGLangEngineStandIn)
+    _pretend_installed(monkeypatch, release)
+    stand_in = functools.partial(SGLangEngineStandIn, contract=CONTRACTS[release])
+    monkeypatch.setattr(sglang_module, "_load_engine_class", lambda: stand_in)
     engine = make_engine(spec("sglang", tensor_parallel_size=1), device="cuda:2")
     assert isinstance(engine, SGLangEngine)
+    assert engine._engine.contract.release == release
     kwargs = engine._engine.calls[0][1]
     assert kwargs["model_path"] == "/models/qwen"
     assert (kwargs["tp_size"], kwargs["base_gpu_id"]) == (1, 2)

@@ -1,15 +1,19 @@
-"""The SGLang rollout engine: `sglang.Engine` (the release pinned in pyproject's sglang extra)
-behind the RolloutEngine interface, with tagged release/resume and in-place weight updates.
+"""The SGLang rollout engine: `sglang.Engine` (a release listed in CONTRACTS, the range of
+pyproject's sglang extra) behind the RolloutEngine interface, with tagged release/resume and
+in-place weight updates.
 
-Everything this adapter touches in sglang is declared once, in CONTRACT; the unit test
-tests/unit/test_sglang_contract.py checks every entry against the pinned release's own source, and
-tests/unit/test_sglang_engine.py drives the adapter against a stand-in that refuses any call not
-in CONTRACT, so a renamed method, argument, field or tag fails a CPU test, not a GPU job.
+Everything this adapter touches in sglang is declared per release, in CONTRACTS, and chosen at
+run time from the installed release; tests/unit/test_sglang_contract.py checks every release's
+contract against that release's own source, and tests/unit/test_sglang_engine.py drives the
+adapter against a stand-in that refuses any call outside the contract of the release it imitates,
+so a renamed method, argument, field or tag fails a CPU test, not a GPU job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.metadata
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +35,8 @@ if TYPE_CHECKING:
 class SGLangContract:
     """What the adapter uses from one sglang release; each entry is checked against its source."""
 
+    # The release (sglang.__version__) this contract is checked against.
+    release: str
     # Module (dotted) and class the adapter imports the engine from.
     engine_module: str
     engine_class: str
@@ -64,8 +70,18 @@ class SGLangContract:
     # Module and class of the restricted unpickler that must allow `local_tensor`.
     safe_unpickler: tuple[str, str]
 
+    @property
+    def opens_weight_update_session(self) -> bool:
+        """Whether update_weights_from_tensor must run inside begin/end_weight_update()."""
+        return "begin_weight_update" in self.engine_methods
 
-CONTRACT = SGLangContract(
+
+# The weight-update session (0.5.23): its scheduler refuses update_weights_from_tensor outside
+# begin_weight_update() / end_weight_update() (managers/scheduler_components/weight_updater.py).
+_SESSION_METHODS = ("begin_weight_update", "end_weight_update")
+
+_CONTRACT_0_5_23 = SGLangContract(
+    release="0.5.23",
     engine_module="sglang.srt.entrypoints.engine",
     engine_class="Engine",
     engine_methods={
@@ -116,6 +132,53 @@ CONTRACT = SGLangContract(
     safe_unpickler=("sglang.srt.utils.common", "SafeUnpickler"),
 )
 
+# 0.5.17 has no weight-update session: Engine has neither begin_weight_update nor
+# end_weight_update, and update_weights_from_tensor loads at once. Everything else is the same.
+_CONTRACT_0_5_17 = dataclasses.replace(
+    _CONTRACT_0_5_23,
+    release="0.5.17",
+    engine_methods={
+        method: kwargs
+        for method, kwargs in _CONTRACT_0_5_23.engine_methods.items()
+        if method not in _SESSION_METHODS
+    },
+    returns_success_message=("update_weights_from_tensor",),
+)
+
+# The releases the adapter supports, oldest first: the GPU machines' (torch 2.11) and the worker
+# image's. pyproject's sglang extra admits exactly these; a release between them is unchecked.
+CONTRACTS: Mapping[str, SGLangContract] = {
+    contract.release: contract for contract in (_CONTRACT_0_5_17, _CONTRACT_0_5_23)
+}
+SUPPORTED_SGLANG_VERSIONS = tuple(CONTRACTS)
+
+
+class SGLangVersionError(RuntimeError):
+    """The installed sglang is not a release this adapter is checked against."""
+
+
+def contract_for(version: str) -> SGLangContract:
+    """The contract of sglang `version`; a release outside CONTRACTS is refused, not guessed."""
+    if version not in CONTRACTS:
+        raise SGLangVersionError(
+            f"sglang {version} is not supported: the SGLang adapter is checked against sglang "
+            f"{' and '.join(SUPPORTED_SGLANG_VERSIONS)} only; install one of them "
+            f"(pip install 'sglang=={SUPPORTED_SGLANG_VERSIONS[-1]}')"
+        )
+    return CONTRACTS[version]
+
+
+def installed_contract() -> SGLangContract:
+    """The contract of the sglang installed here (its distribution metadata; no import)."""
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        raise SGLangVersionError(
+            "rollout.engine=sglang needs sglang, which is not installed here: install "
+            f"rljob[sglang] (sglang {' or '.join(SUPPORTED_SGLANG_VERSIONS)})"
+        ) from None
+    return contract_for(version)
+
 
 def _request_params(sampling: SamplingParams, index: int) -> dict[str, Any]:
     """One request's sampling_params. A seed is offset per request: GRPO sends each prompt
@@ -136,21 +199,23 @@ class SGLangEngineError(RuntimeError):
     """sglang refused a call (it answers with success=False instead of raising)."""
 
 
-def _patch_tensor_reductions() -> None:
+def _patch_tensor_reductions(contract: SGLangContract) -> None:
     """Make CUDA tensors this process hands to sglang travel by device UUID (idempotent).
 
-    Tensors cross into the scheduler processes by CUDA IPC; sglang (0.5.23, weight_sync/utils.py)
-    patches the producer side too, so a device stays right when the scheduler sees a different
-    CUDA_VISIBLE_DEVICES than this process (Ray actors, a tensor-parallel group's union).
+    Tensors cross into the scheduler processes by CUDA IPC; sglang's own weight_sync/utils.py
+    patches the producer side too (0.5.17 and 0.5.23), so a device stays right when the scheduler
+    sees a different CUDA_VISIBLE_DEVICES than this process (Ray actors, a tensor-parallel
+    group's union).
     """
-    patch_module, patch_function = CONTRACT.tensor_reduction_patch
+    patch_module, patch_function = contract.tensor_reduction_patch
     getattr(importlib.import_module(patch_module), patch_function)()
 
 
 def _load_engine_class() -> Callable[..., Any]:
     """Import sglang only when an engine is built: the module must import where sglang cannot."""
-    _patch_tensor_reductions()
-    return getattr(importlib.import_module(CONTRACT.engine_module), CONTRACT.engine_class)  # type: ignore[no-any-return]
+    contract = installed_contract()
+    _patch_tensor_reductions(contract)
+    return getattr(importlib.import_module(contract.engine_module), contract.engine_class)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -167,11 +232,12 @@ class TensorHandoff:
 
 
 def load_tensor_handoff() -> TensorHandoff:
-    """sglang's own serializer and per-rank wrapper (CONTRACT.serializer, .local_tensor)."""
-    _patch_tensor_reductions()
-    module, cls, method = CONTRACT.serializer
+    """sglang's own serializer and per-rank wrapper (the contract's serializer, local_tensor)."""
+    contract = installed_contract()
+    _patch_tensor_reductions(contract)
+    module, cls, method = contract.serializer
     serializer = getattr(importlib.import_module(module), cls)
-    module, cls, _field = CONTRACT.local_tensor
+    module, cls, _field = contract.local_tensor
     return TensorHandoff(
         serialize=getattr(serializer, method),
         local_tensor=getattr(importlib.import_module(module), cls),
@@ -185,7 +251,7 @@ class SGLangEngine:
     released: the colocated loop begins with training, which needs the memory. Release and resume
     are idempotent per tag (sglang itself is not: pausing twice or resuming a resident tag breaks
     its scheduler), and calls that would touch released memory raise here instead of crashing a
-    scheduler process.
+    scheduler process. `contract` is the installed release's unless given (a stand-in's).
     """
 
     def __init__(
@@ -199,18 +265,22 @@ class SGLangEngine:
         seed: int = 0,
         disable_cuda_graph: bool = False,
         engine_class: Callable[..., Any] | None = None,
+        contract: SGLangContract | None = None,
     ) -> None:
-        if dtype not in CONTRACT.server_arg_choices["dtype"]:
+        self._contract = contract = contract or installed_contract()
+        if dtype not in contract.server_arg_choices["dtype"]:
             raise ValueError(
-                f"dtype={dtype!r} is not one of {CONTRACT.server_arg_choices['dtype']}"
+                f"dtype={dtype!r} is not one of {contract.server_arg_choices['dtype']}"
             )
         if tp_size > 1:
             # Training shares these GPUs, so free memory differs across the TP ranks at start-up
             # (each holds its own FSDP shard and allocator cache); sglang's check that free memory
-            # is balanced would refuse to start. 0.5.23 reads SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK
-            # (srt/environ.py); the older SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK is rewritten to a
-            # name nothing reads. Set before the engine exists: its processes inherit it.
-            os.environ.update(CONTRACT.env)
+            # is balanced would refuse to start. 0.5.17 and 0.5.23 read
+            # SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK (distributed/bootstrap.py); the older
+            # SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK is copied or rewritten to other names, and
+            # 0.5.17's SGLANG_DISABLE_... is declared but read nowhere. Set before the engine
+            # exists: its processes inherit it.
+            os.environ.update(contract.env)
         engine_class = engine_class or _load_engine_class()
         self._engine: Any = engine_class(
             model_path=model_path,
@@ -227,7 +297,7 @@ class SGLangEngine:
             disable_cuda_graph=disable_cuda_graph,
         )
         # The KV pool is sized once, at start-up, from mem_fraction_static (scheduler init info).
-        self._kv_capacity_tokens = int(self._engine.get_server_info()[CONTRACT.kv_capacity_key])
+        self._kv_capacity_tokens = int(self._engine.get_server_info()[contract.kv_capacity_key])
         self._released: set[str] = set()
         self._update_open = False
         self.release(ALL_TAGS)
@@ -268,7 +338,7 @@ class SGLangEngine:
         # A batch answers with a list of dicts; a batch of one may come back as the dict itself.
         if isinstance(outputs, dict):
             outputs = [outputs]
-        responses = [list(out[CONTRACT.output_ids_key]) for out in outputs]
+        responses = [list(out[self._contract.output_ids_key]) for out in outputs]
         answers, start = [], 0
         for prompts, _ in batches:
             answers.append(responses[start : start + len(prompts)])
@@ -296,17 +366,20 @@ class SGLangEngine:
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor | Any]]) -> None:
         """Load one bucket of full tensors into the resident weights, in place.
 
-        sglang (0.5.23) loads tensors only inside a weight-update session: the first bucket
-        opens one and flush_cache() closes it. A value is a tensor (every TP rank's scheduler
-        opens it by CUDA IPC) or, from a TensorParallelEngine, a TensorHandoff.local_tensor
-        holding one handle per TP rank, each on that rank's GPU.
+        sglang 0.5.23 loads tensors only inside a weight-update session: there the first bucket
+        opens one and flush_cache() closes it; 0.5.17 has no session and loads at once. A value
+        is a tensor (every TP rank's scheduler opens it by CUDA IPC) or, from a
+        TensorParallelEngine, a TensorHandoff.local_tensor holding one handle per TP rank, each
+        on that rank's GPU.
         """
         named_tensors = list(bucket)
         if not named_tensors:
             return
         self._require_resident((TAG_WEIGHTS,), "update_weights")
         if not self._update_open:
-            self._check_success_message("begin_weight_update", self._engine.begin_weight_update())
+            if self._contract.opens_weight_update_session:
+                result = self._engine.begin_weight_update()
+                self._check_success_message("begin_weight_update", result)
             self._update_open = True
         result = self._engine.update_weights_from_tensor(
             named_tensors=named_tensors,
@@ -323,7 +396,8 @@ class SGLangEngine:
         """
         if self._update_open:
             self._update_open = False
-            self._check_success_message("end_weight_update", self._engine.end_weight_update())
+            if self._contract.opens_weight_update_session:
+                self._check_success_message("end_weight_update", self._engine.end_weight_update())
         result = self._engine.flush_cache()
         if not getattr(result, "success", False):
             message = getattr(result, "message", "")
