@@ -176,9 +176,12 @@ def test_pip_constraints_are_checked_in_locks(dockerfile: Path) -> None:
     assert {"kopf", "kubernetes"} <= pins or dockerfile != OPERATOR, (dockerfile, lock)
 
 
-def test_gpu_base_image_is_the_sglang_release_the_extra_pins() -> None:
+def test_gpu_base_image_is_the_newest_sglang_release_the_adapter_supports() -> None:
+    from rljob_worker.engines.sglang_engine import SUPPORTED_SGLANG_VERSIONS
+
     (pin,) = PYPROJECT["project"]["optional-dependencies"]["sglang"]
-    version = pin.split("==")[1]
+    version = SUPPORTED_SGLANG_VERSIONS[-1]
+    assert SpecifierSet(pin.removeprefix("sglang")).contains(version), pin
     image = arg_defaults(WORKER_GPU)["SGLANG_IMAGE"]
     assert re.fullmatch(rf"[\w./-]+:v{re.escape(version)}-cu\d+(-runtime)?", image), (image, pin)
     if (ROOT / "requirements" / "worker-gpu.txt").is_file():

@@ -43,6 +43,7 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     import torch
     import torch.distributed as dist
     from support.sglang_standin import HANDOFF_STAND_IN, SGLangEngineStandIn
+    from support.sglang_standin import NEWEST as SGLANG_NEWEST
 
     from rljob_worker.engines import make_engine, sglang_engine
     from rljob_worker.engines.base import ALL_TAGS, TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS
@@ -55,6 +56,8 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
         return built[-1]
 
     sglang_engine._load_engine_class = lambda: engine_class  # type: ignore[assignment]
+    # The stand-in imitates the newest supported release; sglang is not installed here.
+    sglang_engine.installed_contract = lambda: SGLANG_NEWEST  # type: ignore[assignment]
     sglang_engine.load_tensor_handoff = lambda: HANDOFF_STAND_IN  # type: ignore[assignment]
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
