@@ -1,5 +1,6 @@
-"""`kubectl rljob` (the kubectl-rljob plugin): `describe NAME` prints the latest iteration's
-per-stage memory (worst rank per stage) and the OOM history; `plot NAME -o FILE` draws memory per
+"""`kubectl rljob` (the kubectl-rljob plugin): `describe NAME` prints what is wrong first (one
+line per failed or blocking condition), then the latest iteration's per-stage memory (worst rank
+per stage) and the OOM history; `plot NAME -o FILE` draws memory per
 stage over the iterations kept in status.memoryHistory.
 
 Reads the RLJob with the kubernetes client and the same kubeconfig/context kubectl uses.
@@ -75,7 +76,27 @@ def oom_table(status: RLJobStatus) -> Table:
     return table
 
 
+# Conditions that say something is wrong when they hold this status, most telling first.
+PROBLEMS = (("Failed", "True"), ("PodsReady", "False"), ("SpecApplied", "False"))
+# A False PodsReady that only says "not yet" is no problem.
+NOT_A_PROBLEM = {"PodsPending"}
+
+
+def cause_lines(status: RLJobStatus) -> list[str]:
+    """One line per condition that says what is wrong: `Type  Reason  message`."""
+    by_type = {c.type: c for c in status.conditions}
+    lines = []
+    for ctype, bad in PROBLEMS:
+        c = by_type.get(ctype)
+        if c is not None and c.status == bad and c.reason not in NOT_A_PROBLEM:
+            lines.append(f"{ctype}  {c.reason}  {' '.join(c.message.split())}")
+    return lines
+
+
 def describe(name: str, status: RLJobStatus, console: Console) -> None:
+    for line in cause_lines(status):
+        # One line each, however long: soft_wrap leaves the line to the terminal.
+        console.print(line, style="bold red", soft_wrap=True, markup=False, highlight=False)
     phase = status.phase.value if status.phase else "-"
     console.print(f"RLJob {name}: phase {phase}, iteration {status.iteration}")
     table = memory_table(name, status)

@@ -9,6 +9,7 @@ work whose outcome is known: a RayJob state its RLJob's status was already compu
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime
 import logging
@@ -24,7 +25,7 @@ from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
 from rljob.api import GROUP, JOB_CONFIG_FILE, PLURAL, VERSION, JobConfig, OOMEvent, RLJobSpec
-from rljob_operator import kube, metrics, oom, render, status
+from rljob_operator import causes, kube, metrics, oom, render, status
 
 RAYJOB_LABELS = {render.JOB_LABEL: kopf.PRESENT}
 
@@ -145,6 +146,9 @@ class Observing:
     applied: RLJobSpec | None
     rayjob: dict[str, Any] | None
     problems: list[tuple[str, str]] = field(default_factory=list)
+    apply_failure: status.ApplyFailure | None = None
+    reconciled: bool = False
+    startup_expired: bool = False
 
     def __call__(
         self, rljob: dict[str, Any]
@@ -155,6 +159,7 @@ class Observing:
             if spec is None or problems:
                 return None
         current = dict(rljob.get("status") or {})
+        meta = rljob["metadata"]
         observed = status.Observed(
             generation=int(rljob["metadata"].get("generation") or 0),
             spec=spec,
@@ -164,6 +169,10 @@ class Observing:
             problems=problems,
             memory=current.get("memory"),
             oom_counts=dict(current.get("oomCounts") or {}),
+            causes=CAUSES.current(meta["namespace"], meta["name"]),
+            apply_failure=self.apply_failure,
+            reconciled=self.reconciled,
+            startup_expired=self.startup_expired,
         )
         return status.compute(observed, _now())
 
@@ -201,6 +210,7 @@ class MirroredRayJobs:
 
 
 MIRRORED = MirroredRayJobs()
+CAUSES = causes.CauseBook()
 
 
 def _write(
@@ -239,6 +249,22 @@ def _write(
         message = f"{kill.message}; kill {kill.count} of this container, {killed.total} in all"
         kopf.event(body, type="Warning", reason=oom.KIND, message=message)
         logger.warning(f"RLJob {namespace}/{name}: {message}")
+    _announce_causes(rljob, logger)
+
+
+def _announce_causes(rljob: dict[str, Any], logger: logging.Logger | kopf.Logger) -> None:
+    """One Warning Event per distinct cause of the job (causes.py), its count the objects hit."""
+    namespace, name = rljob["metadata"]["namespace"], rljob["metadata"]["name"]
+    for news in CAUSES.unannounced(namespace, name):
+        cause = news.cause
+        message = cause.line + (f" ({news.count} objects)" if news.count > 1 else "")
+        try:
+            kube.post_aggregated_event(
+                rljob, causes.event_name(name, cause.key), cause.reason, message, news.count
+            )
+        except (ApiException, HTTPError) as exc:
+            logger.warning(f"RLJob {namespace}/{name}: Event for {cause.reason} not posted: {exc}")
+        logger.warning(f"RLJob {namespace}/{name}: {message}")
 
 
 # Applied after the RayJob: its pods reference the ServiceAccount (admission refuses a pod whose
@@ -258,9 +284,11 @@ def _apply_order(children: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 @metrics.timed("reconcile")
 def reconcile(
-    body: kopf.Body, name: str, namespace: str | None, uid: str, logger: kopf.Logger, **_: Any
-) -> None:
-    """Apply the children for the spec (only suspend/ttl change on a live job), then status."""
+    body: kopf.Body, name: str, namespace: str | None, uid: str, logger: kopf.Logger,
+    retry: int = 0, **_: Any,
+) -> None:  # fmt: skip
+    """Apply the children for the spec (only suspend/ttl/startup timeout change on a live job),
+    then status. A job that timed out starting keeps its RayJob suspended."""
     assert namespace is not None  # RLJobs are namespaced
     spec, problems = _parse(body)
     try:
@@ -268,21 +296,48 @@ def reconcile(
             _write(namespace, name, Observing(spec, None, None, problems), logger)
             text = "; ".join(f"{path}: {msg}" for path, msg in problems)
             raise kopf.PermanentError(f"RLJob {name}: {text}")
-        applied = APPLIED.read(namespace, name)
-        run_spec = status.applied_after_update(spec, applied)
+        run_spec = status.applied_after_update(spec, APPLIED.read(namespace, name))
+        if status.timed_out(body.get("status") or {}):
+            run_spec = run_spec.model_copy(update={"suspend": True})
         owner = render.Owner(name=name, namespace=namespace, uid=uid)
-        children = _apply_order(render.children(owner, run_spec))
         # Under the job's lock, so a RayJob event that arrives meanwhile (its own ADDED, while
         # the Role and RoleBinding are applied) waits for this status write: then it finds its
         # state mirrored and costs nothing, or, if KubeRay changed the RayJob since the apply
         # answered, it writes the newer state after this one instead of being overwritten by it.
         with _job_lock(namespace, name):
-            stored = {child["kind"]: kube.apply(child) for child in children}
+            stored = _apply_children(owner, spec, run_spec, retry, logger)
             APPLIED.remember(namespace, name, stored["ConfigMap"], run_spec)
-            _write(namespace, name, Observing(spec, run_spec, stored["RayJob"]), logger)
+            observing = Observing(spec, run_spec, stored["RayJob"], reconciled=True)
+            _write(namespace, name, observing, logger)
         logger.info(f"reconciled RLJob {namespace}/{name}")
     except (ApiException, HTTPError) as exc:
         raise kube.as_kopf_error(exc, f"RLJob {namespace}/{name}") from exc
+
+
+def _apply_children(
+    owner: render.Owner, spec: RLJobSpec, run_spec: RLJobSpec, retry: int,
+    logger: kopf.Logger,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Server-side apply every child; the stored objects by kind. A child the apiserver refuses
+    makes the RLJob Failed (PermanentError: kopf stops); a transient failure is in status as a
+    retry, and kopf retries with a doubling delay."""
+    stored: dict[str, dict[str, Any]] = {}
+    for child in _apply_order(render.children(owner, run_spec)):
+        try:
+            stored[child["kind"]] = kube.apply(child)
+        except (ApiException, HTTPError) as exc:
+            failure = kube.apply_failure(child, exc, retry)
+            where = f"RLJob {owner.namespace}/{owner.name}"
+            try:
+                observing = Observing(spec, run_spec, stored.get("RayJob"), apply_failure=failure)
+                _write(owner.namespace, owner.name, observing, logger)
+            except (ApiException, HTTPError) as status_exc:
+                logger.warning(f"{where}: status not updated: {status_exc}")
+            if failure.refused:
+                raise kopf.PermanentError(f"{where}: {failure.text}") from exc
+            delay = failure.retry_in_seconds
+            raise kopf.TemporaryError(f"{where}: {failure.text}", delay=delay) from exc
+    return stored
 
 
 @kopf.on.event("ray.io", "v1", "rayjobs", labels=RAYJOB_LABELS)
@@ -306,6 +361,75 @@ def rayjob_changed(
         logger.warning(f"RLJob {namespace}/{name}: status not updated: {exc}")
 
 
+@kopf.on.event("ray.io", "v1", "rayclusters", labels=RAYJOB_LABELS)
+@metrics.timed("raycluster_event")
+def raycluster_changed(
+    type: str, body: kopf.Body, name: str, namespace: str | None, labels: Mapping[str, str],
+    logger: kopf.Logger, **_: Any,
+) -> None:  # fmt: skip
+    """KubeRay could not create a pod of the job (its ReplicaFailure condition): PodsReady."""
+    assert namespace is not None
+    found = [] if type == "DELETED" else causes.raycluster_causes(body)
+    _observe_causes(namespace, labels[render.JOB_LABEL], f"raycluster/{name}", found, logger)
+
+
+def _observe_causes(
+    namespace: str, job: str, source: str, found: list[causes.Cause],
+    logger: kopf.Logger | logging.Logger,
+) -> None:  # fmt: skip
+    """Record a source's causes; when they changed, recompute the job's status (PodsReady) and
+    post an Event for each cause not announced yet. Not retried: the source's next change or
+    the RLJob's next status write repairs a lost one."""
+    if not CAUSES.observe(namespace, job, source, found):
+        return
+    try:
+        with _job_lock(namespace, job):
+            rayjob = kube.get_rayjob(namespace, job)
+            _write(namespace, job, Observing(None, APPLIED.read(namespace, job), rayjob), logger)
+    except (ApiException, HTTPError) as exc:
+        logger.warning(f"RLJob {namespace}/{job}: causes not recorded yet: {exc}")
+
+
+# How often a job that is not running yet is checked against its startup deadline.
+STARTUP_CHECK_SECONDS = 10.0
+
+
+def _may_time_out(status: Mapping[str, Any], **_: Any) -> bool:
+    return status.get("phase") in (None, "Pending", "Starting")
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=STARTUP_CHECK_SECONDS, when=_may_time_out)
+async def startup_deadline(
+    body: kopf.Body, name: str, namespace: str | None, uid: str, logger: kopf.Logger, **_: Any
+) -> None:
+    """A job whose Ray job is not running by spec.startupTimeoutSeconds fails (StartupTimeout,
+    with the last cause) and its RayJob is suspended: KubeRay deletes the pods (README policy).
+    Async, so the check of a job not due costs no thread; the work runs in one when due."""
+    assert namespace is not None
+    deadline = status.startup_deadline(body)
+    if deadline is None or datetime.datetime.now(datetime.UTC) < deadline:
+        return
+    owner = render.Owner(name=name, namespace=namespace, uid=uid)
+    await asyncio.to_thread(_time_out, owner, logger)
+
+
+def _time_out(owner: render.Owner, logger: kopf.Logger) -> None:
+    namespace, name = owner.namespace, owner.name
+    try:
+        with _job_lock(namespace, name):
+            applied = APPLIED.read(namespace, name)
+            rayjob = kube.get_rayjob(namespace, name)
+            if rayjob is not None and applied is not None:
+                # Suspend first: if this fails the job is still Starting and the timer retries.
+                suspended = applied.model_copy(update={"suspend": True})
+                rayjob = kube.apply(render.ray_job(owner, suspended))
+            _write(namespace, name, Observing(None, applied, rayjob, startup_expired=True), logger)
+    except (ApiException, HTTPError) as exc:
+        raise kopf.TemporaryError(
+            f"RLJob {namespace}/{name}: startup timeout: {exc}", delay=10
+        ) from exc
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
 @metrics.timed("rljob_event")
 def rljob_changed(
@@ -318,6 +442,7 @@ def rljob_changed(
         metrics.JOBS.forget(namespace, name)
         MIRRORED.forget(namespace, name)
         APPLIED.forget(namespace, name)
+        CAUSES.forget(namespace, name)
         _drop_job_lock(namespace, name)
         return
     current = dict(body.get("status") or {})
@@ -339,17 +464,20 @@ def pod_changed(
     type: str, body: kopf.Body, name: str, namespace: str | None, labels: Mapping[str, str],
     logger: kopf.Logger, **_: Any,
 ) -> None:  # fmt: skip
-    """A job pod's container OOMKilled (or the pod evicted for memory): into the RLJob's
+    """Why a job's pod is not running (PodsReady, causes.py), and its containers OOMKilled (or
+    the pod evicted for memory): into the RLJob's
     status.oomEvents and a Warning Event. A write lost here is repaired by the pod's next
     change or the operator's next start (kopf lists every pod again, and kills are deduped)."""
     assert namespace is not None
+    job = labels[render.JOB_LABEL]
+    found = [] if type == "DELETED" else causes.pod_causes(body)
+    _observe_causes(namespace, job, f"pod/{name}", found, logger)
     if type == "DELETED":
         KILLS.forget(namespace, name)
         return
     kills = KILLS.fresh(namespace, oom.pod_kills(body))
     if not kills:
         return
-    job = labels[render.JOB_LABEL]
     try:
         _write(namespace, job, _carry, logger, kills)
     except (ApiException, HTTPError) as exc:

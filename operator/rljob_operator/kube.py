@@ -6,10 +6,11 @@ the driver's status fields (its own field manager) are never clobbered.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -18,11 +19,14 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from rljob.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from rljob_operator.status import ApplyFailure
 
 FIELD_MANAGER = "rljob-operator"
 APPLY = "application/apply-patch+yaml"
 # Statuses worth retrying: conflicts, throttling, apiserver trouble.
 TRANSIENT = {409, 429, 500, 502, 503, 504}
+# Retries of a failed apply wait 5 s, 10 s, 20 s... up to 5 minutes.
+FIRST_RETRY_SECONDS, LAST_RETRY_SECONDS = 5.0, 300.0
 # Every call below passes _preload_content=False and parses the answer's JSON itself: the
 # generated client otherwise builds a typed model (V1ConfigMap, V1Role...) that the operator only
 # turned back into a dict, and it types only the 200 of a patch, so the 201 of an apply that
@@ -113,6 +117,11 @@ def get_rljob(namespace: str, name: str) -> dict[str, Any] | None:
         GROUP, VERSION, namespace, PLURAL, name, _preload_content=False))  # fmt: skip
 
 
+def get_rayjob(namespace: str, name: str) -> dict[str, Any] | None:
+    return _get(lambda: _custom().get_namespaced_custom_object(
+        "ray.io", "v1", namespace, "rayjobs", name, _preload_content=False))  # fmt: skip
+
+
 def get_config_map(namespace: str, name: str) -> dict[str, Any] | None:
     return _get(lambda: _core().read_namespaced_config_map(name, namespace, _preload_content=False))
 
@@ -140,6 +149,55 @@ def as_kopf_error(exc: Exception, what: str) -> kopf.TemporaryError | kopf.Perma
             return kopf.TemporaryError(f"{what}: forbidden ({exc.reason})", delay=60)
         return kopf.PermanentError(f"{what}: HTTP {exc.status}: {_api_message(exc)}")
     return kopf.TemporaryError(f"{what}: {exc}", delay=10)
+
+
+def retry_delay(retry: int) -> float:
+    """Backoff before retry number `retry` (0 first): doubling from 5 s, at most 5 minutes."""
+    return min(FIRST_RETRY_SECONDS * 2 ** min(retry, 16), LAST_RETRY_SECONDS)
+
+
+def apply_failure(child: Mapping[str, Any], exc: Exception, retry: int) -> ApplyFailure:
+    """What a failed apply of `child` means: refused for good, or retried after a backoff.
+
+    Refused for good: a 4xx that the same request would get again (invalid, bad request, not
+    found...). Retried: 5xx, conflicts, throttling, the API unreachable, and 401/403 (RBAC or a
+    quota an admin may still change)."""
+    kind, name = str(child["kind"]), str(child["metadata"]["name"])
+    if isinstance(exc, ApiException) and exc.status is not None:
+        message = f"HTTP {exc.status}: {_api_message(exc)}"
+        if 400 <= exc.status < 500 and exc.status not in TRANSIENT | {401, 403}:
+            return ApplyFailure(kind, name, message)
+    else:
+        message = f"API unreachable ({exc})"
+    return ApplyFailure(kind, name, message, retry_in_seconds=retry_delay(retry))
+
+
+def post_aggregated_event(
+    rljob: Mapping[str, Any], name: str, reason: str, message: str, count: int
+) -> None:
+    """A Warning Event on the RLJob under a stable `name`: created the first time, then its
+    count, message and lastTimestamp updated (the kubelet's way of aggregating repeats)."""
+    meta = rljob["metadata"]
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    body: Any = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": name, "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
+            "namespace": meta["namespace"], "uid": meta["uid"],
+        },
+        "reason": reason, "message": message, "type": "Warning", "count": count,
+        "firstTimestamp": now, "lastTimestamp": now,
+        "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
+    }  # fmt: skip
+    try:
+        _core().create_namespaced_event(meta["namespace"], body, _preload_content=False)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        update = {"count": count, "message": message, "lastTimestamp": now}
+        _core().patch_namespaced_event(name, meta["namespace"], update, _preload_content=False)
 
 
 def _api_message(exc: ApiException) -> str:

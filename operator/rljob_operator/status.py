@@ -7,10 +7,13 @@ fields; the job's driver owns iteration, memory and CUDA OOMs (see DESIGN.md).
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob.api import Phase, RLJobSpec
+from rljob.api import DEFAULT_STARTUP_TIMEOUT_SECONDS, Phase, RLJobSpec
+from rljob_operator.causes import Cause
 from rljob_operator.oom import KIND as KILLED
 from rljob_operator.oom import KilledPart
 
@@ -21,7 +24,8 @@ SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 SUSPENDED = "Suspended"
 SPEC_APPLIED = "SpecApplied"
-CONDITION_TYPES = (CREATED, RUNNING, SUCCEEDED, FAILED, SUSPENDED, SPEC_APPLIED)
+PODS_READY = "PodsReady"
+CONDITION_TYPES = (CREATED, PODS_READY, RUNNING, SUCCEEDED, FAILED, SUSPENDED, SPEC_APPLIED)
 
 # Reasons (CamelCase, as metav1.Condition requires).
 REASON_RAYJOB_CREATED = "RayJobCreated"
@@ -37,9 +41,43 @@ REASON_NOT_SUSPENDED = "NotSuspended"
 REASON_APPLIED = "Applied"
 REASON_UPDATE_REFUSED = "UpdateRefused"
 REASON_NOT_FINISHED = "NotFinished"
+REASON_STARTUP_TIMEOUT = "StartupTimeout"
+REASON_APPLY_RETRYING = "ApplyRetrying"
+REASON_PODS_RUNNING = "PodsRunning"
+REASON_PODS_PENDING = "PodsPending"
+# A child the apiserver refused for good: "<Kind>Refused" (RayJobRefused, ConfigMapRefused...).
+REFUSED_SUFFIX = "Refused"
 
 # Spec fields an update may change on a live job; any other change is refused.
-MUTABLE_SPEC_FIELDS = ("suspend", "ttlSecondsAfterFinished")
+MUTABLE_SPEC_FIELDS = ("suspend", "ttlSecondsAfterFinished", "startupTimeoutSeconds")
+# status.cause (a printer column) is cut to this many characters.
+MAX_CAUSE = 120
+
+
+@dataclass(frozen=True)
+class ApplyFailure:
+    """Applying one child failed: refused for good (a 4xx that retrying will not change) or
+    retried (5xx, conflict, throttling, forbidden, unreachable) after `retry_in_seconds`."""
+
+    kind: str
+    name: str
+    message: str  # the apiserver's own, with its HTTP status
+    retry_in_seconds: float | None = None  # None: refused for good
+
+    @property
+    def refused(self) -> bool:
+        return self.retry_in_seconds is None
+
+    @property
+    def reason(self) -> str:
+        return f"{self.kind}{REFUSED_SUFFIX}" if self.refused else REASON_APPLY_RETRYING
+
+    @property
+    def text(self) -> str:
+        what = f"{self.kind} {self.name}"
+        if self.refused:
+            return f"the apiserver refused {what}: {self.message}"
+        return f"applying {what} failed: {self.message}; retrying in {self.retry_in_seconds:.0f}s"
 
 
 @dataclass(frozen=True)
@@ -54,6 +92,12 @@ class Observed:
     problems: list[tuple[str, str]] = field(default_factory=list)  # (field path, message)
     memory: dict[str, Any] | None = None  # status.memory, written by the driver
     oom_counts: dict[str, int] = field(default_factory=dict)  # status.oomCounts
+    # Why the pods are not running, as the pods and RayCluster show it now; None: not known to
+    # this process yet (the PodsReady condition status holds is kept).
+    causes: list[Cause] | None = None
+    apply_failure: ApplyFailure | None = None  # applying a child failed in this reconcile
+    reconciled: bool = False  # this reconcile applied every child
+    startup_expired: bool = False  # the startup deadline passed (the timer says so)
 
 
 @dataclass(frozen=True)
@@ -67,7 +111,11 @@ class Transition:
 
     @property
     def event_type(self) -> str:
-        return "Warning" if self.type == FAILED and self.status == "True" else "Normal"
+        failed = self.type == FAILED and self.status == "True"
+        return "Warning" if failed or self.reason in WARNING_REASONS else "Normal"
+
+
+WARNING_REASONS = (REASON_UPDATE_REFUSED, REASON_APPLY_RETRYING)
 
 
 def refused_fields(spec: RLJobSpec, applied: RLJobSpec | None) -> list[str]:
@@ -101,6 +149,7 @@ def applied_after_update(spec: RLJobSpec, applied: RLJobSpec | None) -> RLJobSpe
         update={
             "suspend": spec.suspend,
             "ttl_seconds_after_finished": spec.ttl_seconds_after_finished,
+            "startup_timeout_seconds": spec.startup_timeout_seconds,
         }
     )
 
@@ -162,12 +211,110 @@ def _phase_and_reasons(obs: Observed) -> tuple[Phase, dict[str, tuple[bool, str,
     return (Phase.STARTING if deployment else Phase.PENDING), conditions
 
 
+Conditions = dict[str, tuple[bool, str, str]]
+
+
+def _pods_ready(obs: Observed, phase: Phase) -> tuple[bool, str, str] | None:
+    """PodsReady: True once the Ray job runs; else the causes the pods and RayCluster show."""
+    if phase in (Phase.RUNNING, Phase.SUCCEEDED):
+        return True, REASON_PODS_RUNNING, "the Ray job's pods are running"
+    if obs.causes is None:
+        held = {c["type"]: c for c in obs.previous_conditions}.get(PODS_READY)
+        if held is None:
+            return None
+        return held.get("status") == "True", str(held["reason"]), str(held.get("message") or "")
+    if obs.causes:
+        lines = [c.line for c in obs.causes[:3]]
+        if len(obs.causes) > 3:
+            lines.append(f"and {len(obs.causes) - 3} more")
+        return False, obs.causes[0].reason, "; ".join(lines)
+    if obs.rayjob is None:
+        return None
+    return False, REASON_PODS_PENDING, "no pod reports a problem; the Ray cluster is starting"
+
+
+def _standing_failure(obs: Observed) -> tuple[str, str] | None:
+    """(reason, message) of a failure the operator decided and that stands: a child refused now
+    or earlier in this generation (a reconcile that applies every child clears it), or a
+    startup timeout (for good: the RayJob was suspended)."""
+    if obs.apply_failure is not None and obs.apply_failure.refused:
+        return obs.apply_failure.reason, obs.apply_failure.text
+    held = {c["type"]: c for c in obs.previous_conditions}.get(FAILED)
+    if held is None or held.get("status") != "True":
+        return None
+    reason = str(held.get("reason") or "")
+    refused_here = (
+        reason.endswith(REFUSED_SUFFIX)
+        and held.get("observedGeneration") == obs.generation
+        and obs.apply_failure is None
+        and not obs.reconciled
+    )
+    if reason == REASON_STARTUP_TIMEOUT or refused_here:
+        return reason, str(held.get("message") or "")
+    return None
+
+
+def _startup_timeout_text(obs: Observed, pods: tuple[bool, str, str] | None) -> str:
+    timeout = obs.spec.startup_timeout_seconds if obs.spec else DEFAULT_STARTUP_TIMEOUT_SECONDS
+    if pods is not None and not pods[0] and pods[1] != REASON_PODS_PENDING:
+        last = pods[2]
+    elif obs.apply_failure is not None:
+        last = obs.apply_failure.text
+    elif obs.rayjob is None:
+        last = "the RayJob was never created"
+    else:
+        deployment = (obs.rayjob.get("status") or {}).get("jobDeploymentStatus") or "-"
+        last = f"none reported (RayJob jobDeploymentStatus {deployment})"
+    return f"the Ray job was not running {timeout}s after the job started; last cause: {last}"
+
+
+def _with_failures(obs: Observed, phase: Phase, conditions: Conditions) -> Phase:
+    """Overlay what the operator itself decided (apply failures, startup timeout) on the phase
+    and conditions computed from the RayJob; returns the phase."""
+    failure = obs.apply_failure
+    if failure is not None:
+        conditions[SPEC_APPLIED] = (False, failure.reason, failure.text)
+        if obs.rayjob is None:
+            conditions[CREATED] = (False, failure.reason, failure.text)
+    standing = _standing_failure(obs)
+    if standing is None and obs.startup_expired and phase in (Phase.PENDING, Phase.STARTING):
+        standing = REASON_STARTUP_TIMEOUT, _startup_timeout_text(obs, conditions.get(PODS_READY))
+    if standing is None:
+        return phase
+    reason, message = standing
+    conditions[FAILED] = (True, reason, message)
+    conditions[RUNNING] = (False, reason, "")
+    conditions[SUCCEEDED] = (False, reason, "")
+    return Phase.FAILED
+
+
+def _cause(conditions: Conditions) -> str | None:
+    """status.cause, one short line for `kubectl get`: why the job failed or is blocked."""
+    failed = conditions.get(FAILED)
+    pods = conditions.get(PODS_READY)
+    applied = conditions.get(SPEC_APPLIED)
+    if failed and failed[0]:
+        text = f"{failed[1]}: {failed[2]}"
+    elif pods and not pods[0] and pods[1] != REASON_PODS_PENDING:
+        text = f"{pods[1]}: {pods[2]}"
+    elif applied and not applied[0]:
+        text = f"{applied[1]}: {applied[2]}"
+    else:
+        return None
+    return text if len(text) <= MAX_CAUSE else text[: MAX_CAUSE - 3] + "..."
+
+
 def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
     """The operator's status fields (camelCase) and the condition transitions since last time.
 
     lastTransitionTime moves only when a condition's status changes, as metav1.Condition says.
     """
     phase, wanted = _phase_and_reasons(obs)
+    if not obs.problems and obs.spec is not None:
+        pods = _pods_ready(obs, phase)
+        if pods is not None:
+            wanted[PODS_READY] = pods
+        phase = _with_failures(obs, phase, wanted)
     previous = {c["type"]: c for c in obs.previous_conditions}
     conditions: list[dict[str, Any]] = []
     transitions: list[Transition] = []
@@ -180,7 +327,9 @@ def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
         changed = before is None or before.get("status") != flag
         # A condition appearing as False (e.g. Failed=False at creation) is no news; an Event
         # goes out when one becomes True or flips.
-        if changed and (ok or before is not None):
+        # PodsReady has no transition Event: each cause has its own aggregated one (causes.py),
+        # and the pods running is the Running condition's Event.
+        if changed and (ok or before is not None) and ctype != PODS_READY:
             transitions.append(Transition(ctype, flag, reason, message))
         since = now if before is None or changed else str(before["lastTransitionTime"])
         conditions.append(
@@ -198,6 +347,9 @@ def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
         "observedGeneration": obs.generation,
         "conditions": conditions,
     }
+    cause = _cause(wanted)
+    if cause is not None:
+        status["cause"] = cause
     if obs.rayjob is not None:
         rj = obs.rayjob.get("status") or {}
         status["rayJob"] = {
@@ -211,7 +363,7 @@ def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
 
 # The operator's own status fields besides the OOM part (what a write that observes no RayJob
 # change carries over unchanged: under server-side apply a field left out is a field given up).
-CARRIED_FIELDS = ("phase", "observedGeneration", "conditions", "rayJob", "attempts")
+CARRIED_FIELDS = ("phase", "observedGeneration", "conditions", "rayJob", "attempts", "cause")
 
 
 def carried(current: dict[str, Any]) -> dict[str, Any]:
@@ -259,3 +411,32 @@ def differs(current: dict[str, Any], computed: dict[str, Any]) -> bool:
     if any(key in current and key not in computed for key in DERIVED_FIELDS):
         return True
     return any(view.get(key) != value for key, value in computed.items())
+
+
+def _time(text: str) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def startup_deadline(rljob: Mapping[str, Any]) -> datetime.datetime | None:
+    """When the job fails for not having started, or None while no deadline runs (it runs,
+    finished, failed, or is suspended). The clock starts when the RLJob is created and again
+    when it is resumed (its Suspended condition turning False)."""
+    current = rljob.get("status") or {}
+    if current.get("phase") not in (None, Phase.PENDING.value, Phase.STARTING.value):
+        return None
+    since = _time(str(rljob["metadata"]["creationTimestamp"]))
+    for c in current.get("conditions") or []:
+        if c.get("type") == SUSPENDED and c.get("status") == "False":
+            since = max(since, _time(str(c["lastTransitionTime"])))
+    spec = rljob.get("spec") or {}
+    timeout = int(spec.get("startupTimeoutSeconds") or DEFAULT_STARTUP_TIMEOUT_SECONDS)
+    return since + datetime.timedelta(seconds=timeout)
+
+
+def timed_out(current: Mapping[str, Any]) -> bool:
+    """Whether status says the job failed for not starting (its RayJob stays suspended)."""
+    return any(
+        c.get("type") == FAILED and c.get("status") == "True"
+        and c.get("reason") == REASON_STARTUP_TIMEOUT
+        for c in current.get("conditions") or []
+    )  # fmt: skip

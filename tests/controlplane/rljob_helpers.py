@@ -3,12 +3,16 @@ and waiting with a deadline (never an unbounded sleep loop)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 from kubernetes import client, config
-from support.processes import wait_for  # noqa: F401  (re-exported for the tests)
+from support.processes import wait_for  # also re-exported for the tests
 
 from rljob.api import GROUP, PLURAL, VERSION
 from rljob_operator.rbac import operator_cluster_role
@@ -60,3 +64,114 @@ def rljob(name: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": spec or {},
     }
+
+
+def write_pod_waiting_as_kubelet_would(
+    core: client.CoreV1Api, namespace: str, pod: str, reason: str, message: str
+) -> None:
+    """Stand-in for the kubelet (the plane has none): every container of the pod waiting with
+    `reason` (ErrImagePull, ImagePullBackOff, CrashLoopBackOff...), as the kubelet reports it."""
+    found = core.read_namespaced_pod(pod, namespace)
+    assert found.spec is not None
+    statuses = [
+        {
+            "name": c.name, "ready": False, "restartCount": 0, "image": c.image, "imageID": "",
+            "started": False, "state": {"waiting": {"reason": reason, "message": message}},
+        }
+        for c in found.spec.containers
+    ]  # fmt: skip
+    core.patch_namespaced_pod_status(
+        pod, namespace, {"status": {"phase": "Pending", "containerStatuses": statuses}}
+    )
+
+
+def write_unschedulable_as_scheduler_would(
+    core: client.CoreV1Api, namespace: str, pod: str, message: str
+) -> None:
+    """Stand-in for kube-scheduler (the plane runs none): the PodScheduled=False condition with
+    reason Unschedulable it writes when no node fits."""
+    condition = {
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": message, "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }  # fmt: skip
+    core.patch_namespaced_pod_status(pod, namespace, {"status": {"conditions": [condition]}})
+
+
+def deny_in_namespace(plane: Any, namespace: str, resource: str, reason: str) -> str:
+    """A ValidatingAdmissionPolicy (and binding) that refuses creating or updating `resource`
+    (group ray.io) in `namespace` with `reason` (Invalid: HTTP 422; Forbidden: 403); returns
+    its name. Waits until the apiserver enforces it."""
+    name = f"deny-{resource}-{namespace}"
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": ["ray.io"], "apiVersions": ["v1"],
+                "operations": ["CREATE", "UPDATE"], "resources": [resource],
+            }]},
+            "validations": [{
+                "expression": "false", "reason": reason,
+                "message": f"{resource} are refused in this namespace by test policy {name}",
+            }],
+        },
+    }  # fmt: skip
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Deny"],
+            "matchResources": {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+            },
+        },
+    }
+    plane.apply_yaml(yaml.safe_dump_all([policy, binding]))
+    probe = yaml.safe_dump(
+        {
+            "apiVersion": "ray.io/v1", "kind": "RayJob",
+            "metadata": {"name": "probe", "namespace": namespace}, "spec": {"entrypoint": "x"},
+        }
+    )  # fmt: skip
+    wait_for(
+        f"policy {name} enforced",
+        lambda: plane.kubectl(
+            "create", "--dry-run=server", "-f", "-", input=probe, check=False
+        ).returncode != 0,
+    )  # fmt: skip
+    return name
+
+
+# An RLJob that runs on CPU (no GPU on the plane).
+CPU_SPEC: dict[str, Any] = {
+    "rollout": {"engine": "torch"},
+    "resources": {"gpusPerWorker": 0, "cpuRanksPerWorker": 2},
+}
+
+
+class Operator:
+    """The operator process; restartable, logs to a file the failure messages can point at."""
+
+    def __init__(self, kubeconfig: Path, log: Path) -> None:
+        self.kubeconfig, self.log = kubeconfig, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rljob_operator.main"], env=env, stdout=out, stderr=out
+            )
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

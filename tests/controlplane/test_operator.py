@@ -8,18 +8,15 @@ test_real_kuberay_turns_the_rayjob_into_a_raycluster, where the real KubeRay ope
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from rljob_helpers import (
+    CPU_SPEC,
+    Operator,
     admin_kubeconfig,
     api_client,
     grant_operator_rbac,
@@ -32,34 +29,6 @@ from rljob.api import GROUP, PLURAL, VERSION
 
 SA_NAMESPACE, SA_NAME = "rljob-system", "rljob-operator"
 ROLE = "rljob-operator-test"
-CPU_SPEC = {
-    "rollout": {"engine": "torch"},
-    "resources": {"gpusPerWorker": 0, "cpuRanksPerWorker": 2},
-}
-
-
-class Operator:
-    """The operator process; restartable, logs to a file the failure messages can point at."""
-
-    def __init__(self, kubeconfig: Path, log: Path) -> None:
-        self.kubeconfig, self.log = kubeconfig, log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rljob_operator.main"], env=env, stdout=out, stderr=out
-            )
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -264,22 +233,17 @@ def test_update_that_cannot_apply_is_refused_with_condition_and_event(
     assert after["metadata"]["generation"] == before["metadata"]["generation"]
 
 
-def test_spec_wrong_beyond_admission_fails_naming_the_field(
+def test_a_name_kuberay_would_refuse_is_refused_at_admission(
     operator: Operator, admin: client.ApiClient, namespace: str
 ) -> None:
+    """Issue 17: the operator used to accept it and fail it (InvalidSpec); now the CRD's root
+    CEL rule refuses it at apply, naming metadata.name, and nothing is created."""
     name = "n" * 48  # KubeRay refuses RayJob names over 47 characters
-    create(admin, namespace, name, CPU_SPEC)
-    failed = wait_for(
-        "InvalidSpec",
-        lambda: condition(admin, namespace, name, "Failed").get("reason") == "InvalidSpec",
-    )
-    assert failed
-    assert "metadata.name" in condition(admin, namespace, name, "Failed")["message"]
-    assert status_of(admin, namespace, name)["phase"] == "Failed"
+    with pytest.raises(ApiException) as info:
+        create(admin, namespace, name, CPU_SPEC)
+    assert info.value.status == 422
+    assert "metadata.name must be at most 47 characters" in str(info.value.body)
     assert get(admin, namespace, "rayjobs", name) is None
-    assert wait_for(
-        "InvalidSpec Event", lambda: "InvalidSpec" in events_for(admin, namespace, name)
-    )
 
 
 def test_delete_cascades_to_every_child(

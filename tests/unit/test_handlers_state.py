@@ -21,6 +21,7 @@ def test_a_deleted_rljob_leaves_no_per_job_state_behind() -> None:
     for name in ("gone", "kept"):
         handlers._job_lock("ns", name)
         handlers.MIRRORED.remember("ns", name, _rayjob(name))
+        handlers.CAUSES.observe("ns", name, f"pod/{name}-head", [])
 
     # kopf's decorator types the handler as its callback protocol (every kwarg required).
     changed: Any = handlers.rljob_changed
@@ -28,6 +29,8 @@ def test_a_deleted_rljob_leaves_no_per_job_state_behind() -> None:
 
     assert ("ns", "gone") not in handlers._LOCKS
     assert not handlers.MIRRORED.holds("ns", "gone", _rayjob("gone"))
+    assert handlers.CAUSES.current("ns", "gone") is None
+    assert handlers.CAUSES.current("ns", "kept") == []
     assert ("ns", "kept") in handlers._LOCKS
     assert handlers.MIRRORED.holds("ns", "kept", _rayjob("kept"))
     # A lock taken again after the delete (a late event) is a fresh one, not an error.

@@ -58,3 +58,41 @@ def test_plot_draws_memory_history_to_a_png(tmp_path: Path) -> None:
 def test_plot_without_history_says_so(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"no status\.memoryHistory"):
         plot("new", RLJobStatus(), tmp_path / "x.png")
+
+
+def _condition(ctype: str, status: str, reason: str, message: str) -> dict[str, str]:
+    return {
+        "type": ctype, "status": status, "reason": reason, "message": message,
+        "lastTransitionTime": "2026-05-09T10:00:00Z",
+    }  # fmt: skip
+
+
+def test_describe_prints_the_causes_first_one_line_each() -> None:
+    long = "pod/big-head container ray-head: Back-off pulling image " + "x" * 300
+    status = RLJobStatus.model_validate(
+        {
+            "phase": "Failed",
+            "conditions": [
+                _condition("Created", "True", "RayJobCreated", "RayJob big created"),
+                _condition("PodsReady", "False", "ImagePullBackOff", long),
+                _condition("Failed", "True", "StartupTimeout", "not running after 900s;\nlast"),
+                _condition("SpecApplied", "True", "Applied", ""),
+            ],
+        }
+    )
+    console = Console(record=True, width=80)
+    describe("big", status, console)
+    lines = console.export_text().splitlines()
+    assert lines[0] == "Failed  StartupTimeout  not running after 900s; last"
+    assert (
+        lines[1].startswith("PodsReady  ImagePullBackOff  pod/big-head") and "x" * 300 in lines[1]
+    )
+    assert lines[2].startswith("RLJob big: phase Failed")
+
+
+def test_describe_of_a_healthy_job_starts_with_its_phase() -> None:
+    pending = _condition("PodsReady", "False", "PodsPending", "the Ray cluster is starting")
+    status = RLJobStatus.model_validate({"phase": "Starting", "conditions": [pending]})
+    console = Console(record=True, width=200)
+    describe("ok", status, console)
+    assert console.export_text().startswith("RLJob ok: phase Starting")

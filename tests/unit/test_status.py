@@ -10,6 +10,7 @@ import pytest
 from rljob.api import RLJobSpec
 from rljob_operator.status import (
     FAILED,
+    PODS_READY,
     REASON_INVALID_SPEC,
     REASON_UPDATE_REFUSED,
     RUNNING,
@@ -49,8 +50,16 @@ def by_type(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
         (rayjob(), "Pending", {"Created", SPEC_APPLIED}),
         (rayjob("", "Initializing"), "Starting", {"Created", SPEC_APPLIED}),
         (rayjob("PENDING", "Running"), "Starting", {"Created", SPEC_APPLIED}),
-        (rayjob("RUNNING", "Running"), "Running", {"Created", RUNNING, SPEC_APPLIED}),
-        (rayjob("SUCCEEDED", "Complete"), "Succeeded", {"Created", SUCCEEDED, SPEC_APPLIED}),
+        (
+            rayjob("RUNNING", "Running"),
+            "Running",
+            {"Created", PODS_READY, RUNNING, SPEC_APPLIED},
+        ),
+        (
+            rayjob("SUCCEEDED", "Complete"),
+            "Succeeded",
+            {"Created", PODS_READY, SUCCEEDED, SPEC_APPLIED},
+        ),
         (rayjob("FAILED", "Failed"), "Failed", {"Created", FAILED, SPEC_APPLIED}),
         (rayjob("STOPPED", "Failed"), "Failed", {"Created", FAILED, SPEC_APPLIED}),
         (rayjob("", "ValidationFailed"), "Failed", {"Created", FAILED, SPEC_APPLIED}),

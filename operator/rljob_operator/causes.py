@@ -1,0 +1,220 @@
+"""Why a job's pods are not running: what the scheduler, the kubelet and KubeRay report, read from
+the job's pods and its RayCluster, as one-line causes. Pure, plus the per-job book of live causes.
+
+A cause is keyed for Events by its reason and the container (or RayCluster condition) it hit,
+so four workers failing to pull one image are one cause, one Event (its count the pods hit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Pod-level reasons (kubelet's and the scheduler's own words where they have one).
+UNSCHEDULABLE = "Unschedulable"
+IMAGE_PULL_BACK_OFF = "ImagePullBackOff"
+CRASH_LOOP_BACK_OFF = "CrashLoopBackOff"
+CONTAINER_FAILED = "ContainerFailed"
+POD_FAILED = "PodFailed"
+# The kubelet alternates ErrImagePull and ImagePullBackOff for one failing pull: one cause.
+_SAME_AS = {"ErrImagePull": IMAGE_PULL_BACK_OFF}
+# Waiting reasons that will not clear by themselves.
+WAITING_FAILURES = (
+    "ErrImagePull",
+    IMAGE_PULL_BACK_OFF,
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+    CRASH_LOOP_BACK_OFF,
+)
+# KubeRay's RayCluster condition when it cannot create (or delete) a pod.
+REPLICA_FAILURE = "ReplicaFailure"
+# The most telling first: a pod that cannot exist, then one that cannot start, then one that
+# has not been placed (which may still clear when capacity frees up).
+_ORDER = (
+    "FailedCreateHeadPod",
+    "FailedCreateWorkerPod",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    IMAGE_PULL_BACK_OFF,
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+    CRASH_LOOP_BACK_OFF,
+    CONTAINER_FAILED,
+    POD_FAILED,
+    UNSCHEDULABLE,
+)
+MAX_MESSAGE = 300
+
+
+def _one_line(text: Any) -> str:
+    line = " ".join(str(text or "").split())
+    return line if len(line) <= MAX_MESSAGE else line[: MAX_MESSAGE - 3] + "..."
+
+
+@dataclass(frozen=True, order=True)
+class Cause:
+    """One reason a job's pods are not running, on one object (`pod/NAME`, `raycluster/NAME`)."""
+
+    reason: str
+    source: str
+    message: str
+    container: str = ""
+
+    @property
+    def key(self) -> str:
+        """What makes two causes one for Events: the reason and the container (or condition)."""
+        return f"{self.reason}/{self.container}"
+
+    @property
+    def line(self) -> str:
+        where = f"{self.source}" + (f" container {self.container}" if self.container else "")
+        return f"{self.reason} on {where}: {self.message}"
+
+    @property
+    def rank(self) -> int:
+        return _ORDER.index(self.reason) if self.reason in _ORDER else len(_ORDER)
+
+
+def pod_causes(pod: Mapping[str, Any]) -> list[Cause]:
+    """The pod's blocking causes: not schedulable, a container that cannot start or keeps
+    crashing, a container that exited non-zero, or the pod failed. OOMKilled is oom.py's."""
+    name = str((pod.get("metadata") or {}).get("name") or "")
+    source = f"pod/{name}"
+    status = pod.get("status") or {}
+    found: list[Cause] = []
+    for condition in status.get("conditions") or []:
+        if (
+            condition.get("type") == "PodScheduled"
+            and condition.get("status") == "False"
+            and condition.get("reason") == UNSCHEDULABLE
+        ):
+            found.append(Cause(UNSCHEDULABLE, source, _one_line(condition.get("message"))))
+    for cs in [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]:
+        container = str(cs.get("name") or "")
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        terminated = (cs.get("state") or {}).get("terminated") or {}
+        last = (cs.get("lastState") or {}).get("terminated") or {}
+        reason = str(waiting.get("reason") or "")
+        if reason in WAITING_FAILURES:
+            message = _one_line(waiting.get("message") or reason)
+            if reason == CRASH_LOOP_BACK_OFF and last:
+                message = _one_line(
+                    f"restarted {cs.get('restartCount', 0)} times; last exit code "
+                    f"{last.get('exitCode', '?')} ({last.get('reason') or 'Error'})"
+                    + (f": {last['message']}" if last.get("message") else "")
+                )
+            found.append(Cause(_SAME_AS.get(reason, reason), source, message, container))
+        elif _failed(terminated):
+            message = f"exited with code {terminated.get('exitCode')} ({terminated.get('reason')})"
+            if terminated.get("message"):
+                message += f": {terminated['message']}"
+            found.append(Cause(CONTAINER_FAILED, source, _one_line(message), container))
+    if status.get("phase") == "Failed" and not found:
+        found.append(
+            Cause(str(status.get("reason") or POD_FAILED), source, _one_line(status.get("message")))
+        )
+    return found
+
+
+def _failed(terminated: Mapping[str, Any]) -> bool:
+    return (
+        bool(terminated)
+        and terminated.get("exitCode", 0) != 0
+        and (terminated.get("reason") != "OOMKilled")
+    )
+
+
+def raycluster_causes(raycluster: Mapping[str, Any]) -> list[Cause]:
+    """KubeRay's ReplicaFailure condition (a head or worker pod it could not create: refused by
+    the apiserver's admission, e.g. a missing PriorityClass or an invalid pod)."""
+    name = str((raycluster.get("metadata") or {}).get("name") or "")
+    return [
+        Cause(
+            str(c.get("reason") or REPLICA_FAILURE),
+            f"raycluster/{name}",
+            _one_line(c.get("message")),
+        )
+        for c in (raycluster.get("status") or {}).get("conditions") or []
+        if c.get("type") == REPLICA_FAILURE and c.get("status") == "True"
+    ]
+
+
+def ordered(causes: list[Cause]) -> list[Cause]:
+    return sorted(causes, key=lambda c: (c.rank, c.source, c.container, c.reason))
+
+
+def event_name(job: str, key: str) -> str:
+    """A stable Event name per job and cause key, so a cause is one Event whose count grows."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return f"{job}.cause.{digest}"
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """An Event to post or update: the cause (its first source) and how many sources hit it."""
+
+    cause: Cause
+    count: int
+
+
+class CauseBook:
+    """Per job, the live causes of each source object, as its latest event showed them; and
+    which (cause key, source) pairs were already announced by an Event in this process.
+
+    Level-triggered: each pod or RayCluster event replaces its source's causes, and kopf lists
+    every pod and RayCluster again when the operator starts, so a restart rebuilds the book.
+    `current` is None for a job this process has heard nothing about (keep what status says).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[tuple[str, str], dict[str, list[Cause]]] = {}
+        self._announced: dict[tuple[str, str], dict[str, set[str]]] = {}
+
+    def observe(self, namespace: str, job: str, source: str, causes: list[Cause]) -> bool:
+        """Record a source's causes now; True when they changed."""
+        with self._lock:
+            sources = self._live.setdefault((namespace, job), {})
+            before = sources.get(source, [])
+            if causes:
+                sources[source] = list(causes)
+            else:
+                sources.pop(source, None)
+            return before != causes
+
+    def current(self, namespace: str, job: str) -> list[Cause] | None:
+        with self._lock:
+            sources = self._live.get((namespace, job))
+            if sources is None:
+                return None
+            return ordered([c for causes in sources.values() for c in causes])
+
+    def unannounced(self, namespace: str, job: str) -> list[Announcement]:
+        """Causes with a source not yet counted in their Event; marks them counted."""
+        with self._lock:
+            announced = self._announced.setdefault((namespace, job), {})
+            out: list[Announcement] = []
+            live = [c for causes in self._live.get((namespace, job), {}).values() for c in causes]
+            for cause in ordered(live):
+                sources = announced.setdefault(cause.key, set())
+                if cause.source not in sources:
+                    sources.add(cause.source)
+                    out = [a for a in out if a.cause.key != cause.key]
+                    first = next(c for c in ordered(live) if c.key == cause.key)
+                    out.append(Announcement(first, len(sources)))
+            return out
+
+    def forget(self, namespace: str, job: str) -> None:
+        with self._lock:
+            self._live.pop((namespace, job), None)
+            self._announced.pop((namespace, job), None)
