@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -441,12 +442,26 @@ class Toleration(_Spec):
         return self
 
 
-def _quantity(value: str) -> Any:
-    # kubernetes.utils is the client's own parser; imported here so that `rljob.api` itself
-    # needs only pydantic (the operator and the worker have the client installed).
-    from kubernetes.utils import parse_quantity
+_QUANTITY_SUFFIX = {
+    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: Decimal(1000) ** (i + 1) for i, s in enumerate("kMGTPE")},
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "": Decimal(1),
+}
 
-    return parse_quantity(value)
+
+def _quantity(value: str) -> Decimal:
+    """A quantity's value, exactly (QUANTITY_PATTERN has held). Parsed here, not with the
+    kubernetes client: the worker parses manifests too, and needs only pydantic."""
+    match = re.fullmatch(r"([+-]?[0-9.]+)((?:[eE][+-]?[0-9]+)|[KMGTPE]i|[numkMGTPE]|)", value)
+    if match is None:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity")
+    number, suffix = match.groups()
+    if suffix[:1] in ("e", "E"):
+        return Decimal(number) * Decimal(10) ** int(suffix[1:])
+    return Decimal(number) * _QUANTITY_SUFFIX[suffix]
 
 
 SHM_WITHIN_MEMORY_RULE = CrossFieldRule(

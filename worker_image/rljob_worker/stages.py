@@ -15,7 +15,7 @@ import torch
 
 from rljob.api import WakeUp
 from rljob.report import Stage
-from rljob_worker.engines.base import TAG_KV_CACHE, TAG_WEIGHTS, RolloutEngine
+from rljob_worker.engines.base import TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS, RolloutEngine
 from rljob_worker.memory import MemoryMeter
 from rljob_worker.train import Experience, NamedTensors, TrainStats
 
@@ -151,7 +151,11 @@ class StageMachine:
             torch.cuda.empty_cache()
 
     def wake_weights(self) -> None:
-        tags = [TAG_WEIGHTS] if self.wake_up == WakeUp.STAGED else [TAG_WEIGHTS, TAG_KV_CACHE]
+        tags = (
+            [TAG_WEIGHTS]
+            if self.wake_up == WakeUp.STAGED
+            else [TAG_WEIGHTS, TAG_KV_CACHE, TAG_CUDA_GRAPH]
+        )
         # Gradients, activations and the offloaded optimizer state were freed into torch's
         # caching allocator, which the memory saver cannot map: give them back to the device
         # before any resume (verl does the same before waking the engine), in both modes.
@@ -182,13 +186,15 @@ class StageMachine:
             torch.cuda.empty_cache()
 
     def wake_kv_cache(self) -> None:
-        self.engine.resume([TAG_KV_CACHE])
+        # CUDA graphs wake with the KV cache: they are replayed only by the rollout, and SGLang
+        # refuses to run with its graph memory released (measured with sglang 0.5.17).
+        self.engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])
 
     def rollout(self) -> None:
         self.experience = self.rollout_fn(self._iteration)
 
     def sleep(self) -> None:
-        self.engine.release([TAG_KV_CACHE, TAG_WEIGHTS])
+        self.engine.release([TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS])
         if self.offload_params_enabled:
             self.trainer.load_params()
         if self.offload_optimizer_enabled:

@@ -282,20 +282,30 @@ class SGLangEngine:
             # exists: its processes inherit it.
             os.environ.update(contract.env)
         engine_class = engine_class or _load_engine_class()
-        self._engine: Any = engine_class(
-            model_path=model_path,
-            dtype=dtype,
-            tp_size=tp_size,
-            base_gpu_id=base_gpu_id,
-            mem_fraction_static=mem_fraction_static,
-            # Weights, KV cache and CUDA graphs are allocated in torch_memory_saver regions, so
-            # they can be released and resumed at the same addresses (CUDA graphs stay valid).
-            enable_memory_saver=True,
-            random_seed=seed,
-            # Prompts arrive as token ids and responses leave as token ids: no detokenizer work.
-            skip_tokenizer_init=True,
-            disable_cuda_graph=disable_cuda_graph,
-        )
+        try:
+            self._engine: Any = engine_class(
+                model_path=model_path,
+                dtype=dtype,
+                tp_size=tp_size,
+                base_gpu_id=base_gpu_id,
+                mem_fraction_static=mem_fraction_static,
+                # Weights, KV cache and CUDA graphs are allocated in torch_memory_saver regions, so
+                # they can be released and resumed at the same addresses (CUDA graphs stay valid).
+                enable_memory_saver=True,
+                random_seed=seed,
+                # Prompts arrive as token ids and responses leave as token ids: no detokenizer work.
+                skip_tokenizer_init=True,
+                disable_cuda_graph=disable_cuda_graph,
+            )
+        except Exception as error:
+            # sglang reports a failed start (a scheduler that could not fit weights and a KV
+            # pool, a kernel that would not load) as a bare exception from its launcher: say
+            # which start it was and with what share of the device.
+            raise SGLangEngineError(
+                f"starting sglang.Engine (memFractionStatic={mem_fraction_static}, "
+                f"tp_size={tp_size}, GPU {base_gpu_id}, model {model_path}) failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
         # The KV pool is sized once, at start-up, from mem_fraction_static (scheduler init info).
         self._kv_capacity_tokens = int(self._engine.get_server_info()[contract.kv_capacity_key])
         self._released: set[str] = set()
