@@ -363,3 +363,43 @@ def test_make_engine_builds_the_torch_engine_on_cpu() -> None:
         assert engine.kv_capacity_tokens > 0
     finally:
         engine.shutdown()
+
+
+def test_a_failed_sglang_child_raises_in_the_owner_instead_of_killing_it() -> None:
+    """sglang's launch handler for SIGQUIT kills the whole process tree, the rank included (on an
+    H100 with sglang 0.5.17 a too small memFractionStatic ended the rank with -9 and no report).
+    The adapter passes its own handler: it stops sglang's processes and raises, with the start's
+    parameters in the message."""
+    import signal
+    import subprocess
+    import sys
+
+    _engine, sgl = make_adapter()
+    handler = sgl.calls[0][1]["custom_sigquit_handler"]
+    assert handler is sglang_module._on_sglang_child_failure
+    # The handler kills every child of its process: run it in a process of its own, not in
+    # pytest's (whose children may be a control plane).
+    script = """
+import signal, subprocess, sys
+from rljob_worker.engines.sglang_engine import SGLangProcessFailed, _on_sglang_child_failure
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+try:
+    _on_sglang_child_failure(signal.SIGQUIT, None)
+except SGLangProcessFailed as error:
+    print("raised:", error)
+print("child:", child.wait(timeout=10))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "raised: an sglang process failed and signalled SIGQUIT" in done.stdout, done
+    assert f"child: {-signal.SIGKILL}" in done.stdout, done
+
+    def failing_start(**_kwargs: Any) -> Any:
+        handler(signal.SIGQUIT, None)
+
+    with pytest.raises(SGLangEngineError, match=r"starting sglang.Engine \(memFractionStatic=0.5"):
+        SGLangEngine(
+            model_path="/m", dtype="bfloat16", mem_fraction_static=0.5, engine_class=failing_start,
+            contract=NEWEST,
+        )  # fmt: skip

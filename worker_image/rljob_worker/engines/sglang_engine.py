@@ -11,6 +11,7 @@ so a renamed method, argument, field or tag fails a CPU test, not a GPU job.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
@@ -105,6 +106,7 @@ _CONTRACT_0_5_23 = SGLangContract(
         "random_seed",
         "skip_tokenizer_init",
         "disable_cuda_graph",
+        "custom_sigquit_handler",
     ),
     server_arg_choices={"dtype": ("bfloat16", "float16", "float32")},
     sampling_params=("max_new_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
@@ -197,6 +199,27 @@ def _request_params(sampling: SamplingParams, index: int) -> dict[str, Any]:
 
 class SGLangEngineError(RuntimeError):
     """sglang refused a call (it answers with success=False instead of raising)."""
+
+
+class SGLangProcessFailed(SGLangEngineError):
+    """One of sglang's processes failed and signalled this one (SIGQUIT)."""
+
+
+def _on_sglang_child_failure(signum: int, frame: object) -> None:
+    """sglang's processes send SIGQUIT to the engine's owner when they fail (a scheduler that
+    cannot fit weights and a KV pool, a crash mid-run). sglang's own handler then kills the
+    whole process tree, this process included, so the rank dies with -9 and no report (seen on
+    an H100 with sglang 0.5.17). Instead: stop sglang's other processes and raise here, in the
+    main thread, so the error reaches the loop's error path with the stage it happened in."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    raise SGLangProcessFailed(
+        "an sglang process failed and signalled SIGQUIT; its own error is in the log above "
+        "(sglang's scheduler logs it before it signals)"
+    )
 
 
 def _patch_tensor_reductions(contract: SGLangContract) -> None:
@@ -296,6 +319,7 @@ class SGLangEngine:
                 # Prompts arrive as token ids and responses leave as token ids: no detokenizer work.
                 skip_tokenizer_init=True,
                 disable_cuda_graph=disable_cuda_graph,
+                custom_sigquit_handler=_on_sglang_child_failure,
             )
         except Exception as error:
             # sglang reports a failed start (a scheduler that could not fit weights and a KV
