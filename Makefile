@@ -28,11 +28,7 @@ lock:
 clean-cache:
 	rm -rf "$${RLJOB_CACHE_DIR:-$$HOME/.cache/rljob}"
 
-# kind e2e: needs Docker, kind, network to KubeRay's Helm repo and the package index.
-# RLJOB_TORCH_INDEX_URL=<CPU torch index> for a small worker image; RLJOB_E2E_KEEP=1 keeps the cluster.
+# The e2e layer alone: images built here (hack/images.sh), the kind cluster (hack/kind.sh up),
+# then tests/e2e. RLJOB_E2E_KEEP=1 keeps the cluster for the next run (`hack/kind.sh down`).
 e2e:
-	@bash hack/venv.sh
-	@bash hack/controlplane.sh install
-	@for t in docker kind; do command -v $$t >/dev/null || { echo "make e2e: $$t is not on PATH" >&2; exit 1; }; done
-	@docker info >/dev/null 2>&1 || { echo "make e2e: no Docker engine is running" >&2; exit 1; }
-	eval "$$(bash hack/controlplane.sh env)"; PYTHONPATH=hack .venv/bin/python -m pytest -p pytest_layer_guard -rs --timeout=3600 tests/e2e
+	@bash hack/test.sh tests/e2e

@@ -1,9 +1,14 @@
 """Benchmark: staged against single-stage awake, sweeping memFractionStatic on real GPUs (issue 8).
 
-Runs the real colocated worker (local driver, FSDP2, torch engine) per (mode, fraction) and writes
-bench/results/colocate.{json,md,png}: completion or OOM stage, per-stage peak device memory, KV
-capacity, rollout tokens/s, weight sync / offload / onload against the machine's measured copy
-bandwidths. Each point runs in fresh rank processes (run_local), as a job would.
+Runs the real colocated worker (local driver, FSDP2, the engine --engine names: torch or sglang)
+per (mode, fraction) and writes bench/results/colocate.{json,md,png} (sglang: under
+bench/results/sglang/, beside the torch results): completion or OOM stage, per-stage peak device
+memory, KV capacity (the engine's own figure), rollout tokens/s, weight sync / offload / onload
+against the machine's measured copy bandwidths, and the staging tax (every stage that is neither
+train nor rollout, as a share of the iteration). Each point runs in fresh rank processes
+(run_local), as a job would. After the sweep, the same engine runs alone (no trainer on the
+device, same prompts, same sampling, same fraction) at the highest completing staged fraction,
+for colocated-against-alone rollout throughput.
 
 Model choice: Qwen2.5-3B (random bf16 init, no download) is the default on one H100: GRPO with a
 KL reference, the way verl's recipes run it, keeps fp32 policy params 12.4 GB + grads 12.4 GB +
@@ -13,6 +18,7 @@ with activations; 7B's (~150 GB) does not. --kl-coef 0 drops the reference.
   python bench/colocate.py                        # 3B, both modes, 0.50..0.95, 3 iterations
   python bench/colocate.py --single-fractions 0.6,0.65,0.7 --staged-fractions 0.9,0.95
   python bench/colocate.py --merge a/colocate.json b/colocate.json   # one result from several calls
+  python bench/colocate.py --engine sglang        # the same sweep with sglang.Engine
   python bench/colocate.py --smoke                # CPU: tiny model, checks the plumbing only
 """
 
@@ -36,6 +42,7 @@ for extra in (ROOT, ROOT / "worker_image", ROOT / "operator"):
         sys.path.insert(0, str(extra))
 
 from rljob.api import RLJobSpec, WakeUp  # noqa: E402
+from rljob.plan import plan_line  # noqa: E402 (issue 19: the plan beside each point)
 from rljob.report import Stage, StageSample  # noqa: E402
 from rljob_worker.driver.local import LocalRun, run_local  # noqa: E402
 from rljob_worker.loop import RankIteration  # noqa: E402
@@ -299,10 +306,15 @@ class Point:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     rollout_tokens_per_second: float | None = None
     weight_sync_seconds: float | None = None
+    # Its part in the engine's update_weights (the hand-off); the rest is the trainer's gather.
+    weight_handoff_seconds: float | None = None
     offload_seconds: float | None = None
     onload_seconds: float | None = None
     # Device memory (mem_get_info) given back by each release, against the bytes released.
     released: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Steady seconds of the stages that are neither train nor rollout, over all stages.
+    staging_tax: float | None = None
+    staging_dominant: str | None = None  # the largest of those stages
     timeline: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -314,8 +326,14 @@ def make_spec(args: argparse.Namespace, model_path: str, mode: str, fraction: fl
                           "iterations": args.iterations, "seed": 0},
             "data": {"source": "builtin:arithmetic", "train_batch_size": args.prompts,
                      "max_response_length": args.response_length},
-            "rollout": {"engine": "torch", "wake_up": mode, "mem_fraction_static": fraction},
+            "rollout": {"engine": args.engine, "wake_up": mode, "mem_fraction_static": fraction,
+                        "tensor_parallel_size": args.tp},
             "training": {"micro_batch_size": args.micro_batch_size},
+            # One worker with the ranks' GPUs: a tensor-parallel group lies within one worker.
+            "resources": {"gpus_per_worker": args.ranks if args.tp > 1 else 1},
+            # As every stored point was measured: offload as training.offload* say, not as
+            # the memory plan would trim it (offload: Auto, the default since issue 19).
+            "offload": "Always",
         }
     )  # fmt: skip
 
@@ -372,8 +390,7 @@ def summarize_point(
     point.iterations_done = max((i.iteration for i in iterations), default=0)
     if iterations:
         point.kv_capacity_tokens = min(i.kv_capacity_tokens for i in iterations)
-        # The torch engine's pool: capacity plus one null block, K and V, every layer.
-        point.kv_pool_bytes = (point.kv_capacity_tokens + 16) * model["kv_bytes_per_token"]
+        point.kv_pool_bytes = kv_pool_bytes(args.engine, point.kv_capacity_tokens, model)
     samples: list[StageSample] = [s for s in run.samples if s.rank == 0]
     per_stage: dict[str, dict[int, float]] = {}
     for sample in samples:
@@ -385,6 +402,7 @@ def summarize_point(
     point.stage_seconds = {
         k: v for k, v in ((n, _steady(t)) for n, t in per_stage.items()) if v is not None
     }
+    point.staging_tax, point.staging_dominant = staging_tax(point.stage_seconds)
 
     def summed(*stages: Stage) -> float | None:
         by_iteration: dict[int, float] = {}
@@ -395,6 +413,14 @@ def summarize_point(
 
     syncs = {i.iteration: i.weight_sync_seconds for i in iterations}
     point.weight_sync_seconds = _steady({k: v for k, v in syncs.items() if v is not None})
+    # The slowest rank's hand-off per iteration (the ranks wait for each other in the gather).
+    handoffs: dict[int, float] = {}
+    for item in iterations:
+        if item.weight_handoff_seconds is not None:
+            handoffs[item.iteration] = max(
+                handoffs.get(item.iteration, 0.0), item.weight_handoff_seconds
+            )
+    point.weight_handoff_seconds = _steady(handoffs)
     point.offload_seconds = summed(Stage.OFFLOAD_OPTIMIZER, Stage.OFFLOAD_TRAIN)
     point.onload_seconds = summed(Stage.SLEEP)
     rollout = summed(Stage.ROLLOUT)
@@ -411,6 +437,23 @@ def summarize_point(
     if point.completed and last >= 1 and samples[0].kind == "cuda":
         point.released = release_check(ordered, model, point.kv_pool_bytes or 0)
     return point
+
+
+def kv_pool_bytes(engine: str, capacity_tokens: int, model: dict[str, Any]) -> int:
+    """The KV pool's device bytes for the capacity the engine reports: K and V, every layer.
+    The torch engine adds one null block (16 tokens); sglang's pool (MHATokenToKVPool) one
+    padding page of a token."""
+    extra = 16 if engine == "torch" else 1
+    return (capacity_tokens + extra) * model["kv_bytes_per_token"]
+
+
+def staging_tax(stage_seconds: dict[str, float]) -> tuple[float | None, str | None]:
+    """(share of the iteration in stages other than train and rollout, the largest of them)."""
+    total = sum(stage_seconds.values())
+    staging = {k: v for k, v in stage_seconds.items() if k not in ("train", "rollout")}
+    if total <= 0 or "rollout" not in stage_seconds:
+        return None, None
+    return sum(staging.values()) / total, max(staging, key=staging.__getitem__, default=None)
 
 
 def release_check(
@@ -440,6 +483,76 @@ def release_check(
     return checks
 
 
+# -- the engine alone --------------------------------------------------------------------------
+
+
+def _engine_alone_main(spec_json: str, ranks: int, device: str) -> dict[str, Any]:
+    """In a fresh process: rank 0's engine with no trainer on the device, awake throughout, doing
+    the rollouts of iterations 0..N with the loop's own rollout (same prompts, same sampling
+    seeds); seconds per rollout and tokens generated."""
+    from rljob_worker.engines import make_engine
+    from rljob_worker.loop import RankConfig, _Rollout
+    from rljob_worker.model import load_tokenizer, resolve_model_path
+    from rljob_worker.task import make_task
+
+    spec = RLJobSpec.model_validate_json(spec_json)
+    tokenizer = load_tokenizer(resolve_model_path(spec.model.path))
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    engine = make_engine(spec, device=device, eos_token_ids=eos)
+    try:
+        # The sglang adapter starts with every tag released (the stage machine wakes them);
+        # alone, the engine is awake throughout.
+        if engine.released_tags:
+            engine.resume(sorted(engine.released_tags))
+        rollout = _Rollout(spec, RankConfig(rank=0, world_size=ranks, device=device), engine,
+                           tokenizer, make_task(spec.data.source, spec.algorithm.seed))  # fmt: skip
+        seconds: dict[int, float] = {}
+        tokens: dict[int, int] = {}
+        for iteration in range(spec.algorithm.iterations + 1):
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            experience = rollout(iteration)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds[iteration] = time.perf_counter() - began
+            tokens[iteration] = sum(len(r) for r in experience.response_ids)
+        return {
+            "seconds": seconds,
+            "tokens": tokens,
+            "kv_capacity_tokens": engine.kv_capacity_tokens,
+        }
+    finally:
+        engine.shutdown()
+
+
+def engine_alone(spec: RLJobSpec, ranks: int, device: str, point: dict[str, Any],
+                 model: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """The engine alone at `point`'s mode and fraction, in a fresh process, against `point`'s
+    colocated rollout: the same tokens-per-rollout figure over the same steady iterations."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    began = time.monotonic()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        alone = pool.submit(_engine_alone_main, spec.model_dump_json(), ranks, device).result()
+    seconds = {int(k): v for k, v in alone["seconds"].items()}
+    steady = _steady(seconds)
+    figure: dict[str, Any] = {
+        "mode": point["mode"],
+        "fraction": point["fraction"],
+        "rollout_seconds": seconds,
+        "generated_tokens": alone["tokens"],
+        "kv_capacity_tokens": alone["kv_capacity_tokens"],
+        "rollout_tokens_per_second": model["tokens_per_rollout"] / steady if steady else None,
+        "wall_seconds": time.monotonic() - began,
+    }
+    colocated = point.get("rollout_tokens_per_second")
+    if colocated and figure["rollout_tokens_per_second"]:
+        figure["colocated_over_alone"] = colocated / figure["rollout_tokens_per_second"]
+    return figure
+
+
 # -- outputs -----------------------------------------------------------------------------------
 
 
@@ -449,6 +562,12 @@ def _gib(value: float | None) -> str:
 
 def _num(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if value is not None else "-"
+
+
+def _handoff(point: dict[str, Any]) -> str:
+    """` (0.012)`: the hand-off part of the weight sync, where the run measured it."""
+    seconds = point.get("weight_handoff_seconds")
+    return "" if seconds is None else f" ({seconds:.3f})"
 
 
 def _profile_lines(profile: dict[str, Any]) -> list[str]:
@@ -482,11 +601,13 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
 def write_markdown(result: dict[str, Any], path: Path) -> None:
     env, model, bw = result["environment"], result["model"], result["bandwidths"]
     lines = [
-        f"# Staged vs single-stage awake: {model['name']} on {env['device']}",
+        f"# Staged vs single-stage awake: {model['name']}, {env.get('engine', 'torch')} engine, "
+        f"on {env['device']}",
         "",
         f"- device: {env['device']}, {env['device_total_bytes'] / GiB:.2f} GiB "
         f"({env['device_total_bytes']} bytes); torch {env['torch']}, CUDA {env['cuda']}, "
-        f"torch_memory_saver {env['torch_memory_saver']}, transformers {env['transformers']}",
+        f"torch_memory_saver {env['torch_memory_saver']}, transformers {env['transformers']}"
+        + (f", sglang {env['sglang']}" if env.get("sglang") else ""),
         f"- model: {model['name']} architecture, random init, {model['parameters'] / 1e9:.2f} B "
         f"params; training state on the device {_gib(model['training_state_bytes'])} GiB "
         f"(fp32 params + grads + AdamW{', + fp32 reference' if model['reference'] else ''}); "
@@ -506,9 +627,9 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         "Peaks are device-wide (mem_get_info), sampled every 5 ms.",
         "",
         "| mode | memFractionStatic | result | KV tokens | peak wake_weights GiB | "
-        "peak wake_kv_cache GiB | peak rollout GiB | rollout tok/s | sync s | offload s | "
-        "onload s | run |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "peak wake_kv_cache GiB | peak rollout GiB | rollout tok/s | sync s (hand-off) | "
+        "offload s | onload s | staging tax | run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in sorted(result["points"], key=lambda p: (p["mode"], p["fraction"])):
         peaks = p["stage_peak_bytes"]
@@ -521,9 +642,18 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
             f"| {p['mode']} | {p['fraction']:.2f} | {outcome} | {p['kv_capacity_tokens'] or '-'} "
             f"| {_gib(peaks.get('wake_weights'))} | {_gib(peaks.get('wake_kv_cache'))} | "
             f"{_gib(peaks.get('rollout'))} | {_num(p['rollout_tokens_per_second'], 0)} | "
-            f"{_num(p['weight_sync_seconds'], 3)} | {_num(p['offload_seconds'])} | "
-            f"{_num(p['onload_seconds'])} | {p.get('run', 1)} |"
+            f"{_num(p['weight_sync_seconds'], 3)}{_handoff(p)} | {_num(p['offload_seconds'])} | "
+            f"{_num(p['onload_seconds'])} | "
+            f"{'-' if p.get('staging_tax') is None else format(p['staging_tax'], '.1%')} | "
+            f"{p.get('run', 1)} |"
         )
+    alone = result.get("alone")
+    if alone and alone.get("rollout_tokens_per_second"):
+        lines += ["", f"The engine alone ({alone['mode']} at {alone['fraction']:.2f}, no trainer "
+                      f"on the device, same prompts and sampling): "
+                      f"{alone['rollout_tokens_per_second']:.0f} rollout tok/s, KV "
+                      f"{alone['kv_capacity_tokens']} tokens; colocated/alone "
+                      f"{_num(alone.get('colocated_over_alone'))}."]  # fmt: skip
     lines += ["", "## Targets", ""]
     lines += [
         f"- {t['name']}: {t['measured']} (**{'met' if t['met'] else 'MISSED'}**)"
@@ -597,7 +727,10 @@ def write_plot(result: dict[str, Any], path: Path) -> None:
 
 
 def planned_kv_tokens(result: dict[str, Any], fraction: float) -> int:
-    """The pool the torch engine sizes for a fraction (torch_engine.kv_pool_capacity_tokens)."""
+    """The pool the torch engine sizes for a fraction (torch_engine.kv_pool_capacity_tokens);
+    0 for sglang, whose sizing depends on what its own processes hold (no prediction here)."""
+    if result["environment"].get("engine", "torch") != "torch":
+        return 0
     model, total = result["model"], result["environment"]["device_total_bytes"]
     per_token = max(model["kv_bytes_per_token"], 1)
     return max(int(fraction * total) - model["engine_weight_bytes"], 0) // per_token // 16 * 16
@@ -639,6 +772,24 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                             "measured": f"{ratio:.2f}x ({ref[measured_key]:.3f} s measured, "
                                         f"{ideal[key]:.3f} s ideal; staged at {staged})",
                             "met": ratio <= bound})  # fmt: skip
+    if ref is not None and ref.get("staging_tax") is not None:
+        targets.append({"name": "staging tax (stages other than train and rollout) <= 5% of the "
+                                "iteration, staged at its highest completing fraction",
+                        "measured": f"{ref['staging_tax']:.1%}, dominated by "
+                                    f"{ref['staging_dominant']} "
+                                    f"({ref['stage_seconds'].get(ref['staging_dominant'], 0):.2f} s)",
+                        "met": ref["staging_tax"] <= 0.05})  # fmt: skip
+    alone = result.get("alone")
+    if alone and alone.get("colocated_over_alone") is not None:
+        targets.append({"name": "colocated rollout throughput >= 0.9x the same engine alone",
+                        "measured": f"{alone['colocated_over_alone']:.2f}x "
+                                    f"({alone['mode']} at {alone['fraction']:.2f}: alone "
+                                    f"{alone['rollout_tokens_per_second']:.0f} tok/s)",
+                        "met": alone["colocated_over_alone"] >= 0.9})  # fmt: skip
+    elif alone and alone.get("error"):
+        targets.append({"name": "colocated rollout throughput >= 0.9x the same engine alone",
+                        "measured": f"the engine-alone pass failed: {alone['error'][:200]}",
+                        "met": False})  # fmt: skip
     checks = [(p["mode"], p["fraction"], k, c) for p in points for k, c in p["released"].items()]
     if checks:
         short = [
@@ -708,14 +859,20 @@ def merge(paths: list[Path], out: Path) -> None:
                 point["oom_stage"] = "engine_start"
     merged = results[0]
     for other in results[1:]:
-        if other["environment"]["device"] != merged["environment"]["device"]:
-            raise SystemExit(
-                f"{other['environment']['device']} is not {merged['environment']['device']}"
-            )
+        for key, default in (("device", None), ("engine", "torch"), ("ranks", 1), ("tp", 1)):
+            theirs = other["environment"].get(key, default)
+            ours = merged["environment"].get(key, default)
+            if theirs != ours:
+                raise SystemExit(f"cannot merge runs of {key} {theirs} and {ours}")
+        if other["model"]["name"] != merged["model"]["name"]:
+            raise SystemExit(f"cannot merge runs of model {other['model']['name']} and "
+                             f"{merged['model']['name']}")  # fmt: skip
         merged["commands"] += other["commands"]
         merged.setdefault("bandwidth_runs", [merged["bandwidths"]]).append(other["bandwidths"])
         if other.get("weight_sync_profile"):
             merged["weight_sync_profile"] = other["weight_sync_profile"]
+        if other.get("alone"):
+            merged["alone"] = other["alone"]
         done = {(p["mode"], p["fraction"]) for p in other["points"]}
         for point in other["points"]:  # results written before failure_kind knew cuBLAS
             if point["failure"] and point.get("failure_kind") == "error":
@@ -734,6 +891,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="qwen2.5-3b", choices=sorted(QWEN25))
+    parser.add_argument("--engine", default="torch", choices=("torch", "sglang"))
+    parser.add_argument("--tp", type=int, default=1,
+                        help="spec.rollout.tensorParallelSize (sglang; divides --ranks)")  # fmt: skip
+    parser.add_argument("--no-alone", dest="alone", action="store_false",
+                        help="skip the engine-alone pass after the sweep")  # fmt: skip
     parser.add_argument("--modes", default="single,staged")
     parser.add_argument("--fractions", default=",".join(f"{f:.2f}" for f in DEFAULT_FRACTIONS))
     parser.add_argument("--single-fractions", help="overrides --fractions for single")
@@ -747,8 +909,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kl-coef", type=float, default=0.001, help="> 0 keeps a reference")
     parser.add_argument("--keep-going", action="store_true", help="sweep past a mode's first OOM")
     parser.add_argument("--deadline-seconds", type=float, default=None,
-                        help="start no new point after this many seconds")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+                        help="start no new point, nor the engine-alone pass, after this many seconds")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default bench/results (torch), bench/results/sglang (sglang)")  # fmt: skip
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/rljob-bench-models"))
     parser.add_argument("--profile-sync", action="store_true",
                         help="time the weight-sync path by part first (see profile_weight_sync)")  # fmt: skip
@@ -757,6 +920,8 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="CPU, builtin tiny model, plumbing only"
     )
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = ROOT / "bench" / "results" / ("sglang" if args.engine == "sglang" else "")
     if args.merge:
         merge(args.merge, args.out)
         print((args.out / "colocate.md").read_text())
@@ -784,8 +949,11 @@ def main(argv: list[str] | None = None) -> int:
         "device_total_bytes": torch.cuda.mem_get_info()[1] if on_cuda else 0,
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "torch_memory_saver": version("torch_memory_saver"), "transformers": version("transformers"),
-        "python": platform.python_version(), "ranks": args.ranks,
+        "python": platform.python_version(), "ranks": args.ranks, "engine": args.engine,
+        "tp": args.tp,
     }  # fmt: skip
+    if args.engine == "sglang":
+        environment["sglang"] = version("sglang")
     bandwidths = measure_bandwidths() if on_cuda else {}
     sync_profile: dict[str, Any] = {}
     if on_cuda and args.profile_sync:
@@ -828,6 +996,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             started = time.monotonic()
             spec = make_spec(args, model_path, mode, fraction)
+            if on_cuda and model_name in QWEN25:  # issue 19: the memory plan beside the point
+                shape = {**_QWEN25_COMMON, **QWEN25[model_name]}
+                print(plan_line(spec, shape, environment["device_total_bytes"], args.ranks))
             run = run_local(spec, args.ranks, "cuda" if on_cuda else "cpu")
             point = summarize_point(run, mode, fraction, model, args)
             point.wall_seconds = time.monotonic() - started
@@ -838,13 +1009,29 @@ def main(argv: list[str] | None = None) -> int:
                 f"{mode:7s} {fraction:.2f}: {status}, KV {point.kv_capacity_tokens} tokens, "
                 f"peaks {{{', '.join(f'{k}: {_gib(v)}' for k, v in point.stage_peak_bytes.items())}}} GiB, "
                 f"stage s {{{', '.join(f'{k}: {v:.2f}' for k, v in point.stage_seconds.items())}}}, "
-                f"sync {_num(point.weight_sync_seconds, 3)} s, {point.wall_seconds:.0f} s wall",
+                f"sync {_num(point.weight_sync_seconds, 3)} s "
+                f"(hand-off {_num(point.weight_handoff_seconds, 3)} s), "
+                f"{point.wall_seconds:.0f} s wall",
                 flush=True,
             )
             if not point.completed and not args.keep_going:
                 break
-    if not result["points"]:  # every point past the deadline: the measurements above still count
-        finish(result, args.out)
+    completed = [p for p in result["points"] if p["completed"]]
+    past_deadline = bool(args.deadline_seconds) and time.monotonic() - began > args.deadline_seconds
+    if args.alone and completed and past_deadline:
+        print("deadline: the engine-alone pass not run", flush=True)
+    elif args.alone and completed:
+        # At the highest completing staged fraction (else the highest completing point).
+        point = max(completed, key=lambda p: (p["mode"] == "staged", p["fraction"]))
+        spec = make_spec(args, model_path, point["mode"], point["fraction"])
+        try:
+            result["alone"] = engine_alone(spec, args.ranks, "cuda" if on_cuda else "cpu", point,
+                                           model)  # fmt: skip
+        except Exception as error:  # recorded as a missed target, with the error
+            result["alone"] = {"mode": point["mode"], "fraction": point["fraction"],
+                               "error": f"{type(error).__name__}: {error}"[:1000]}  # fmt: skip
+        print(f"engine alone: {result['alone']}", flush=True)
+    finish(result, args.out)
     print((args.out / "colocate.md").read_text())
     return 0
 

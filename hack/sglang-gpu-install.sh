@@ -5,7 +5,7 @@
 #   bash hack/sglang-gpu-install.sh [DIR]        (DIR defaults to /tmp/rljob-sglang)
 #
 # It keeps the carried pieces in DIR/pieces (the machine keeps /tmp while it is held), checks each
-# against MANIFEST, and as soon as every piece of a group (core, extra) is there it joins them and
+# against MANIFEST, and as soon as every piece of a group (core, extra, ray) is there it joins them and
 # unpacks the group into DIR/site. When `core` is in, it prints the line that puts SGLang on the
 # path: `export PYTHONPATH=DIR/site`. Exit status: 0 once core is installed, 3 while pieces are
 # still missing, 1 on a bad piece.
@@ -42,7 +42,7 @@ zstandard.ZstdDecompressor(max_window_size=1 << 31).copy_stream(sys.stdin.buffer
 }
 
 status=0
-for group in core extra; do
+for group in core extra ray; do
   pieces=$(awk '{print $2}' MANIFEST | grep -E "^$group\.tar\.zst\.[0-9]+$" | sort)
   total=$(echo "$pieces" | grep -c . || true)
   have=$(for p in $pieces; do [[ -f $p ]] && echo "$p"; done | grep -c . || true)

@@ -5,7 +5,10 @@
 #   hack/sglang-gpu-set.sh lock   re-resolve requirements/gpu-sglang.txt: sglang $SGLANG_VERSION and
 #                                 exactly the packages (name and version) that the GPU machine,
 #                                 recorded in requirements/gpu-machine.txt, does not already have
-#   hack/sglang-gpu-set.sh pack   download the lock (hashes checked), unpack it for cp312
+#   hack/sglang-gpu-set.sh lock-ray  re-resolve requirements/gpu-ray.txt: ray $RAY_VERSION (the
+#                                 project's lock's) and what neither the machine nor the sglang
+#                                 lock has, constrained by both (the two-GPU Ray driver runs)
+#   hack/sglang-gpu-set.sh pack   download the locks (hashes checked), unpack them for cp312
 #                                 manylinux x86_64, and write .gl/sglang/: zstd archives split into
 #                                 pieces under 60 MiB, the zstandard wheel that unpacks them there,
 #                                 and MANIFEST (sha256 of every file)
@@ -17,6 +20,8 @@ cd "$(dirname "$0")/.."
 
 SGLANG_VERSION=0.5.17
 LOCK=requirements/gpu-sglang.txt
+RAY_LOCK=requirements/gpu-ray.txt
+RAY_VERSION=$(grep -oE '^ray==[^ ]+' requirements/ci.txt | cut -d= -f3)
 MACHINE=requirements/gpu-machine.txt
 OUT=.gl/sglang
 CACHE=${RLJOB_CACHE_DIR:-$HOME/.cache/rljob}/gpu-sglang
@@ -41,8 +46,9 @@ EXTRA='^(nvidia[-_]cutlass[-_]dsl.*|quack[-_]kernels|flash[-_]attn[-_]4|tokenspe
 
 py() { "${PYTHON:-python3}" "$@"; }
 
-lock() {
-  local uv=.venv/bin/uv work
+lock() {  # lock REQUIREMENT LOCKFILE [MORE_CONSTRAINTS...]
+  local uv=.venv/bin/uv work want=$1 lockfile=$2
+  shift 2
   [[ -x $uv ]] || { echo "run hack/venv.sh first (it installs uv)" >&2; exit 1; }
   work=$(mktemp -d)
   trap 'rm -rf "$work"' RETURN
@@ -50,7 +56,15 @@ lock() {
   # except where sglang pins another version: then sglang's pin wins (the constraint is
   # dropped, one conflict at a time, as the resolver names it).
   grep -E '^[A-Za-z0-9_.-]+==' "$MACHINE" | sed -E 's/\+[^ ]*$//' > "$work/constraints.txt"
-  echo "sglang==$SGLANG_VERSION" > "$work/in.txt"
+  # Further locks (ray: the sglang lock) constrain too, and what they hold is not carried again.
+  cat "$MACHINE" > "$work/have.txt"
+  local more
+  for more in "$@"; do
+    grep -oE '^[A-Za-z0-9_.-]+==[^ ]+' "$more" | tee -a "$work/have.txt" >> "$work/constraints.txt"
+  done
+  # The last pin of a name wins (the sglang lock's protobuf over the machine's).
+  tac "$work/constraints.txt" | awk -F'==' '!seen[tolower($1)]++' > "$work/c" && mv "$work/c" "$work/constraints.txt"
+  echo "$want" > "$work/in.txt"
   for _ in $(seq 1 30); do
     if "$uv" pip compile -q "$work/in.txt" -c "$work/constraints.txt" --generate-hashes \
       --python-version 3.12 --python-platform x86_64-manylinux_2_39 -o "$work/all.txt" \
@@ -68,9 +82,9 @@ lock() {
     done
     [[ $dropped == 1 ]] || { cat "$work/err" >&2; exit 1; }
   done
-  py - "$work/all.txt" "$MACHINE" "$LOCK" "$SGLANG_VERSION" <<'EOF'
+  py - "$work/all.txt" "$work/have.txt" "$lockfile" "$want" <<'EOF'
 import re, sys
-resolved, machine, lock, version = sys.argv[1:]
+resolved, machine, lock, want = sys.argv[1:]
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
 have = {}
 for line in open(machine):
@@ -91,9 +105,11 @@ for block in blocks:
         keep.append("\n".join(block).rstrip(" \\"))
 with open(lock, "w") as out:
     out.write(
-        f"# sglang=={version} for the lent GPU machines (CPython 3.12, manylinux x86_64): exactly\n"
-        f"# the packages, by name and version, that requirements/gpu-machine.txt does not have.\n"
-        f"# Made by `hack/sglang-gpu-set.sh lock`; installed there by hack/sglang-gpu-install.sh.\n"
+        f"# {want} for the lent GPU machines (CPython 3.12, manylinux x86_64): exactly\n"
+        f"# the packages, by name and version, that requirements/gpu-machine.txt does not have"
+        + (".\n" if lock.endswith("gpu-sglang.txt") else "\n# (nor requirements/gpu-sglang.txt).\n")
+        + f"# Made by `hack/sglang-gpu-set.sh lock{'' if lock.endswith('gpu-sglang.txt') else '-ray'}`;"
+        f" installed there by hack/sglang-gpu-install.sh.\n"
     )
     out.write("\n".join(keep) + "\n")
 print(f"lock: {len(keep)} of {len(blocks)} packages to carry -> {lock}")
@@ -103,14 +119,15 @@ EOF
 pack() {
   local wheels=$CACHE/wheels-$SGLANG_VERSION stage=$CACHE/stage-$SGLANG_VERSION
   mkdir -p "$wheels"
-  py -m pip download -q --no-deps --require-hashes -r "$LOCK" --dest "$wheels" "${TARGET[@]}"
+  py -m pip download -q --no-deps --require-hashes -r "$LOCK" -r "$RAY_LOCK" --dest "$wheels" "${TARGET[@]}"
   # Unpack exactly the locked files (a stale wheel from an older lock must not come along).
   local want
-  want=$(py - "$LOCK" "$wheels" <<'EOF'
+  want=$(py - "$LOCK" "$RAY_LOCK" "$wheels" <<'EOF'
 import re, sys, pathlib
-lock, wheels = sys.argv[1:]
+lock, ray_lock, wheels = sys.argv[1:]
 norm = lambda n: re.sub(r"[-_.]+", "_", n).lower()
-pins = {norm(m[1]): m[2] for m in re.finditer(r"^([A-Za-z0-9_.-]+)(?:\[[^]]*\])?==(\S+)", open(lock).read(), re.M)}
+text = open(lock).read() + open(ray_lock).read()
+pins = {norm(m[1]): m[2] for m in re.finditer(r"^([A-Za-z0-9_.-]+)(?:\[[^]]*\])?==(\S+)", text, re.M)}
 for wheel in sorted(pathlib.Path(wheels).glob("*.whl")):
     name, version = wheel.name.split("-")[:2]
     if pins.get(norm(name)) == version:
@@ -118,34 +135,40 @@ for wheel in sorted(pathlib.Path(wheels).glob("*.whl")):
 EOF
 )
   local count
-  count=$(grep -cE '^[A-Za-z0-9]' "$LOCK")
+  count=$(cat "$LOCK" "$RAY_LOCK" | grep -cE '^[A-Za-z0-9]')
   [[ $(echo "$want" | wc -l) == "$count" ]] || { echo "pack: $count pins but wheels: $want" >&2; exit 1; }
   rm -rf "$stage" "$OUT"
-  mkdir -p "$stage/core" "$stage/extra" "$OUT"
+  mkdir -p "$stage/core" "$stage/extra" "$stage/ray" "$OUT"
   # One pip call per group: wheels that share a top-level folder (nvidia/, the CUDA namespace)
   # are merged; with one call per wheel pip would keep only the first.
-  local wheel core=() extra=()
+  local wheel core=() extra=() ray=() ray_pins
+  # The ray lock's names, normalised as wheel file names spell them (versions: see `want`).
+  ray_pins=$(grep -oE '^[A-Za-z0-9_.-]+==' "$RAY_LOCK" | sed 's/==$//' | tr 'A-Z.-' 'a-z__')
   for wheel in $want; do
-    if [[ $(basename "$wheel" | cut -d- -f1) =~ $EXTRA ]]; then extra+=("$wheel"); else core+=("$wheel"); fi
+    if grep -qxF "$(basename "$wheel" | cut -d- -f1 | tr 'A-Z.-' 'a-z__')" <<< "$ray_pins"; then
+      ray+=("$wheel")
+    elif [[ $(basename "$wheel" | cut -d- -f1) =~ $EXTRA ]]; then extra+=("$wheel"); else core+=("$wheel"); fi
   done
   export PIP_ROOT_USER_ACTION=ignore
   py -m pip install -q --no-deps --no-compile --ignore-requires-python --target "$stage/core" "${TARGET[@]}" "${core[@]}"
   py -m pip install -q --no-deps --no-compile --ignore-requires-python --target "$stage/extra" "${TARGET[@]}" "${extra[@]}"
+  py -m pip install -q --no-deps --no-compile --ignore-requires-python --target "$stage/ray" "${TARGET[@]}" "${ray[@]}"
   # The GPU machine has its own python: scripts pip wrote here would name this one.
   rm -rf "$stage"/*/bin
-  for group in core extra; do
+  for group in core extra ray; do
     # A long window finds the repeats across the kernel libraries' cubins (about 4x smaller
     # than the wheels for sgl_kernel).
     tar -C "$stage/$group" -cf - . | zstd -q -T0 -12 --long=30 | split -b "$PIECE" -d -a 2 - "$OUT/$group.tar.zst."
   done
   cp "$wheels"/zstandard-*.whl "$OUT/"
   (cd "$OUT" && sha256sum -- * > MANIFEST)
-  du -sh "$stage/core" "$stage/extra"
+  du -sh "$stage/core" "$stage/extra" "$stage/ray"
   ls -l "$OUT"
 }
 
 case "${1:-}" in
-  lock) lock ;;
+  lock) lock "sglang==$SGLANG_VERSION" "$LOCK" ;;
+  lock-ray) lock "ray==$RAY_VERSION" "$RAY_LOCK" "$LOCK" ;;
   pack) pack ;;
-  *) echo "usage: $0 lock|pack" >&2; exit 2 ;;
+  *) echo "usage: $0 lock|lock-ray|pack" >&2; exit 2 ;;
 esac

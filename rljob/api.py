@@ -17,7 +17,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from rljob.report import MemorySummary, OOMRecord
+from rljob.report import MemorySummary, OOMRecord, Stage
 
 GROUP = "rljob.dev"
 VERSION = "v1alpha1"
@@ -198,6 +198,44 @@ class _Spec(BaseModel):
     )
 
 
+HEADS_DIVIDE_RULES: tuple[CrossFieldRule, ...] = (
+    CrossFieldRule(
+        cel="self.numAttentionHeads % self.numKeyValueHeads == 0",
+        message="numKeyValueHeads must divide numAttentionHeads (grouped-query attention)",
+        field_path=".numKeyValueHeads",
+        check=lambda s: s.num_attention_heads % s.num_key_value_heads == 0,
+    ),
+    CrossFieldRule(
+        cel="self.hiddenSize % self.numAttentionHeads == 0",
+        message="numAttentionHeads must divide hiddenSize (head dim = hiddenSize / heads)",
+        field_path=".numAttentionHeads",
+        check=lambda s: s.hidden_size % s.num_attention_heads == 0,
+    ),
+)
+
+
+class ModelShapeSpec(_Spec):
+    """The model's architecture as its config.json names it, for the memory plan (rljob/plan.py)
+    where the operator cannot read config.json (a Hugging Face id or a path in the pod)."""
+
+    model_config = ConfigDict(json_schema_extra=_cel_rules(*HEADS_DIVIDE_RULES))
+
+    num_hidden_layers: int = Field(ge=1, le=1024, description="Decoder layers.")
+    hidden_size: int = Field(ge=1, le=1 << 20, description="Model width.")
+    intermediate_size: int = Field(ge=1, le=1 << 22, description="MLP width.")
+    num_attention_heads: int = Field(ge=1, le=4096, description="Query heads.")
+    num_key_value_heads: int = Field(ge=1, le=4096, description="Key/value heads (GQA).")
+    vocab_size: int = Field(ge=1, le=1 << 24, description="Embedding rows.")
+    tie_word_embeddings: bool = Field(
+        default=False, description="lm_head shares the embedding matrix."
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> ModelShapeSpec:
+        _check_rules(self, HEADS_DIVIDE_RULES, "spec.model.shape")
+        return self
+
+
 class ModelSpec(_Spec):
     """The policy model to train and serve. Immutable after creation."""
 
@@ -213,6 +251,12 @@ class ModelSpec(_Spec):
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         default="bfloat16",
         description="Parameter dtype of the rollout engine and of FSDP's compute.",
+    )
+    shape: ModelShapeSpec | None = Field(
+        default=None,
+        description="The model's config.json architecture fields, so the operator can plan "
+        "memory before the job starts (builtin models need none; the driver reads config.json "
+        "itself and plans again on the real GPU).",
     )
 
 
@@ -455,13 +499,16 @@ _QUANTITY_SUFFIX = {
 def _quantity(value: str) -> Decimal:
     """A quantity's value, exactly (QUANTITY_PATTERN has held). Parsed here, not with the
     kubernetes client: the worker parses manifests too, and needs only pydantic."""
-    match = re.fullmatch(r"([+-]?[0-9.]+)((?:[eE][+-]?[0-9]+)|[KMGTPE]i|[numkMGTPE]|)", value)
+    match = re.fullmatch(
+        r"(?P<number>[+-]?[0-9.]+)(?:[eE](?P<exponent>[+-]?[0-9]+)|(?P<suffix>[KMGTPE]i|[numkMGTPE]|))",
+        value,
+    )
     if match is None:
         raise ValueError(f"{value!r} is not a Kubernetes quantity")
-    number, suffix = match.groups()
-    if suffix[:1] in ("e", "E"):
-        return Decimal(number) * Decimal(10) ** int(suffix[1:])
-    return Decimal(number) * _QUANTITY_SUFFIX[suffix]
+    number = Decimal(match["number"])
+    if match["exponent"] is not None:
+        return number * Decimal(10) ** int(match["exponent"])
+    return number * _QUANTITY_SUFFIX[match["suffix"]]
 
 
 SHM_WITHIN_MEMORY_RULE = CrossFieldRule(
@@ -561,7 +608,71 @@ SGLANG_NEEDS_GPU_RULE = CrossFieldRule(
     field_path=".resources.gpusPerWorker",
     check=lambda s: s.rollout.engine != EngineName.SGLANG or s.resources.gpus_per_worker >= 1,
 )
-SPEC_RULES: tuple[CrossFieldRule, ...] = (TP_DIVIDES_RANKS_RULE, SGLANG_NEEDS_GPU_RULE)
+OOM_MIN_FRACTION_RULE = CrossFieldRule(
+    cel="self.oomPolicy.maxRetries == 0 || "
+    "self.oomPolicy.minFraction <= self.rollout.memFractionStatic",
+    message="oomPolicy.minFraction must not exceed rollout.memFractionStatic (retries only "
+    "lower the fraction)",
+    field_path=".oomPolicy.minFraction",
+    check=lambda s: (
+        s.oom_policy.max_retries == 0 or s.oom_policy.min_fraction <= s.rollout.mem_fraction_static
+    ),
+)
+SPEC_RULES: tuple[CrossFieldRule, ...] = (
+    TP_DIVIDES_RANKS_RULE,
+    SGLANG_NEEDS_GPU_RULE,
+    OOM_MIN_FRACTION_RULE,
+)
+
+
+class MisfitAction(StrEnum):
+    REJECT = "Reject"
+    WARN = "Warn"
+
+
+class MemoryPlanSpec(_Spec):
+    """What to do when the memory plan (rljob/plan.py) says the job will not fit its GPUs."""
+
+    on_misfit: MisfitAction = Field(
+        default=MisfitAction.WARN,
+        description="Reject: a job predicted not to fit is not started (no RayJob; phase "
+        "Failed). Warn: it starts, with condition MemoryPlanFits=False and a Warning Event.",
+    )
+    gpu_memory: PositiveQuantity | None = Field(
+        default=None,
+        description="Memory of one GPU (e.g. 80Gi, or 85017493504) for the operator's plan "
+        "before any pod runs; the driver reads the real GPU and plans again before starting.",
+    )
+
+
+class OffloadMode(StrEnum):
+    AUTO = "Auto"
+    ALWAYS = "Always"
+
+
+class OOMPolicySpec(_Spec):
+    """Retries after a CUDA out-of-memory in a stage, each a new RayJob with adjusted knobs."""
+
+    max_retries: int = Field(
+        default=0, ge=0, le=20, description="New attempts after a CUDA OOM; 0 never retries."
+    )
+    fraction_step: float = Field(
+        default=0.05,
+        gt=0,
+        lt=1,
+        description="How much each retry lowers rollout.memFractionStatic.",
+    )
+    min_fraction: float = Field(
+        default=0.5,
+        gt=0,
+        lt=1,
+        description="A retry never lowers memFractionStatic below this.",
+    )
+    switch_to_staged: bool = Field(
+        default=True,
+        description="A job in wakeUp single retries first as staged (same fraction).",
+    )
+
 
 DEFAULT_STARTUP_TIMEOUT_SECONDS = 900
 
@@ -623,6 +734,20 @@ class RLJobSpec(_Spec):
         "resumed) fails with reason StartupTimeout and the last cause seen; the operator then "
         "suspends its RayJob, so KubeRay deletes its pods (README: startup timeout).",
     )
+    memory_plan: MemoryPlanSpec = Field(
+        default_factory=MemoryPlanSpec,
+        description="Admission by the per-stage memory plan (README: memory plan).",
+    )
+    offload: OffloadMode = Field(
+        default=OffloadMode.AUTO,
+        description="Auto: offload optimizer state and training params only when, and only as "
+        "much as, the memory plan says the engine needs (within training.offloadOptimizer and "
+        "training.offloadParams). Always: offload as those two flags say.",
+    )
+    oom_policy: OOMPolicySpec = Field(
+        default_factory=OOMPolicySpec,
+        description="Bounded retries after a CUDA OOM (a container OOMKilled is not retried).",
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> RLJobSpec:
@@ -661,10 +786,50 @@ class RayJobRef(_Spec):
     job_deployment_status: str = ""
 
 
+class AttemptKnobs(_Spec):
+    """The memory knobs one attempt runs with (the OOM policy changes them between attempts;
+    the spec keeps what the user wrote)."""
+
+    mem_fraction_static: float = Field(gt=0, lt=1)
+    wake_up: WakeUp
+
+
 class Attempt(_Spec):
+    """One `status.attempts` entry (operator-owned): a RayJob run with its knobs and outcome."""
+
     attempt: int = Field(ge=1)
+    ray_job: str = Field(default="", description="The RayJob of this attempt.")
     mem_fraction_static: float
-    result: str = ""
+    wake_up: WakeUp | None = None
+    result: str = Field(
+        default="", description="Running, Succeeded, Failed, CUDAOutOfMemory or OOMKilled."
+    )
+    oom_stage: Stage | None = None
+    oom_rank: int | None = None
+    message: str = Field(default="", max_length=1024)
+
+
+class PlannedStage(_Spec):
+    """One stage of `status.plan`: the predicted device peak of the worst rank."""
+
+    name: Stage
+    peak_bytes: int = Field(ge=0)
+    peak_fraction: float = Field(ge=0)
+
+
+class PlanStatus(_Spec):
+    """`status.plan`, written by the job's driver before iteration 1 (rljob/plan.py)."""
+
+    capacity_bytes: int = Field(ge=0)
+    wake_up: WakeUp
+    mem_fraction_static: float
+    fits: bool
+    offload_optimizer: bool
+    offload_params: bool
+    stages: list[PlannedStage]
+    largest_fitting_fraction: dict[str, float | None] = Field(
+        default_factory=dict, description="wakeUp mode -> largest memFractionStatic that fits."
+    )
 
 
 def oom_event_id(record: OOMRecord) -> str:
@@ -774,7 +939,13 @@ class RLJobStatus(_Spec):
         "its own writer: OOMKilled the operator, CUDAOutOfMemory the driver.",
         json_schema_extra={"x-kubernetes-map-type": "granular"},
     )
-    attempts: list[Attempt] = Field(default_factory=list)
+    attempts: list[Attempt] = Field(
+        default_factory=list,
+        description="Every attempt (the OOM policy's retries), first to last (operator).",
+    )
+    plan: PlanStatus | None = Field(
+        default=None, description="The memory plan the driver computed before iteration 1."
+    )
     # Derived by the operator from memory and oomCounts, so `kubectl get` can show them
     # (printer columns take one scalar path each).
     worst_stage_fraction: float | None = Field(
@@ -794,6 +965,23 @@ class JobConfig(_Spec):
     name: str = Field(min_length=1, description="The RLJob's name.")
     namespace: str = Field(min_length=1, description="The RLJob's namespace.")
     spec: RLJobSpec
+    attempt: int = Field(default=1, ge=1, description="The OOM policy's attempt number.")
+    knobs: AttemptKnobs | None = Field(
+        default=None, description="This attempt's memory knobs, where they differ from spec."
+    )
+
+    @property
+    def effective_spec(self) -> RLJobSpec:
+        """The spec this attempt runs: the user's, with the attempt's knobs applied."""
+        if self.knobs is None:
+            return self.spec
+        rollout = self.spec.rollout.model_copy(
+            update={
+                "mem_fraction_static": self.knobs.mem_fraction_static,
+                "wake_up": self.knobs.wake_up,
+            }
+        )
+        return self.spec.model_copy(update={"rollout": rollout})
 
     def to_yaml(self) -> str:
         return yaml.dump(

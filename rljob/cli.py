@@ -14,6 +14,8 @@ USAGE = """usage: rljob COMMAND [ARGS...]
 commands:
   run MANIFEST [--out DIR]   run an RLJob manifest locally (CPU or GPU; no cluster needed)
   operator [ARGS...]         run the kopf operator (reconciles RLJobs into KubeRay RayJobs)
+  plan MANIFEST [--gpu-memory BYTES|Gi] [--json]
+                             predict per-stage GPU memory and the largest fitting memFractionStatic
   crd                        print the RLJob CustomResourceDefinition generated from the models
   driver [ARGS...]           the Ray driver (the RayJob's entrypoint inside the cluster)
   version                    print the version
@@ -28,6 +30,12 @@ def _run(argv: list[str]) -> int:
 
 def _operator(argv: list[str]) -> int:
     from rljob_operator.main import main
+
+    return main(argv)
+
+
+def _plan(argv: list[str]) -> int:
+    from rljob.plan_cli import main
 
     return main(argv)
 
@@ -54,6 +62,7 @@ def _version(argv: list[str]) -> int:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "run": _run,
     "operator": _operator,
+    "plan": _plan,
     "crd": _crd,
     "driver": _driver,
     "version": _version,

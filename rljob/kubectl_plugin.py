@@ -39,16 +39,30 @@ def memory_table(name: str, status: RLJobStatus) -> Table | None:
         title=f"RLJob {name}, iteration {memory.iteration}: {what}, {memory.device}, "
         f"capacity {_bytes(memory.capacity_bytes)}"
     )
-    for column in ("stage", "peak", "fraction", "seconds", "worst rank"):
+    # status.plan (the driver's memory plan, issue 19): predicted beside measured.
+    predicted = {str(s.name): s.peak_bytes for s in status.plan.stages} if status.plan else {}
+    columns = ["stage", "peak", "fraction", "seconds", "worst rank"]
+    if predicted:
+        columns += ["predicted", "plan error"]
+    for column in columns:
         table.add_column(column, justify="left" if column == "stage" else "right")
     for stage in memory.stages:
-        table.add_row(
+        row = [
             str(stage.name),
             _bytes(stage.peak_bytes),
             f"{stage.peak_fraction:.3f}",
             f"{stage.seconds:.2f}",
             str(stage.rank),
-        )
+        ]
+        if predicted:
+            plan_bytes = predicted.get(str(stage.name))
+            row += [
+                _bytes(plan_bytes),
+                f"{(plan_bytes - stage.peak_bytes) / stage.peak_bytes:+.1%}"
+                if plan_bytes is not None and stage.peak_bytes
+                else "-",
+            ]
+        table.add_row(*row)
     return table
 
 

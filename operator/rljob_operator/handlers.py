@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
 from rljob.api import GROUP, JOB_CONFIG_FILE, PLURAL, VERSION, JobConfig, OOMEvent, RLJobSpec
+from rljob.oom_policy import admit
 from rljob_operator import causes, kube, metrics, oom, render, status
 
 RAYJOB_LABELS = {render.JOB_LABEL: kopf.PRESENT}
@@ -305,9 +306,11 @@ def reconcile(
         # state mirrored and costs nothing, or, if KubeRay changed the RayJob since the apply
         # answered, it writes the newer state after this one instead of being overwritten by it.
         with _job_lock(namespace, name):
-            stored = _apply_children(owner, spec, run_spec, retry, logger)
+            # A job the memory plan rejects (onMisfit Reject) gets no RayJob; status says why.
+            start = admit(run_spec).start
+            stored = _apply_children(owner, spec, run_spec, retry, logger, rayjob=start)
             APPLIED.remember(namespace, name, stored["ConfigMap"], run_spec)
-            observing = Observing(spec, run_spec, stored["RayJob"], reconciled=True)
+            observing = Observing(spec, run_spec, stored.get("RayJob"), reconciled=True)
             _write(namespace, name, observing, logger)
         logger.info(f"reconciled RLJob {namespace}/{name}")
     except (ApiException, HTTPError) as exc:
@@ -316,13 +319,15 @@ def reconcile(
 
 def _apply_children(
     owner: render.Owner, spec: RLJobSpec, run_spec: RLJobSpec, retry: int,
-    logger: kopf.Logger,
+    logger: kopf.Logger, rayjob: bool = True,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Server-side apply every child; the stored objects by kind. A child the apiserver refuses
     makes the RLJob Failed (PermanentError: kopf stops); a transient failure is in status as a
     retry, and kopf retries with a doubling delay."""
     stored: dict[str, dict[str, Any]] = {}
     for child in _apply_order(render.children(owner, run_spec)):
+        if child["kind"] == "RayJob" and not rayjob:
+            continue
         try:
             stored[child["kind"]] = kube.apply(child)
         except (ApiException, HTTPError) as exc:

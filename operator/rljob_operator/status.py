@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob.api import DEFAULT_STARTUP_TIMEOUT_SECONDS, Phase, RLJobSpec
+from rljob.oom_policy import MEMORY_PLAN_FITS, REASON_PLAN_MISFIT, admit
 from rljob_operator.causes import Cause
 from rljob_operator.oom import KIND as KILLED
 from rljob_operator.oom import KilledPart
@@ -25,7 +26,9 @@ FAILED = "Failed"
 SUSPENDED = "Suspended"
 SPEC_APPLIED = "SpecApplied"
 PODS_READY = "PodsReady"
-CONDITION_TYPES = (CREATED, PODS_READY, RUNNING, SUCCEEDED, FAILED, SUSPENDED, SPEC_APPLIED)
+CONDITION_TYPES = (
+    CREATED, PODS_READY, RUNNING, SUCCEEDED, FAILED, SUSPENDED, SPEC_APPLIED, MEMORY_PLAN_FITS,
+)  # fmt: skip
 
 # Reasons (CamelCase, as metav1.Condition requires).
 REASON_RAYJOB_CREATED = "RayJobCreated"
@@ -115,7 +118,7 @@ class Transition:
         return "Warning" if failed or self.reason in WARNING_REASONS else "Normal"
 
 
-WARNING_REASONS = (REASON_UPDATE_REFUSED, REASON_APPLY_RETRYING)
+WARNING_REASONS = (REASON_UPDATE_REFUSED, REASON_APPLY_RETRYING, REASON_PLAN_MISFIT)
 
 
 def refused_fields(spec: RLJobSpec, applied: RLJobSpec | None) -> list[str]:
@@ -304,6 +307,19 @@ def _cause(conditions: Conditions) -> str | None:
     return text if len(text) <= MAX_CAUSE else text[: MAX_CAUSE - 3] + "..."
 
 
+def _with_plan(spec: RLJobSpec, phase: Phase, conditions: Conditions) -> Phase:
+    """MemoryPlanFits where the operator can plan (rljob/oom_policy.admit); a misfit with
+    onMisfit Reject is Failed (reconcile() then creates no RayJob)."""
+    admission = admit(spec)
+    if admission.status == "Unknown":
+        return phase
+    conditions[MEMORY_PLAN_FITS] = (admission.status == "True", admission.reason, admission.message)
+    if admission.start:
+        return phase
+    conditions[FAILED] = (True, REASON_PLAN_MISFIT, admission.message)
+    return Phase.FAILED
+
+
 def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
     """The operator's status fields (camelCase) and the condition transitions since last time.
 
@@ -315,6 +331,7 @@ def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
         if pods is not None:
             wanted[PODS_READY] = pods
         phase = _with_failures(obs, phase, wanted)
+        phase = _with_plan(obs.spec, phase, wanted)
     previous = {c["type"]: c for c in obs.previous_conditions}
     conditions: list[dict[str, Any]] = []
     transitions: list[Transition] = []
@@ -329,7 +346,9 @@ def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
         # goes out when one becomes True or flips.
         # PodsReady has no transition Event: each cause has its own aggregated one (causes.py),
         # and the pods running is the Running condition's Event.
-        if changed and (ok or before is not None) and ctype != PODS_READY:
+        # MemoryPlanFits=False is news at creation too: the Warning Event of onMisfit Warn.
+        news = ok or before is not None or ctype == MEMORY_PLAN_FITS
+        if changed and news and ctype != PODS_READY:
             transitions.append(Transition(ctype, flag, reason, message))
         since = now if before is None or changed else str(before["lastTransitionTime"])
         conditions.append(

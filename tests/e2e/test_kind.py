@@ -1,203 +1,83 @@
-"""The whole chain on a kind cluster: images built and loaded, KubeRay's chart and rljob's chart
-installed, examples/tiny-local.yaml applied as it is, run to Succeeded, deleted without leftovers.
+"""The whole chain on a kind cluster built on this machine (hack/images.sh, hack/kind.sh): the
+rljob and KubeRay operators from their Helm charts, the CPU worker image, pods that really run.
 
-Needs Docker, kind, helm and kubectl, and network to KubeRay's Helm repository and to the Python
-package index (the image builds). conftest.py skips it, with the reason, where Docker or kind is
-missing. Environment: RLJOB_E2E_CLUSTER (reuse a kind cluster of that name and keep it),
-RLJOB_E2E_KEEP=1 (keep the cluster created here), RLJOB_TORCH_INDEX_URL (a CPU-only torch wheel
-index for the worker image), RLJOB_KUBERAY_HELM_REPO, RLJOB_HELM / RLJOB_KUBECTL (binaries).
-Logs of every pod, the operators and the RLJob's Events are written to out/e2e on failure.
+Each test gets its own namespace; on failure everything is dumped to out/e2e/<test>/.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from cluster import (
+    OPERATOR_NAMESPACE,
+    ROOT,
+    Cluster,
+    dump,
+    kind_cluster,
+    tiny_job,
+    wait_for,
+)
 
-from rljob.api import RLJobSpec
 from rljob.report import Stage
 
-ROOT = Path(__file__).resolve().parents[2]
-KIND_CONFIG = Path(__file__).parent / "kind-config.yaml"
-EXAMPLE = ROOT / "examples" / "tiny-local.yaml"
-LOGS = ROOT / "out" / "e2e"
-KUBERAY_CHART_VERSION = "1.6.0"  # the KubeRay release the control-plane tests build (versions.env)
-KUBERAY_HELM_REPO = os.environ.get(
-    "RLJOB_KUBERAY_HELM_REPO", "https://ray-project.github.io/kuberay-helm/"
-)
-OPERATOR_IMAGE = "rljob/operator:e2e"
-JOB_NAMESPACE = "rljob-e2e"
-SUCCEEDED_TIMEOUT_SECONDS = 1500.0
-GONE_TIMEOUT_SECONDS = 180.0
-
-
-def run(*argv: str, timeout: float = 1800, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """A command with its output captured; a failure raises with the command and its stderr."""
-    print("+", " ".join(argv), flush=True)
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout[-4000:]}"
-            f"\n{result.stderr[-4000:]}"
-        )
-    return result
-
-
-def tool(name: str) -> str:
-    """A binary from RLJOB_<NAME>, PATH, or the control-plane cache (`hack/controlplane.sh env`)."""
-    named = os.environ.get(f"RLJOB_{name.upper()}", "")
-    found = (
-        (named if Path(named).is_file() else None)
-        or shutil.which(name)
-        or shutil.which(name, path=os.environ.get("RLJOB_KUBE_BIN_DIR", ""))
-    )
-    if not found:
-        raise AssertionError(f"{name} is not on PATH (or set RLJOB_{name.upper()})")
-    return found
-
-
-@dataclass
-class Kind:
-    """A kind cluster and the kubeconfig for it."""
-
-    name: str
-    kubeconfig: Path
-
-    def kubectl(self, *args: str, check: bool = True, timeout: float = 300) -> str:
-        argv = [tool("kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
-        return run(*argv, check=check, timeout=timeout).stdout
-
-    def helm(self, *args: str, timeout: float = 900) -> str:
-        return run(tool("helm"), f"--kubeconfig={self.kubeconfig}", *args, timeout=timeout).stdout
-
-    def get(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-        out = self.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
-        return json.loads(out) if out.strip() else None
-
-
-def worker_image() -> str:
-    """The image the example's RayJob pods run: the example's own, or the API default."""
-    spec = RLJobSpec.model_validate(yaml.safe_load(EXAMPLE.read_text())["spec"])
-    return spec.resources.image
-
-
-@pytest.fixture(scope="module")
-def kind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kind]:
-    reuse = os.environ.get("RLJOB_E2E_CLUSTER")
-    name = reuse or f"rljob-e2e-{uuid.uuid4().hex[:6]}"
-    kubeconfig = tmp_path_factory.mktemp("kind") / "kubeconfig"
-    if not reuse:
-        argv = ["kind", "create", "cluster", "--name", name, "--config", str(KIND_CONFIG)]
-        if node_image := os.environ.get("RLJOB_KIND_NODE_IMAGE"):
-            argv += ["--image", node_image]
-        run(*argv, "--kubeconfig", str(kubeconfig), "--wait", "180s", timeout=600)
-    else:
-        kubeconfig.write_text(run("kind", "get", "kubeconfig", "--name", name).stdout)
-    try:
-        yield Kind(name, kubeconfig)
-    finally:
-        if not reuse and os.environ.get("RLJOB_E2E_KEEP") != "1":
-            run("kind", "delete", "cluster", "--name", name, check=False, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def installed(kind: Kind) -> Kind:
-    """Images built and loaded, KubeRay's chart and rljob's chart installed and rolled out."""
-    try:
-        install(kind)
-    except BaseException:
-        print(f"e2e set-up failed; logs in {collect_logs(kind, example_name())}")
-        raise
-    return kind
-
-
-def install(kind: Kind) -> None:
-    build_args: list[str] = []
-    if index := os.environ.get("RLJOB_TORCH_INDEX_URL"):
-        build_args = ["--build-arg", f"TORCH_INDEX_URL={index}"]
-    run("docker", "build", "-f", "operator/Dockerfile", "-t", OPERATOR_IMAGE, str(ROOT))
-    run(
-        "docker", "build", "-f", "worker_image/Dockerfile.cpu", *build_args,
-        "-t", worker_image(), str(ROOT),
-    )  # fmt: skip
-    for image in (OPERATOR_IMAGE, worker_image()):
-        run("kind", "load", "docker-image", image, "--name", kind.name, timeout=900)
-
-    kind.helm("repo", "add", "kuberay", KUBERAY_HELM_REPO, "--force-update")
-    kind.helm(
-        "upgrade", "--install", "kuberay-operator", "kuberay/kuberay-operator",
-        "--version", KUBERAY_CHART_VERSION, "--namespace", "kuberay-system",
-        "--create-namespace", "--wait", "--timeout", "10m",
-    )  # fmt: skip
-    repository, tag = OPERATOR_IMAGE.split(":")
-    kind.helm(
-        "upgrade", "--install", "rljob", str(ROOT / "charts" / "rljob"),
-        "--namespace", "rljob-system", "--create-namespace",
-        "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-        "--set", "image.pullPolicy=Never", "--wait", "--timeout", "5m",
-    )  # fmt: skip
-    kind.kubectl("-n", "rljob-system", "rollout", "status", "deploy/rljob", "--timeout=180s")
-    kind.kubectl("create", "namespace", JOB_NAMESPACE, check=False)
-
-
-def example_name() -> str:
-    return str(yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"])
-
-
-def collect_logs(kind: Kind, job: str) -> Path:
-    """Everything a person needs to see why the run failed, under out/e2e/."""
-    LOGS.mkdir(parents=True, exist_ok=True)
-    dumps = {
-        "rljob.yaml": ["get", "rljob", job, "-n", JOB_NAMESPACE, "-o", "yaml"],
-        "describe-rljob.txt": ["describe", "rljob", job, "-n", JOB_NAMESPACE],
-        "rayjobs.yaml": ["get", "rayjobs,rayclusters", "-n", JOB_NAMESPACE, "-o", "yaml"],
-        "events.txt": ["get", "events", "-A", "--sort-by=.lastTimestamp"],
-        "pods.txt": ["get", "pods", "-A", "-o", "wide"],
-        "operator.log": ["logs", "-n", "rljob-system", "deploy/rljob", "--tail=-1"],
-        "kuberay.log": ["logs", "-n", "kuberay-system", "deploy/kuberay-operator", "--tail=-1"],
-    }
-    for file, args in dumps.items():
-        (LOGS / file).write_text(kind.kubectl(*args, check=False))
-    pods = kind.kubectl("get", "pods", "-n", JOB_NAMESPACE, "-o", "name", check=False).split()
-    for pod in pods:
-        text = kind.kubectl(
-            "logs", "-n", JOB_NAMESPACE, pod, "--all-containers", "--tail=-1", check=False
-        )
-        (LOGS / f"{pod.replace('/', '-')}.log").write_text(text)
-    return LOGS
-
-
-def wait_until_finished(kind: Kind, name: str) -> dict[str, Any]:
-    deadline = time.monotonic() + SUCCEEDED_TIMEOUT_SECONDS
-    status: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        status = (kind.get("rljob", name, JOB_NAMESPACE) or {}).get("status") or {}
-        if status.get("phase") in ("Succeeded", "Failed"):
-            return status
-        time.sleep(10)
-    raise AssertionError(f"RLJob {name} not finished after {SUCCEEDED_TIMEOUT_SECONDS}s: {status}")
-
-
-# What a fresh namespace holds before any job: these are not the job's leftovers.
+# A tiny job on one 2-CPU kind worker: image start, Ray start and two iterations of the loop.
+FINISH_SECONDS = 900.0
+PODS_SECONDS = 300.0
+GONE_SECONDS = 180.0
+# What a fresh namespace holds before any job: not a job's leftovers.
 NAMESPACE_DEFAULTS = {"configmap/kube-root-ca.crt", "serviceaccount/default"}
 
 
-def objects_left(kind: Kind) -> list[str]:
-    """Everything in the job's own namespace that a job could have made (it holds nothing else)."""
-    found = kind.kubectl(
+@pytest.fixture(scope="module")
+def cluster() -> Cluster:
+    return kind_cluster()
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = cluster.create_namespace(f"e2e-{uuid.uuid4().hex[:6]}")
+    yield name
+    report = getattr(request.node, "rep_call", None)
+    if report is None or report.failed:
+        print(f"logs: {cluster.collect_logs(name, request.node.name)}")
+    cluster.delete_namespace(name)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    setattr(item, f"rep_{call.when}", outcome.get_result())  # type: ignore[attr-defined]
+
+
+def finished(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        status = cluster.status(namespace, name)
+        return status if status.get("phase") in ("Succeeded", "Failed") else None
+
+    return wait_for(f"RLJob {name} to finish", probe, FINISH_SECONDS, every=5)
+
+
+def ray_pods_running(cluster: Cluster, namespace: str) -> dict[str, str] | None:
+    """{pod: node-type} once the head and a worker pod are both Running, else None."""
+    running = {
+        str(p["metadata"]["name"]): str(p["metadata"]["labels"]["ray.io/node-type"])
+        for p in cluster.pods(namespace)
+        if p["status"].get("phase") == "Running"
+        and "ray.io/node-type" in (p["metadata"].get("labels") or {})
+    }
+    return running if {"head", "worker"} <= set(running.values()) else None
+
+
+def objects_left(cluster: Cluster, namespace: str) -> list[str]:
+    found = cluster.kubectl(
         "get", "rayjobs,rayclusters,pods,services,jobs,configmaps,serviceaccounts,roles,rolebindings",
-        "-n", JOB_NAMESPACE, "-o", "name",
+        "-n", namespace, "-o", "name",
     )  # fmt: skip
     left = []
     for name in found.split():
@@ -207,37 +87,254 @@ def objects_left(kind: Kind) -> list[str]:
     return left
 
 
-def test_tiny_example_runs_to_succeeded_with_memory_status_and_leaves_nothing_behind(
-    installed: Kind,
+def children(cluster: Cluster, namespace: str) -> dict[str, str]:
+    """{kind/name: uid} of everything the operator made for a job (the pods are KubeRay's)."""
+    out = cluster.kubectl(
+        "get", "rayjobs,configmaps,serviceaccounts,roles,rolebindings", "-n", namespace,
+        "-o", "jsonpath={range .items[*]}{.kind}/{.metadata.name}={.metadata.uid}{'\\n'}{end}",
+    )  # fmt: skip
+    found = dict(line.split("=", 1) for line in out.splitlines() if line)
+    return {k: v for k, v in found.items() if k.lower() not in NAMESPACE_DEFAULTS}
+
+
+def test_tiny_example_runs_two_iterations_to_succeeded_with_host_memory_of_every_rank(
+    cluster: Cluster, namespace: str
 ) -> None:
-    kind = installed
-    name = example_name()
+    name = "tiny-local"
+    cluster.apply(tiny_job(name, cluster.worker_image), namespace)
+
+    rayjob = wait_for(
+        "the RayJob and RayCluster",
+        lambda: (
+            cluster.status(namespace, name).get("rayJob", {}).get("name")
+            and cluster.kubectl("get", "rayclusters", "-n", namespace, "-o", "name").strip()
+        ),
+        PODS_SECONDS,
+    )
+    assert rayjob
+    pods = wait_for(
+        "head and worker pods Running", lambda: ray_pods_running(cluster, namespace), PODS_SECONDS
+    )
+
+    status = finished(cluster, namespace, name)
+    assert status["phase"] == "Succeeded", dump(status)
+    assert status["iteration"] == 2, dump(status)
+    memory = status["memory"]
+    assert memory["capacityBytes"] > 0 and memory["device"], dump(memory)
+    stages = {s["name"]: s for s in memory["stages"]}
+    assert {Stage.TRAIN.value, Stage.ROLLOUT.value} <= set(stages), dump(memory)
+    assert all(s["peakBytes"] > 0 for s in memory["stages"]), dump(memory)
+    # Every rank reported: the worst rank per stage is one of the job's two CPU ranks.
+    assert {s["rank"] for s in memory["stages"]} <= {0, 1}, dump(memory)
+
+    describe = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "kubectl-rljob"), "--kubeconfig", str(cluster.kubeconfig),
+         "describe", name, "-n", namespace],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert describe.returncode == 0, describe.stderr
+    assert "Succeeded" in describe.stdout and Stage.TRAIN.value in describe.stdout, describe.stdout
+
+    reasons = {e["reason"] for e in cluster.events(namespace, name)}
+    assert {"RayJobCreated", "RayJobSucceeded"} <= reasons, reasons
+    assert pods, "the Ray pods never ran"
+
+
+def test_worker_oomkilled_appears_in_status_and_as_warning_within_5s(
+    cluster: Cluster, namespace: str
+) -> None:
+    """A worker limit far below what Ray and two torch ranks need: the kernel kills it."""
+    name = "tiny-oom"
+    cluster.apply(tiny_job(name, cluster.worker_image, memory="400Mi"), namespace)
+
+    def kubelet_reported() -> tuple[str, str, float] | None:
+        for pod in cluster.pods(namespace):
+            for cs in pod["status"].get("containerStatuses") or []:
+                for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+                    if (state.get("terminated") or {}).get("reason") == "OOMKilled":
+                        return str(pod["metadata"]["name"]), str(cs["name"]), time.monotonic()
+        return None
+
+    pod, container, seen_at = wait_for(
+        "an OOMKilled container", kubelet_reported, PODS_SECONDS, every=0.5
+    )
+
+    def in_status() -> dict[str, Any] | None:
+        for entry in cluster.status(namespace, name).get("oomEvents") or []:
+            if entry.get("kind") == "OOMKilled" and entry.get("pod") == pod:
+                return dict(entry)
+        return None
+
+    entry = wait_for("the OOMKilled entry in status.oomEvents", in_status, 30, every=0.25)
+    delay = time.monotonic() - seen_at
+    assert delay <= 5.0, f"status.oomEvents got the kill {delay:.1f}s after the kubelet reported it"
+    assert entry["container"] == container, dump(entry)
+    assert entry.get("limitBytes") == 400 * 2**20, dump(entry)
+    warnings = [
+        e
+        for e in cluster.events(namespace, name)
+        if e["type"] == "Warning" and "OOMKilled" in (e.get("reason") or "")
+    ]
+    assert warnings and pod in (warnings[0].get("message") or ""), [
+        (e["reason"], e.get("message")) for e in warnings
+    ]
+
+
+def test_suspend_stops_the_pods_resume_runs_again_delete_removes_every_child(
+    cluster: Cluster, namespace: str
+) -> None:
+    name = "tiny-suspend"
+    cluster.apply(tiny_job(name, cluster.worker_image), namespace)
+    wait_for("Ray pods Running", lambda: ray_pods_running(cluster, namespace), PODS_SECONDS)
+
+    cluster.patch_spec(namespace, name, {"suspend": True})
+    wait_for("no pods while suspended", lambda: not cluster.pods(namespace), GONE_SECONDS)
+    wait_for(
+        "phase Suspended",
+        lambda: cluster.status(namespace, name).get("phase") == "Suspended",
+        GONE_SECONDS,
+    )
+
+    cluster.patch_spec(namespace, name, {"suspend": False})
+    wait_for(
+        "Ray pods Running after resume", lambda: ray_pods_running(cluster, namespace), PODS_SECONDS
+    )
+    status = finished(cluster, namespace, name)
+    assert status["phase"] == "Succeeded", dump(status)
+    assert status["iteration"] == 2, dump(status)
+
+    assert objects_left(cluster, namespace), "the RLJob had no children to delete"
+    cluster.kubectl("delete", "rljob", name, "-n", namespace, "--wait=true")
+    wait_for("every child and pod gone", lambda: not objects_left(cluster, namespace), GONE_SECONDS)
+
+
+def test_operator_killed_mid_job_the_job_goes_on_nothing_created_twice_no_status_lost(
+    cluster: Cluster, namespace: str
+) -> None:
+    name = "tiny-kill"
+    cluster.apply(tiny_job(name, cluster.worker_image), namespace)
+    wait_for("Ray pods Running", lambda: ray_pods_running(cluster, namespace), PODS_SECONDS)
+    before = children(cluster, namespace)
+    status_before = cluster.status(namespace, name)
+    assert before and status_before.get("phase"), (before, status_before)
+
+    old = cluster.kubectl(
+        "get", "pods", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/name=rljob", "-o", "name"
+    ).split()
+    assert len(old) == 1, old
+    cluster.kubectl("delete", "-n", OPERATOR_NAMESPACE, old[0], "--grace-period=0", "--force")
+    cluster.kubectl("-n", OPERATOR_NAMESPACE, "rollout", "status", "deploy/rljob", "--timeout=180s")
+
+    status = finished(cluster, namespace, name)
+    assert status["phase"] == "Succeeded", dump(status)
+    after = children(cluster, namespace)
+    assert after == before, f"children recreated or lost:\nbefore {before}\nafter {after}"
+    for field in ("phase", "conditions", "rayJob", "observedGeneration", "iteration", "memory"):
+        assert field in status, f"status.{field} lost: {dump(status)}"
+    for field in status_before:
+        assert field in status, f"status.{field} was there before the kill and is gone now"
+
+
+DRIVER_RBAC_PROBE = """
+import json, sys
+from kubernetes import client, config
+config.load_incluster_config()
+api = client.CustomObjectsApi()
+core = client.CoreV1Api()
+ns, own, other = sys.argv[1], sys.argv[2], sys.argv[3]
+def attempt(call):
     try:
-        kind.kubectl("apply", "-n", JOB_NAMESPACE, "-f", str(EXAMPLE))
-        status = wait_until_finished(kind, name)
-        assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
-        assert status["iteration"] >= 2, status
-        memory = status["memory"]
-        assert memory["capacityBytes"] > 0 and memory["device"]
-        stages = {s["name"] for s in memory["stages"]}
-        assert {Stage.TRAIN.value, Stage.ROLLOUT.value} <= stages, stages
-        assert all(s["peakBytes"] > 0 for s in memory["stages"]), memory["stages"]
+        call()
+        return 200
+    except client.ApiException as e:
+        return e.status
+status = api.get_namespaced_custom_object_status("rljob.dev", "v1alpha1", ns, "rljobs", own)["status"]
+print(json.dumps({
+    "own_status": attempt(lambda: api.patch_namespaced_custom_object_status(
+        "rljob.dev", "v1alpha1", ns, "rljobs", own, {"status": {"iteration": status.get("iteration", 0)}})),
+    "other_status": attempt(lambda: api.patch_namespaced_custom_object_status(
+        "rljob.dev", "v1alpha1", ns, "rljobs", other, {"status": {"iteration": 0}})),
+    "own_spec": attempt(lambda: api.patch_namespaced_custom_object(
+        "rljob.dev", "v1alpha1", ns, "rljobs", own, {"spec": {"suspend": False}})),
+    "list_secrets": attempt(lambda: core.list_namespaced_secret(ns)),
+    "delete_pods": attempt(lambda: core.delete_collection_namespaced_pod(ns, dry_run="All")),
+    "create_configmap": attempt(lambda: core.create_namespaced_config_map(ns, {"metadata": {"name": "x"}}, dry_run="All")),
+}))
+"""
 
-        selector = f"involvedObject.kind=RLJob,involvedObject.name={name}"
-        listed = kind.kubectl(
-            "get", "events", "-n", JOB_NAMESPACE, "-o", "json", "--field-selector", selector
-        )
-        events = json.loads(listed)["items"]
-        reasons = {e["reason"] for e in events}
-        assert "RayJobSucceeded" in reasons, reasons
-        assert not [e for e in events if e["type"] == "Warning"], events
 
-        assert objects_left(kind), "the RLJob had no children to delete"
-        kind.kubectl("delete", "rljob", name, "-n", JOB_NAMESPACE, "--wait=true")
-        deadline = time.monotonic() + GONE_TIMEOUT_SECONDS
-        while (left := objects_left(kind)) and time.monotonic() < deadline:
-            time.sleep(5)
-        assert not left, f"left behind after deleting the RLJob: {left}"
-    except BaseException:
-        print(f"e2e failed; logs in {collect_logs(kind, name)}")
-        raise
+def test_driver_service_account_patches_its_own_status_and_nothing_else(
+    cluster: Cluster, namespace: str
+) -> None:
+    name, other = "tiny-rbac", "tiny-other"
+    # A long job, so the head pod is there for the probe; the other RLJob never gets pods.
+    cluster.apply(tiny_job(other, cluster.worker_image, cpu="64"), namespace)
+    job = tiny_job(name, cluster.worker_image)
+    job["spec"]["algorithm"]["iterations"] = 50
+    cluster.apply(job, namespace)
+    pods = wait_for("Ray pods Running", lambda: ray_pods_running(cluster, namespace), PODS_SECONDS)
+    head = next(pod for pod, role in pods.items() if role == "head")
+    out = cluster.kubectl(
+        "exec", "-n", namespace, head, "-c", "ray-head", "--",
+        "python", "-c", DRIVER_RBAC_PROBE, namespace, name, other,
+    )  # fmt: skip
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result == {
+        "own_status": 200,
+        "other_status": 403,
+        "own_spec": 403,
+        "list_secrets": 403,
+        "delete_pods": 403,
+        "create_configmap": 403,
+    }, result
+
+
+def test_missing_image_reaches_the_rljob_as_image_pull_back_off_naming_the_pod(
+    cluster: Cluster, namespace: str
+) -> None:
+    name = "tiny-nopull"
+    cluster.apply(tiny_job(name, "rljob.local/no-such-image:0"), namespace)
+
+    def pods_ready_false() -> dict[str, Any] | None:
+        for c in cluster.status(namespace, name).get("conditions") or []:
+            if (
+                c["type"] == "PodsReady"
+                and c["status"] == "False"
+                and c["reason"] == "ImagePullBackOff"
+            ):
+                return dict(c)
+        return None
+
+    condition = wait_for("PodsReady=False ImagePullBackOff", pods_ready_false, PODS_SECONDS)
+    names = [p["metadata"]["name"] for p in cluster.pods(namespace)]
+    assert any(pod in condition["message"] for pod in names), (condition, names)
+
+
+def test_impossible_resources_reach_the_rljob_as_unschedulable(
+    cluster: Cluster, namespace: str
+) -> None:
+    name = "tiny-huge"
+    cluster.apply(tiny_job(name, cluster.worker_image, cpu="64", memory="900Gi"), namespace)
+
+    def unschedulable() -> dict[str, Any] | None:
+        for c in cluster.status(namespace, name).get("conditions") or []:
+            if (
+                c["type"] == "PodsReady"
+                and c["status"] == "False"
+                and c["reason"] == "Unschedulable"
+            ):
+                return dict(c)
+        return None
+
+    condition = wait_for("PodsReady=False Unschedulable", unschedulable, PODS_SECONDS)
+    assert "Insufficient" in condition["message"] or "cpu" in condition["message"], condition
+
+
+def test_cluster_runs_kubelet_v1_34_on_two_ready_nodes(cluster: Cluster) -> None:
+    """The nodes are real kubelets (v1.34) that went Ready on this host, two of them."""
+    nodes = cluster.nodes()
+    assert len(nodes) >= 2, [n["metadata"]["name"] for n in nodes]
+    for node in nodes:
+        ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
+        assert ready == "True", node["metadata"]["name"]
+        assert node["status"]["nodeInfo"]["kubeletVersion"].startswith("v1.34"), node["status"]

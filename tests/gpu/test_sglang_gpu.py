@@ -35,6 +35,8 @@ if importlib.util.find_spec("sglang") is None:
         )
     pytest.skip("sglang is not installed (hack/sglang-gpu-install.sh)", allow_module_level=True)
 
+from support.gpu_models import random_qwen2, random_qwen25_05b
+
 from rljob_worker.driver.local import LocalRun, run_local
 from rljob_worker.engines.base import SamplingParams
 from rljob_worker.engines.sglang_engine import SGLangEngine
@@ -53,35 +55,6 @@ def _free() -> int:
     return int(torch.cuda.mem_get_info()[0])
 
 
-def _qwen2(directory: Path, *, seed: int, **shape: int) -> Path:
-    """A random Qwen2 with the builtin tokenizer, saved in bf16 (head_dim 64: every backend)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    builtin = Path(resolve_model_path("builtin:tiny-qwen2"))
-    tokenizer = load_tokenizer(builtin)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(builtin / name, directory / name)
-    hidden = shape.get("hidden", 256)
-    config = Qwen2Config(
-        vocab_size=shape.get("vocab", len(tokenizer)),
-        hidden_size=hidden,
-        intermediate_size=shape.get("intermediate", hidden * 11 // 4),
-        num_hidden_layers=shape.get("layers", 2),
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=shape.get("kv_heads", 2),
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-        # A random model at 0.02 answers nearly uniform logits, where argmax is a coin toss
-        # between kernels; 0.3 makes greedy decoding decisive (see the torch engine's tests).
-        initializer_range=0.3,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    Qwen2ForCausalLM(config).bfloat16().save_pretrained(directory)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def builtin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The builtin tiny Qwen2, copied to a local directory as a user would point at one."""
@@ -92,16 +65,7 @@ def builtin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen05b_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 heads, 2 KV heads, vocab 151936), random."""
-    return _qwen2(
-        tmp_path_factory.mktemp("qwen2.5-0.5b-shape"),
-        seed=3,
-        hidden=896,
-        intermediate=4864,
-        layers=24,
-        kv_heads=2,
-        vocab=151936,
-    )
+    return random_qwen25_05b(tmp_path_factory.mktemp("qwen2.5-0.5b-shape"))
 
 
 def _kv_bytes_per_token(model_dir: Path) -> int:
@@ -218,7 +182,7 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    a, b = _qwen2(tmp_path / "a", seed=1), _qwen2(tmp_path / "b", seed=2)
+    a, b = random_qwen2(tmp_path / "a", seed=1), random_qwen2(tmp_path / "b", seed=2)
     spec = _spec(b, engine="sglang", wake_up=WakeUp.STAGED, fraction=0.3, iterations=1)
     engine = SGLangEngine(model_path=str(a), dtype="bfloat16", mem_fraction_static=0.3)
     trainer = Trainer(spec, b, torch.device("cuda:0"), pad_id=0)

@@ -83,3 +83,26 @@ def test_paths_and_hugging_face_ids_pass() -> None:
     )
     assert spec.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
     assert spec.data.source == "/data/train.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("shm", "memory", "fits"),
+    [
+        ("1E", "2Ei", True),  # exa (10^18) under 2 exbi
+        ("2Ei", "1E", False),
+        ("1e3", "1Ki", True),  # an exponent, not the E suffix
+        ("1Ki", "1e3", False),
+        ("1500m", "2", True),
+        ("2001m", "2", False),
+        ("64Gi", "64Gi", True),
+    ],
+)
+def test_shared_memory_is_compared_as_a_quantity(shm: str, memory: str, fits: bool) -> None:
+    # The handler's copy of the CEL rule parses the quantity itself (no kubernetes client in
+    # the worker); "E" alone is a suffix, "E3" an exponent, "Ei" a binary suffix.
+    resources = {"sharedMemory": shm, "memory": memory}
+    if fits:
+        RLJobSpec.model_validate({"resources": resources})
+    else:
+        with pytest.raises(ValidationError, match="sharedMemory"):
+            RLJobSpec.model_validate({"resources": resources})

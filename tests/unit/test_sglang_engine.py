@@ -12,6 +12,7 @@ import functools
 import importlib.metadata
 import os
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -396,10 +397,95 @@ print("child:", child.wait(timeout=10))
     assert f"child: {-signal.SIGKILL}" in done.stdout, done
 
     def failing_start(**_kwargs: Any) -> Any:
-        handler(signal.SIGQUIT, None)
+        # What the handler raises during start-up (outside an event loop), without running it
+        # here: it kills every child of pytest's process.
+        raise sglang_module.SGLangProcessFailed(sglang_module.CHILD_FAILED_MESSAGE)
 
     with pytest.raises(SGLangEngineError, match=r"starting sglang.Engine \(memFractionStatic=0.5"):
         SGLangEngine(
             model_path="/m", dtype="bfloat16", mem_fraction_static=0.5, engine_class=failing_start,
             contract=NEWEST,
         )  # fmt: skip
+
+
+def test_the_running_phase_sigquit_handler_of_sglang_is_replaced_by_the_adapters() -> None:
+    """At its first request sglang's tokenizer manager puts its running-phase SIGQUIT handler on
+    its asyncio loop (it kills the process tree, the rank included: -9 and no report, seen on an
+    H100 when a resume ran out of memory). After start-up the adapter's handler is back, and the
+    loop no longer holds sglang's."""
+    import asyncio
+    import signal
+
+    loop = asyncio.new_event_loop()
+    killed: list[str] = []
+
+    class WithTokenizerManager(SGLangEngineStandIn):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(contract=NEWEST, **kwargs)
+            self.tokenizer_manager = SimpleNamespace(event_loop=None)
+
+        def _answer(self, method: str, kwargs: dict[str, Any]) -> Any:
+            manager = self.tokenizer_manager
+            if manager.event_loop is None:  # auto_create_handle_loop
+                manager.event_loop = loop
+                loop.add_signal_handler(signal.SIGQUIT, lambda: killed.append("tree"))
+            return super()._answer(method, kwargs)
+
+    before = signal.getsignal(signal.SIGQUIT)
+    try:
+        SGLangEngine(
+            model_path="/m", dtype="bfloat16", mem_fraction_static=0.5,
+            engine_class=WithTokenizerManager, contract=NEWEST,
+        )  # fmt: skip
+        assert signal.getsignal(signal.SIGQUIT) is sglang_module._on_sglang_child_failure
+        assert signal.SIGQUIT not in loop._signal_handlers  # type: ignore[attr-defined]
+    finally:
+        signal.signal(signal.SIGQUIT, before)
+        loop.close()
+    assert not killed
+
+
+def test_a_child_failing_while_a_call_waits_in_sglangs_event_loop_fails_that_call() -> None:
+    """Inside sglang's event loop (a resume waiting for its scheduler), uvloop runs the SIGQUIT
+    handler from a loop callback and only logs what it raises; on an H100 the rank then waited
+    for an answer no process would send. The handler stops the loop instead, and the adapter's
+    engine raises SGLangProcessFailed for the waiting call. Run in a process of its own (the
+    handler kills every child of its process)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = """
+import asyncio, signal, subprocess, sys
+from rljob_worker.engines import sglang_engine as m
+
+loop = asyncio.new_event_loop()
+
+class Waiting:
+    def resume_memory_occupation(self, tags):
+        never = loop.create_future()
+        loop.call_later(0.2, m._on_sglang_child_failure, signal.SIGQUIT, None)
+        return loop.run_until_complete(never)
+
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+engine = m._Guarded(Waiting())
+try:
+    engine.resume_memory_occupation(tags=["kv_cache"])
+except m.SGLangProcessFailed as error:
+    print("raised:", error, "| cause:", type(error.__cause__).__name__, error.__cause__)
+print("child:", child.wait(timeout=10))
+try:
+    engine.resume_memory_occupation(tags=["weights"])
+except m.SGLangProcessFailed as error:
+    print("next call:", error)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert (
+        "raised: Engine.resume_memory_occupation: an sglang process failed and signalled SIGQUIT"
+        in done.stdout
+    ), done
+    assert "cause: RuntimeError Event loop stopped before Future completed." in done.stdout, done
+    assert f"child: {-signal.SIGKILL}" in done.stdout, done
+    assert "next call: Engine.resume_memory_occupation: an sglang process failed" in done.stdout

@@ -154,3 +154,54 @@ def test_cli_runs_the_example_and_writes_status_and_timeline(tmp_path: Path) -> 
     assert (out / "status.yaml").read_text().startswith("status:")
     png = (out / "memory-timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def _with_oom_policy(tmp_path: Path, max_retries: int) -> Path:
+    doc = yaml.safe_load((REPO / "examples" / "tiny-local.yaml").read_text())
+    doc["spec"]["rollout"]["wakeUp"] = "single"
+    doc["spec"]["oomPolicy"] = {"maxRetries": max_retries, "fractionStep": 0.05, "minFraction": 0.5}
+    manifest = tmp_path / "tiny-local-retry.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    return manifest
+
+
+def test_cli_retries_an_oom_with_the_policys_knobs_and_records_both_attempts(
+    tmp_path: Path,
+) -> None:
+    """`rljob run` is the operator too: an OOM in attempt 1 (injected, attempt 1 only) starts
+    attempt 2 with wakeUp single switched to staged (switchToStaged), which completes."""
+    from rljob_worker.cli_run import main
+
+    out = tmp_path / "out"
+    manifest = _with_oom_policy(tmp_path, max_retries=1)
+    argv = [str(manifest), "--out", str(out), "--ranks", str(RANKS)]
+    assert main([*argv, "--inject-oom", "wake_weights@rank=1@iteration=1"]) == 0
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "Succeeded"
+    first, second = status["attempts"]
+    assert first["attempt"] == 1 and first["result"] == "CUDAOutOfMemory"
+    assert (first["wakeUp"], first["memFractionStatic"]) == ("single", 0.85)
+    assert (first["oomStage"], first["oomRank"]) == ("wake_weights", 1)
+    assert "attempt 2 runs with memFractionStatic 0.85, wakeUp staged" in first["message"]
+    assert second == {
+        "attempt": 2, "memFractionStatic": 0.85, "wakeUp": "staged", "result": "Succeeded",
+        "rayJob": "", "message": "",
+    }  # fmt: skip
+    # The completed attempt's own iterations and stages: staged order.
+    assert status["iteration"] == 2
+    assert [s["name"] for s in status["memory"]["stages"]] == [str(s) for s in STAGE_ORDER]
+
+
+def test_cli_without_retries_fails_on_the_oom_and_records_no_second_attempt(
+    tmp_path: Path,
+) -> None:
+    from rljob_worker.cli_run import main
+
+    out = tmp_path / "out"
+    manifest = _with_oom_policy(tmp_path, max_retries=0)
+    argv = [str(manifest), "--out", str(out), "--ranks", str(RANKS)]
+    assert main([*argv, "--inject-oom", "wake_weights@rank=1@iteration=1"]) == 1
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "Failed"
+    assert status.get("attempts", []) == []
+    assert status["oomCounts"] == {"CUDAOutOfMemory": 1}

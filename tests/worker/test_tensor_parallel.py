@@ -10,6 +10,8 @@ rank 1's tensors really cross into rank 0's process as handles. Each rank sees o
 from __future__ import annotations
 
 import os
+import signal
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -72,6 +74,12 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
         if scenario == "leader_fails" and built:
             built[0].refuse["update_weights_from_tensor"] = "weights do not fit"
         for iteration in range(ITERATIONS):
+            if scenario == "leader_dies" and rank == 0 and iteration == 1:
+                # Killed outright (SIGKILL, a node lost): no error message goes to the group.
+                results.put((rank, {"died_at": time.monotonic()}))
+                results.close()
+                results.join_thread()  # the queue's feeder thread has sent it before the kill
+                os.kill(os.getpid(), signal.SIGKILL)
             engine.resume([TAG_WEIGHTS])
             # Distinct tensors per rank show which rank's tensor each TP scheduler loaded.
             engine.update_weights(
@@ -100,6 +108,7 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
         out["visible_after"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     except Exception as exc:
         out["error"] = (type(exc).__name__, str(exc))
+        out["failed_at"] = time.monotonic()
     finally:
         dist.destroy_process_group()
         results.put((rank, out))
@@ -168,3 +177,16 @@ def test_a_group_that_spans_nodes_is_refused_on_every_rank() -> None:
         assert name == "ValueError"
         assert "spans nodes ['node-0', 'node-1']" in message
         assert out[rank]["engines_here"] == 0
+
+
+def test_a_leader_killed_outright_fails_the_other_rank_naming_the_leader_in_seconds() -> None:
+    # The open case of the tensor-parallel work: the leader sends no error, it is just gone.
+    # The other rank's next call waits on the leader over gloo; the broken connection must end
+    # it with an error that names the leader and the group, not a wait for the group timeout.
+    out = _run("leader_dies")
+    assert "error" not in out[0]
+    name, message = out[1]["error"]
+    assert name == "TensorParallelPeerError", (name, message)
+    assert "rank 0" in message and "tensor-parallel group [0, 1]" in message
+    assert "stopped answering" in message
+    assert out[1]["failed_at"] - out[0]["died_at"] < 30

@@ -15,9 +15,10 @@ from typing import Any
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from rljob.api import Phase, RLJobSpec, RLJobStatus, parse_manifest
+from rljob.api import Attempt, AttemptKnobs, Phase, RLJobSpec, RLJobStatus, parse_manifest
 from rljob.report import STAGE_ORDER, IterationReport, MemorySummary, Stage, StageSample
 
 # Stage colours of the timeline; one per canonical stage, in order.
@@ -212,40 +213,26 @@ def write_outputs(
     plot_timeline(samples, out / "memory-timeline.png", title)
 
 
-def main(argv: list[str]) -> int:
-    """`rljob run`; returns the process exit code."""
-    args = _parser().parse_args(argv)
-    console = Console(stderr=True)
-    try:
-        name, spec = _load(args.manifest)
-        device = _device(args.device, spec)
-        from rljob_worker.memory import OOMInjection
-
-        inject = OOMInjection.from_env(args.inject_oom) if args.inject_oom else None
-    except (OSError, ValueError) as error:  # pydantic's ValidationError is a ValueError
-        console.print(f"[red]rljob run: {error}[/red]")
-        return 2
-    ranks = args.ranks or spec.world_size
-    out = args.out or Path("out") / name
-    console.print(
-        f"RLJob [bold]{name}[/bold]: {ranks} rank(s) on {device}, engine {spec.rollout.engine}, "
-        f"wakeUp {spec.rollout.wake_up}, {spec.algorithm.iterations} iteration(s) "
-        "(iteration 0 is the first rollout)"
+def _with_knobs(spec: RLJobSpec, knobs: AttemptKnobs) -> RLJobSpec:
+    rollout = spec.rollout.model_copy(
+        update={"mem_fraction_static": knobs.mem_fraction_static, "wake_up": knobs.wake_up}
     )
+    return spec.model_copy(update={"rollout": rollout})
+
+
+def _attempt(
+    spec: RLJobSpec, ranks: int, device: str, args: argparse.Namespace, publisher: Any,
+    inject: Any,
+) -> Any:  # fmt: skip
+    """One attempt: the ranks, with a progress bar (and the status publisher, if any)."""
     from rljob_worker.driver.local import run_local
 
     progress = _Progress(spec.algorithm.iterations, ranks)
     listener: Any = progress
-    if args.publish:
-        from rljob_worker.publish import PublishingListener, StatusPublisher
+    if publisher is not None:
+        from rljob_worker.publish import PublishingListener
 
-        namespace, _, job_name = args.publish.partition("/")
-        if not namespace or not job_name:
-            console.print(f"[red]rljob run: --publish {args.publish!r}: use NAMESPACE/NAME[/red]")
-            return 2
-        listener = PublishingListener(
-            StatusPublisher.from_env_or_kubeconfig(namespace, job_name), ranks, then=progress
-        )
+        listener = PublishingListener(publisher, ranks, then=progress)
     try:
         run = run_local(
             spec,
@@ -257,11 +244,88 @@ def main(argv: list[str]) -> int:
         )
     finally:
         progress.close()
-    if args.publish:
+    if publisher is not None:
         listener.flush()
+    return run
+
+
+def main(argv: list[str]) -> int:
+    """`rljob run`; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        name, spec = _load(args.manifest)
+        device = _device(args.device, spec)
+        from rljob_worker.memory import OOMInjection
+
+        inject = OOMInjection.from_env(args.inject_oom) if args.inject_oom else None
+    except (OSError, ValueError) as error:  # pydantic's ValidationError is a ValueError
+        console.print(f"[red]rljob run: {escape(str(error))}[/red]")
+        return 2
+    ranks = args.ranks or spec.world_size
+    out = args.out or Path("out") / name
+    console.print(
+        f"RLJob [bold]{name}[/bold]: {ranks} rank(s) on {device}, engine {spec.rollout.engine}, "
+        f"wakeUp {spec.rollout.wake_up}, {spec.algorithm.iterations} iteration(s) "
+        "(iteration 0 is the first rollout)"
+    )
+    from rljob.oom_policy import Outcome, first_knobs, next_attempt, plan_for_knobs
+
+    publisher = None
+    if args.publish:
+        from rljob_worker.publish import StatusPublisher
+
+        namespace, _, job_name = args.publish.partition("/")
+        if not namespace or not job_name:
+            console.print(f"[red]rljob run: --publish {args.publish!r}: use NAMESPACE/NAME[/red]")
+            return 2
+        publisher = StatusPublisher.from_env_or_kubeconfig(namespace, job_name)
+
+    def fits(knobs: AttemptKnobs) -> bool | None:
+        """The plan's veto, where it can plan without the GPU (spec.memoryPlan.gpuMemory with a
+        builtin model or spec.model.shape): this process must not hold a CUDA context."""
+        planned = plan_for_knobs(spec, knobs)
+        return None if planned is None else planned.fits
+
+    # Locally this command is the operator too: it applies spec.oomPolicy (README: the OOM
+    # policy) between attempts, each a fresh set of rank processes. --inject-oom applies to the
+    # first attempt only, so a policy can be tried on the CPU.
+    knobs = first_knobs(spec)
+    attempts: list[Attempt] = []
+    while True:
+        number = len(attempts) + 1
+        run = _attempt(
+            _with_knobs(spec, knobs), ranks, device, args, publisher,
+            inject if number == 1 else None,
+        )  # fmt: skip
+        oom = run.ooms[0] if run.ooms else None
+        result = "Succeeded" if run.ok else "CUDAOutOfMemory" if oom else "Failed"
+        attempt = Attempt(
+            attempt=number,
+            mem_fraction_static=knobs.mem_fraction_static,
+            wake_up=knobs.wake_up,
+            result=result,
+            oom_stage=oom.stage if oom else None,
+            oom_rank=oom.rank if oom else None,
+        )
+        attempts.append(attempt)
+        if run.ok or oom is None:
+            break
+        decision = next_attempt(
+            spec, knobs, number, Outcome("CUDAOutOfMemory", oom.stage, oom.rank), fits
+        )
+        attempt.message = decision.message[:1024]
+        if not decision.retry or decision.knobs is None:
+            if spec.oom_policy.max_retries:
+                console.print(f"[red]{decision.reason}: {escape(decision.message)}[/red]")
+            break
+        console.print(f"[yellow]{decision.reason}: {escape(decision.message)}[/yellow]")
+        knobs = decision.knobs
     status = run.status()
-    # Locally this command is the operator too, so it also sets the phase.
+    # Locally this command is the operator too, so it also sets the phase and the attempts.
     status.phase = Phase.SUCCEEDED if run.ok else Phase.FAILED
+    if len(attempts) > 1 or spec.oom_policy.max_retries:
+        status.attempts = attempts
     reports = run.reports
     write_outputs(out, name, status, reports)
     if status.memory is not None:
@@ -281,6 +345,6 @@ def main(argv: list[str]) -> int:
             f"requested {oom.requested_bytes} bytes, {oom.free_bytes} free[/red]"
         )
     for rank, failure in sorted(run.errors.items()):
-        console.print(f"[red]rank {rank} failed:[/red]\n{failure.rstrip()}")
+        console.print(f"[red]rank {rank} failed:[/red]\n{escape(failure.rstrip())}")
     console.print(f"wrote {out}/status.json, status.yaml, reports.json, memory-timeline.png")
     return 0 if run.ok and not mismatched else 1

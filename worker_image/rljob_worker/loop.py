@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rljob.api import RLJobSpec
+from rljob.api import MisfitAction, PlanStatus, RLJobSpec
+from rljob.plan import offload_choice, rank_plan
 from rljob.report import OOMRecord, StageSample
 from rljob_worker.engines import make_engine
 from rljob_worker.engines.base import ALL_TAGS, RolloutEngine, SamplingParams
@@ -73,6 +74,13 @@ class RankIteration:
     weights: WeightCheck | None = None
     # Seconds of the weight update inside wake_weights (without the engine's resume).
     weight_sync_seconds: float | None = None
+    # The part of weight_sync_seconds spent handing buckets to the engine (update_weights).
+    weight_handoff_seconds: float | None = None
+    # What the stage machine offloads (spec.offload Auto: the memory plan's choice).
+    offload_optimizer: bool | None = None
+    offload_params: bool | None = None
+    # Rank 0, iteration 0: the memory plan on this rank's GPU, for status.plan (issue 19).
+    plan: PlanStatus | None = None
 
 
 RankEvent = StageSample | RankIteration | OOMRecord
@@ -191,6 +199,22 @@ def run_rank(
     tokenizer = load_tokenizer(model_path)
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
+    # The plan on the real GPU, before any engine starts: a misfit with onMisfit Reject fails
+    # fast here; with offload Auto it decides what the stages offload.
+    capacity = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
+    memory_plan = rank_plan(spec, capacity, config.world_size, model_path)
+    if (
+        memory_plan is not None
+        and not memory_plan.chosen.fits
+        and spec.memory_plan.on_misfit is MisfitAction.REJECT
+    ):
+        raise RuntimeError(
+            f"memory plan: the job does not fit this GPU ({memory_plan.capacity_bytes} bytes): "
+            f"{memory_plan.chosen.misfit_text()} (spec.memoryPlan.onMisfit=Reject)"
+        )
+    offload_optimizer, offload_params = offload_choice(spec, memory_plan)
+    plan_status = memory_plan.to_status() if memory_plan is not None and config.rank == 0 else None
+
     # The engine first, then release it: it sizes its KV pool on a device that training does
     # not yet occupy, and the loop starts where every iteration starts (engine asleep).
     engine = make_engine(spec, device=str(device), eos_token_ids=eos_ids, node=config.node)
@@ -226,14 +250,15 @@ def run_rank(
         wake_up=spec.rollout.wake_up,
         bucket_bytes=spec.rollout.weight_sync_bucket_megabytes << 20,
         engine_dtype=torch_dtype(spec.model.dtype),
-        offload_optimizer=spec.training.offload_optimizer,
-        offload_params=spec.training.offload_params,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
         after_weight_update=check_weights if config.verify_weights else None,
     )
     try:
         for iteration in range(spec.algorithm.iterations + 1):
             checks.clear()
             machine.weight_sync_seconds = None
+            machine.weight_handoff_seconds = None
             outcome = machine.run_iteration(iteration)
             experience = outcome.experience
             assert experience is not None  # every iteration ends with a rollout
@@ -253,6 +278,10 @@ def run_rank(
                 if config.verify_weights
                 else None,
                 weight_sync_seconds=machine.weight_sync_seconds,
+                weight_handoff_seconds=machine.weight_handoff_seconds,
+                offload_optimizer=offload_optimizer,
+                offload_params=offload_params,
+                plan=plan_status if iteration == 0 else None,
             )
             result.iterations.append(report)
             send(report)

@@ -12,30 +12,23 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # The builtin names live in the shared API module, which admission checks model.path against.
 from rljob.api import BUILTIN_MODELS as BUILTIN_MODELS
 from rljob.api import BUILTIN_PREFIX as BUILTIN_PREFIX
 from rljob.api import TINY_QWEN2 as TINY_QWEN2
 
+# The builtin tiny Qwen2: small enough that 2 ranks x 2 iterations run on 2 CPU cores in
+# seconds, large enough to have several layers, grouped-query attention and tied embeddings. Its
+# fields live with the memory plan, which sizes it without importing the worker.
+from rljob.plan import TINY_QWEN2_CONFIG as TINY_QWEN2_CONFIG
+from rljob.plan import TINY_QWEN2_VOCAB_SIZE as TOKENIZER_VOCAB_SIZE
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-# Small enough that 2 ranks x 2 iterations run on 2 CPU cores in seconds, large enough to have
-# several layers, grouped-query attention and tied embeddings, like the real Qwen2 family.
-TINY_QWEN2_CONFIG: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-    "rope_theta": 10000.0,
-}
-TOKENIZER_VOCAB_SIZE = 320
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 _SEED = 1234

@@ -28,6 +28,7 @@ from rljob.api import (
     VERSION,
     MemoryPoint,
     OOMEvent,
+    PlanStatus,
     RLJobStatus,
 )
 from rljob.report import MemorySummary, OOMRecord
@@ -132,6 +133,8 @@ class StatusPublisher:
         self._uid: str | None = None
         self._history: list[MemoryPoint] | None = None
         self._announced: int | None = None
+        # status.plan: rank 0's memory plan (rljob/plan.py), set once it arrives.
+        self.plan: PlanStatus | None = None
 
     @classmethod
     def from_env_or_kubeconfig(
@@ -172,6 +175,11 @@ class StatusPublisher:
             "metadata": {"name": self.name, "namespace": self.namespace},
             "status": driver_fields(status, self._history),
         }
+        if self.plan is not None:
+            body["status"] = {
+                **driver_fields(status, self._history),
+                "plan": self.plan.model_dump(by_alias=True, mode="json"),
+            }
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, self.namespace, PLURAL, self.name, body,
             field_manager=FIELD_MANAGER, force=True, _content_type=APPLY,
@@ -246,6 +254,8 @@ class PublishingListener:
             new.append(event)
         elif isinstance(event, RankIteration):
             self.iterations.append(event)
+            if event.plan is not None:  # rank 0's plan, before iteration 1: status.plan
+                self.publisher.plan = event.plan
             done = sum(1 for i in self.iterations if i.iteration == event.iteration)
             if done < self.world_size:
                 return

@@ -111,6 +111,9 @@ class StageMachine:
         self.after_weight_update = after_weight_update
         self.experience: Experience | None = None
         self.weight_sync_seconds: float | None = None
+        # The part of it spent in engine.update_weights (the hand-off to the engine); the rest
+        # is the trainer's gather of full tensors per bucket, and the cache flush.
+        self.weight_handoff_seconds: float | None = None
         self._train_stats: TrainStats | None = None
         self._iteration = 0
         self._actions: dict[Stage, Callable[[], None]] = {
@@ -163,10 +166,17 @@ class StageMachine:
             torch.cuda.empty_cache()
         self.engine.resume(tags)
         started = time.perf_counter()
+        handoff = 0.0
         # In place, bucket by bucket: addresses stay valid (CUDA graphs) and only one bucket
         # of full tensors exists at a time on top of the sharded params and engine weights.
         for bucket in self.trainer.weight_buckets(self.bucket_bytes, self.engine_dtype):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the gather's kernels count as the gather's
+            handing = time.perf_counter()
             self.engine.update_weights(bucket)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            handoff += time.perf_counter() - handing
             if self.after_weight_update is not None:
                 self.after_weight_update(self._iteration, bucket)
         # Prefix caches computed with the old weights are wrong now.
@@ -175,6 +185,7 @@ class StageMachine:
             torch.cuda.synchronize()
         # The update alone (the stage also holds the resume): what benchmarks compare with HBM.
         self.weight_sync_seconds = time.perf_counter() - started
+        self.weight_handoff_seconds = handoff
 
     def offload_train(self) -> None:
         if self.offload_params_enabled:

@@ -18,6 +18,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from rljob.api import AlgorithmName, RLJobSpec
+
+# The weight sync's buckets are planned where the memory plan sizes them (one function).
+from rljob.plan import plan_buckets as plan_buckets
 from rljob_worker.model import load_causal_lm, torch_dtype
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -42,27 +45,6 @@ class TrainStats:
     kl_mean: float | None
     grad_norm: float
     response_tokens: int
-
-
-def plan_buckets(sizes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
-    """Group named tensors, in order, into buckets of at most `bucket_bytes`.
-
-    A tensor larger than a bucket travels alone; every name lands in exactly one bucket.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket size must be positive, got {bucket_bytes}")
-    buckets: list[list[str]] = []
-    current: list[str] = []
-    filled = 0
-    for name, nbytes in sizes:
-        if current and filled + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, filled = [], 0
-        current.append(name)
-        filled += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 def group_advantages(

@@ -90,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         "RLJob %s/%s: %d rank(s), engine %s, wakeUp %s, %d iteration(s); Ray at %s",
         job.namespace,
         job.name,
-        job.spec.world_size,
-        job.spec.rollout.engine,
-        job.spec.rollout.wake_up,
-        job.spec.algorithm.iterations,
+        job.effective_spec.world_size,
+        job.effective_spec.rollout.engine,
+        job.effective_spec.rollout.wake_up,
+        job.effective_spec.algorithm.iterations,
         args.address,
     )
     try:
@@ -108,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         from rljob_worker.publish import PublishingListener, StatusPublisher
 
         listener = PublishingListener(
-            StatusPublisher.from_env_or_kubeconfig(job.namespace, job.name), job.spec.world_size
+            StatusPublisher.from_env_or_kubeconfig(job.namespace, job.name),
+            job.effective_spec.world_size,
         )
     try:
         run = run_ray(
-            job.spec,
+            job.effective_spec,
             job=job.name,
             on_event=listener,
             verify_weights=args.verify_weights,

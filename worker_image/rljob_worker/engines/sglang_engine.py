@@ -16,6 +16,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -205,21 +206,90 @@ class SGLangProcessFailed(SGLangEngineError):
     """One of sglang's processes failed and signalled this one (SIGQUIT)."""
 
 
+CHILD_FAILED_MESSAGE = (
+    "an sglang process failed and signalled SIGQUIT; its own error is in the log above "
+    "(sglang's scheduler logs it before it signals)"
+)
+# Set by _on_sglang_child_failure, never cleared: this process's engine lost a process.
+_child_failed = threading.Event()
+
+
 def _on_sglang_child_failure(signum: int, frame: object) -> None:
     """sglang's processes send SIGQUIT to the engine's owner when they fail (a scheduler that
     cannot fit weights and a KV pool, a crash mid-run). sglang's own handler then kills the
     whole process tree, this process included, so the rank dies with -9 and no report (seen on
-    an H100 with sglang 0.5.17). Instead: stop sglang's other processes and raise here, in the
-    main thread, so the error reaches the loop's error path with the stage it happened in."""
+    an H100 with sglang 0.5.17). Instead: stop sglang's other processes and make the call that
+    waits on them fail, so the error reaches the loop's error path with the stage it happened
+    in.
+
+    Outside sglang's event loop (its start-up waits in a plain poll) the handler raises there.
+    Inside it (a call waiting in run_until_complete), raising would be lost: uvloop runs Python
+    signal handlers from a loop callback and logs what they raise, and the call would wait for
+    an answer no process will send (seen on an H100: a resume that ran out of memory). So the
+    handler stops the loop; the waiting call then fails, and _Guarded raises
+    SGLangProcessFailed for it.
+    """
+    import asyncio
+
     import psutil
 
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             child.kill()
-    raise SGLangProcessFailed(
-        "an sglang process failed and signalled SIGQUIT; its own error is in the log above "
-        "(sglang's scheduler logs it before it signals)"
-    )
+    _child_failed.set()
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise SGLangProcessFailed(CHILD_FAILED_MESSAGE) from None
+    loop.stop()
+
+
+class _Guarded:
+    """sglang.Engine whose calls, once one of its processes failed, raise SGLangProcessFailed
+    (the call's own error, e.g. 'Event loop stopped before Future completed.', as the cause)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._target = engine
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._target, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if _child_failed.is_set():
+                raise SGLangProcessFailed(f"Engine.{name}: {CHILD_FAILED_MESSAGE}")
+            try:
+                return attribute(*args, **kwargs)
+            except Exception as error:
+                if _child_failed.is_set():
+                    raise SGLangProcessFailed(f"Engine.{name}: {CHILD_FAILED_MESSAGE}") from error
+                raise
+
+        return call
+
+
+def _reclaim_sigquit(engine: Any) -> None:
+    """Put _on_sglang_child_failure back as this process's SIGQUIT handler.
+
+    sglang's tokenizer manager, at its first request (auto_create_handle_loop, 0.5.17 and 0.5.23),
+    installs its running-phase SIGQUIT handler on its asyncio loop, in place of the
+    custom_sigquit_handler the engine was started with; that handler kills the whole process
+    tree, this rank included. Seen on an H100 (sglang 0.5.17): a scheduler whose
+    resume_memory_occupation ran out of device memory exited 1, sglang's subprocess watchdog sent
+    SIGQUIT, and the rank died with -9 and no report, so no stage was named. Called once the
+    engine has answered a request (the loop exists by then); only the main thread may set
+    handlers, as in sglang.
+    """
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    manager = getattr(engine, "tokenizer_manager", None)
+    loop = getattr(manager, "event_loop", None)
+    if loop is not None:
+        loop.remove_signal_handler(signal.SIGQUIT)
+    signal.signal(signal.SIGQUIT, _on_sglang_child_failure)
 
 
 def _patch_tensor_reductions(contract: SGLangContract) -> None:
@@ -305,6 +375,7 @@ class SGLangEngine:
             # exists: its processes inherit it.
             os.environ.update(contract.env)
         engine_class = engine_class or _load_engine_class()
+        _child_failed.clear()  # a process starts an engine only once its last one is gone
         try:
             self._engine: Any = engine_class(
                 model_path=model_path,
@@ -330,11 +401,14 @@ class SGLangEngine:
                 f"tp_size={tp_size}, GPU {base_gpu_id}, model {model_path}) failed: "
                 f"{type(error).__name__}: {error}"
             ) from error
+        started = self._engine
+        self._engine = _Guarded(started)
         # The KV pool is sized once, at start-up, from mem_fraction_static (scheduler init info).
         self._kv_capacity_tokens = int(self._engine.get_server_info()[contract.kv_capacity_key])
         self._released: set[str] = set()
         self._update_open = False
         self.release(ALL_TAGS)
+        _reclaim_sigquit(started)
 
     @property
     def kv_capacity_tokens(self) -> int:

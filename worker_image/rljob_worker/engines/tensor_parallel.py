@@ -185,13 +185,14 @@ class TensorParallelEngine:
         layout = self.layout
         mine = ([list(p) for p in prompts], sampling)
         batches: list[Any] | None = [None] * len(layout.group) if layout.is_leader else None
-        dist.gather_object(mine, batches, dst=layout.leader, group=self._group)
+        with _peers(layout, "generate"):
+            dist.gather_object(mine, batches, dst=layout.leader, group=self._group)
 
         def answer_all() -> list[list[list[int]]]:
             assert batches is not None and self._engine is not None
             return self._engine.generate_many(batches)
 
-        answers, error = _lead(self._group, layout, answer_all)
+        answers, error = _lead(self._group, layout, answer_all, "generate")
         if error is not None:
             raise self._peer_error("generate", error)
         return list(answers[layout.tp_rank])
@@ -214,7 +215,8 @@ class TensorParallelEngine:
         handles = [(name, self._handoff.serialize(tensor)) for name, tensor in named]
         layout = self.layout
         gathered: list[Any] | None = [None] * len(layout.group) if layout.is_leader else None
-        dist.gather_object(handles, gathered, dst=layout.leader, group=self._group)
+        with _peers(layout, "update_weights"):
+            dist.gather_object(handles, gathered, dst=layout.leader, group=self._group)
 
         def load(engine: GroupEngine) -> None:
             assert gathered is not None
@@ -250,7 +252,7 @@ class TensorParallelEngine:
             call(self._engine)
             return self._engine.released_tags
 
-        released, error = _lead(self._group, self.layout, run)
+        released, error = _lead(self._group, self.layout, run, what)
         if error is not None:
             raise self._peer_error(what, error)
         self._released = frozenset(released)
@@ -262,8 +264,32 @@ class TensorParallelEngine:
         )
 
 
+@contextlib.contextmanager
+def _peers(layout: TensorParallelLayout, what: str) -> Iterator[None]:
+    """A collective of the group whose failure names who is gone.
+
+    A rank killed outright (SIGKILL, its node lost) sends no error: gloo's connection to it
+    closes, and the collective raises a RuntimeError at once on the ranks that wait on it. That
+    error names a socket, not a rank; this one names the leader, or on the leader the group.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        cause = f"{type(exc).__name__}: {first_line}"
+        group = list(layout.group)
+        if layout.is_leader:
+            who = f"a rank of tensor-parallel group {group} (this rank, {layout.rank}, leads it)"
+        else:
+            who = (
+                f"rank {layout.leader}, which runs the sglang engine of tensor-parallel "
+                f"group {group},"
+            )
+        raise TensorParallelPeerError(f"{who} stopped answering during {what} ({cause})") from exc
+
+
 def _lead(
-    group: Any, layout: TensorParallelLayout, work: Callable[[], Any]
+    group: Any, layout: TensorParallelLayout, work: Callable[[], Any], what: str
 ) -> tuple[Any, str | None]:
     """Run `work` on the group's leader and give every rank of the group its outcome:
     (result, None), or (None, the leader's error). The leader raises its own error itself,
@@ -274,9 +300,11 @@ def _lead(
             message = [work(), None]
         except Exception as exc:
             message = [None, f"{type(exc).__name__}: {exc}"]
-            dist.broadcast_object_list(message, src=layout.leader, group=group)
+            with _peers(layout, what):
+                dist.broadcast_object_list(message, src=layout.leader, group=group)
             raise
-    dist.broadcast_object_list(message, src=layout.leader, group=group)
+    with _peers(layout, what):
+        dist.broadcast_object_list(message, src=layout.leader, group=group)
     return message[0], message[1]
 
 
@@ -315,7 +343,7 @@ def make_tensor_parallel_engine(
             built.append(build(tp_size))
         return built[0].kv_capacity_tokens, built[0].released_tags
 
-    started, error = _lead(group, layout, start)
+    started, error = _lead(group, layout, start, "engine start")
     if error is not None:
         raise TensorParallelPeerError(
             f"rank {layout.leader} could not start the sglang engine of tensor-parallel group "

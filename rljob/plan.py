@@ -1,0 +1,611 @@
+"""The memory plan: per rank and per stage, the device bytes a colocated job will peak at.
+
+Pure arithmetic over the spec, the model's shape and the GPU's memory (no torch), shared by the
+`rljob plan` CLI, the operator (admission) and the driver (status.plan, Auto offload).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rljob.api import (
+    BUILTIN_PREFIX,
+    TINY_QWEN2,
+    EngineName,
+    OffloadMode,
+    PlannedStage,
+    PlanStatus,
+    RLJobSpec,
+    WakeUp,
+)
+from rljob.report import Stage
+
+# -- fixed costs, in one place -------------------------------------------------------------------
+# Fitted to the stored bench points (bench/results/raw/c4..c10, torch engine, Qwen2.5-3B
+# architecture): c4 and c5 on one H100 80GB (1 rank), c9/c10 on two H200s (2 ranks). Each is one
+# stage boundary's device-wide use (mem_get_info) minus the bytes the model accounts for; the
+# derivation is in bench/results/plan-accuracy.md. Instances of one machine kind differ: c5's
+# whole baseline sat 176 MiB below c4's, and the constants take the higher (c4).
+GiB = 1 << 30
+MiB = 1 << 20
+# CUDA context, torch's kernels, cuBLAS handles: held before any training step (c5, iteration 0,
+# offload_train end minus engine weights and ENGINE_OUTSIDE_REGIONS_BYTES, moved to c4's level).
+CUDA_CONTEXT_BYTES = 1_520_992_256
+# What the first training step leaves behind for good (cuBLAS workspaces, autograd caches):
+# c5 offload_optimizer end (iteration 1+) minus its iteration-0 level.
+TRAIN_RESIDUAL_BYTES = 375_390_208
+# The engine's tensors outside its memory-saver regions, allocated at its first wake
+# (offload_train end minus offload_optimizer end minus engine weights: 278798336 in c4 and c5).
+ENGINE_OUTSIDE_REGIONS_BYTES = 278_798_336
+# Per rank when world > 1: NCCL's buffers and streams (and the H200's larger context): c9's
+# offload_optimizer end minus half the params minus the one-rank baseline.
+NCCL_BUFFER_BYTES = 1_296_023_552
+# Share of the forward/backward activations the caching allocator still holds at the optimizer
+# step's peak (freed blocks it cannot reuse for AdamW's temporaries): c4 train peak, 1 rank.
+ACTIVATION_RETAIN = 0.58
+# Bytes kept per token per layer for backward, in units of the compute dtype: ~10 hidden-wide
+# tensors (norm inputs, q/k/v/o, residuals) and 4 MLP-wide ones (gate, up, act, product).
+ACTIVATION_HIDDEN_TENSORS = 10
+ACTIVATION_INTERMEDIATE_TENSORS = 4
+# Per token per vocab entry in training: bf16 logits, fp32 copy, log_softmax, their gradients.
+LOGIT_BYTES_PER_ENTRY = 14
+# FSDP2 unsharded buffers with world > 1: the root's params (compute dtype) and fp32 grads plus
+# this many decoder layers' (fitted to c9's train peak, 2 ranks).
+FSDP_UNSHARDED_LAYERS = 1
+# Rollout workspace per running request per vocab entry (logits, probabilities, sampling):
+# rollout peak minus wake_kv_cache peak, 88 MB for 32 requests (c4), 46 MB for 16 (c9).
+ROLLOUT_BYTES_PER_REQUEST_VOCAB = 18
+# A stage fits when its peak leaves this much of the device free (2 MiB mapping granularity,
+# rounding of pinned copies; the bench's RELEASE_SLACK_BYTES).
+ALLOCATOR_SLACK_BYTES = 64 * MiB
+# sglang only, fitted to bench/results/raw/s1-sglang-h100.json (sglang 0.5.17, Qwen2.5-3B
+# architecture, one H100, staged 0.95 and 0.97): what sglang's processes hold on the device when
+# it profiles the KV pool (its scheduler's CUDA context, kernels, workspaces: the plan's KV tokens
+# match the measured ones within 0.04%); what they hold for good outside the memory-saver
+# regions, in every stage (in place of the torch engine's ENGINE_OUTSIDE_REGIONS_BYTES); and the
+# CUDA graphs captured after the pool (released with the cuda_graph tag while training).
+SGLANG_PROCESS_CONTEXT_BYTES = 1_363_492_864
+SGLANG_RESIDENT_BYTES = 2_130_706_432
+SGLANG_CUDA_GRAPH_BYTES = 1_140_850_688
+# sglang with wakeUp single: what its wake (every tag resumed at once, then the weight update)
+# and rollout hold beyond the staged accounting. Not explained yet; fitted to the one completing
+# sglang single point (bench/results/raw/s2-sglang-h100-single.json, 3B at 0.65: +1.29 GiB at
+# wake_weights, +1.74 GiB at rollout; the wake figure taken). With it the plan calls the 1.5B
+# single 0.80 point (it OOMed in wake_weights, s3) a misfit; without it, a fit.
+SGLANG_SINGLE_WAKE_BYTES = 1320 * MiB
+# The torch engine's pool: whole 16-token blocks plus one null block (torch_engine.py).
+TORCH_KV_BLOCK_TOKENS = 16
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+MASTER_BYTES = 4  # train.Trainer keeps fp32 master params (policy and reference)
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+GRAD_BYTES = 4  # FSDP2 reduce dtype fp32, sharded
+ADAM_TEMP_BYTES = 4  # foreach AdamW's sqrt(exp_avg_sq) temporary, fp32, one per param
+
+# The builtin tiny Qwen2 (rljob_worker.model builds it from exactly these fields).
+TINY_QWEN2_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+}
+TINY_QWEN2_VOCAB_SIZE = 320
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Qwen2/Llama-family decoder's architecture (config.json's fields)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied_embeddings: bool
+    attention_bias: bool = True  # Qwen2 has q/k/v biases; Llama none
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
+        heads = int(config["num_attention_heads"])
+        return cls(
+            layers=int(config["num_hidden_layers"]),
+            hidden=int(config["hidden_size"]),
+            intermediate=int(config["intermediate_size"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            vocab=int(config["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=str(config.get("model_type", "qwen2")) == "qwen2",
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def named_sizes(self) -> list[tuple[str, int]]:
+        """Parameter names and element counts in from_pretrained's order (weight-sync buckets)."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        bias = self.attention_bias
+        layer = [
+            ("self_attn.q_proj.weight", h * h),
+            *([("self_attn.q_proj.bias", h)] if bias else []),
+            ("self_attn.k_proj.weight", h * kv),
+            *([("self_attn.k_proj.bias", kv)] if bias else []),
+            ("self_attn.v_proj.weight", h * kv),
+            *([("self_attn.v_proj.bias", kv)] if bias else []),
+            ("self_attn.o_proj.weight", h * h),
+            ("mlp.gate_proj.weight", h * self.intermediate),
+            ("mlp.up_proj.weight", h * self.intermediate),
+            ("mlp.down_proj.weight", h * self.intermediate),
+            ("input_layernorm.weight", h),
+            ("post_attention_layernorm.weight", h),
+        ]
+        sizes = [("model.embed_tokens.weight", self.vocab * h)]
+        for i in range(self.layers):
+            sizes += [(f"model.layers.{i}.{name}", n) for name, n in layer]
+        sizes.append(("model.norm.weight", h))
+        if not self.tied_embeddings:
+            sizes.append(("lm_head.weight", self.vocab * h))
+        return sizes
+
+    @property
+    def parameters(self) -> int:
+        return sum(n for _, n in self.named_sizes())
+
+    @property
+    def layer_parameters(self) -> int:
+        return (self.parameters - self.root_parameters) // self.layers
+
+    @property
+    def root_parameters(self) -> int:
+        """Embeddings, final norm and an untied head: FSDP's root unit."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
+        kv_heads = max(self.kv_heads // tp, 1)  # replicated when there are fewer than tp
+        return 2 * self.layers * kv_heads * self.head_dim * dtype_bytes
+
+
+BUILTIN_MODEL_SHAPES: dict[str, ModelShape] = {
+    TINY_QWEN2: ModelShape.from_config(
+        {**TINY_QWEN2_CONFIG, "vocab_size": TINY_QWEN2_VOCAB_SIZE, "model_type": "qwen2"}
+    ),
+}
+
+
+def shape_for(spec: RLJobSpec, read_config: bool = True) -> ModelShape | None:
+    """The model's shape: builtin, spec.model.shape, else config.json in a local model.path
+    (read_config False: the operator, which never reads the pod's files)."""
+    path = spec.model.path
+    if path in BUILTIN_MODEL_SHAPES:
+        return BUILTIN_MODEL_SHAPES[path]
+    if spec.model.shape is not None:
+        return ModelShape.from_config(spec.model.shape.model_dump())
+    config = Path(path) / "config.json"
+    if read_config and not path.startswith(BUILTIN_PREFIX) and config.is_file():
+        return ModelShape.from_config(json.loads(config.read_text()))
+    return None
+
+
+def plan_buckets(sizes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Group named tensors, in order, into buckets of at most `bucket_bytes` (the weight sync's
+    buckets; train.Trainer uses this very function). A tensor larger than a bucket travels
+    alone; every name lands in exactly one bucket."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes}")
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    filled = 0
+    for name, nbytes in sizes:
+        if current and filled + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(name)
+        filled += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+# -- the parts ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Bytes of each thing one rank may hold on its device (all per rank)."""
+
+    context: int  # CUDA context, train residual, NCCL, engine tensors outside its regions
+    train_params: int  # fp32 master params, policy (+ reference), this rank's shard
+    optimizer: int  # AdamW moments, this rank's shard
+    grads: int
+    step_temp: int  # AdamW's foreach temporary at the step
+    activations: int  # one micro-batch's forward/backward, before ACTIVATION_RETAIN
+    fsdp_buffers: int  # unsharded root and layers (world > 1)
+    engine_weights: int  # this rank's TP shard, engine dtype
+    kv_pool: int  # KV cache (+ sglang's CUDA graphs)
+    kv_tokens: int
+    gather: int  # weight sync: two consecutive buckets' buffers at once
+    rollout_workspace: int
+    single_wake_extra: int = 0  # sglang, wakeUp single only: SGLANG_SINGLE_WAKE_BYTES
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self.__dict__.items()}
+
+
+def activation_bytes(spec: RLJobSpec, shape: ModelShape) -> int:
+    """One micro-batch's activations kept for backward, at the longest sequence the spec allows
+    (prompt + response): per layer, or with checkpointing one layer plus each layer's input."""
+    dtype = DTYPE_BYTES[spec.model.dtype]
+    tokens = spec.training.micro_batch_size * (
+        spec.data.max_prompt_length + spec.data.max_response_length
+    )
+    per_layer = dtype * (
+        ACTIVATION_HIDDEN_TENSORS * shape.hidden
+        + ACTIVATION_INTERMEDIATE_TENSORS * shape.intermediate
+    )
+    if spec.training.gradient_checkpointing:
+        layers = shape.layers * dtype * shape.hidden + per_layer
+    else:
+        layers = shape.layers * per_layer
+    return tokens * (layers + LOGIT_BYTES_PER_ENTRY * shape.vocab)
+
+
+def kv_pool(
+    spec: RLJobSpec, shape: ModelShape, capacity_bytes: int, engine_weights: int
+) -> tuple[int, int]:
+    """(pool bytes, tokens) the engine sizes from memFractionStatic on a device of
+    `capacity_bytes`: torch_engine.kv_pool_capacity_tokens for torch (fraction of the device
+    minus the weights, whole blocks, plus the null block); for sglang the fraction minus what is
+    already used when it profiles (the rank's and its own context, and its weights)."""
+    rollout = spec.rollout
+    dtype = DTYPE_BYTES[spec.model.dtype]
+    per_token = shape.kv_bytes_per_token(dtype, rollout.tensor_parallel_size)
+    budget = int(rollout.mem_fraction_static * capacity_bytes) - engine_weights
+    if rollout.engine is EngineName.TORCH:
+        tokens = max(budget, 0) // per_token // TORCH_KV_BLOCK_TOKENS * TORCH_KV_BLOCK_TOKENS
+        return (tokens + TORCH_KV_BLOCK_TOKENS) * per_token, tokens
+    budget -= CUDA_CONTEXT_BYTES + SGLANG_PROCESS_CONTEXT_BYTES
+    tokens = max(budget, 0) // per_token
+    return tokens * per_token + SGLANG_CUDA_GRAPH_BYTES, tokens
+
+
+def gather_bytes(spec: RLJobSpec, shape: ModelShape, world: int) -> int:
+    """The weight sync's transient: the bucket being gathered (on > 1 rank its send buffer, the
+    received [world, chunk] and the output) while the previous bucket's tensors are still held
+    (the stage's loop variable keeps them until the next bucket arrives)."""
+    dtype = DTYPE_BYTES[spec.model.dtype]
+    sizes = [(name, n * dtype) for name, n in shape.named_sizes()]
+    by_name = dict(sizes)
+    buckets = [
+        sum(by_name[n] for n in names)
+        for names in plan_buckets(sizes, spec.rollout.weight_sync_bucket_megabytes << 20)
+    ]
+
+    def gathering(b: int) -> int:
+        return b if world == 1 else math.ceil(b / world) + 2 * b
+
+    peaks = [gathering(buckets[0])] + [
+        prev + gathering(cur) for prev, cur in itertools.pairwise(buckets)
+    ]
+    return max(peaks)
+
+
+def parts(
+    spec: RLJobSpec, shape: ModelShape, capacity_bytes: int, world: int | None = None
+) -> Parts:
+    world = world or spec.world_size
+    n = shape.parameters
+    dtype = DTYPE_BYTES[spec.model.dtype]
+    reference = spec.algorithm.kl_coef > 0
+    shard = lambda total: math.ceil(total / world)  # noqa: E731 (FSDP2's dim-0 chunks)
+    tp = spec.rollout.tensor_parallel_size
+    engine_weights = n * dtype // tp
+    pool, tokens = kv_pool(spec, shape, capacity_bytes, engine_weights)
+    outside = (
+        ENGINE_OUTSIDE_REGIONS_BYTES
+        if spec.rollout.engine is EngineName.TORCH
+        else SGLANG_RESIDENT_BYTES
+    )
+    context = CUDA_CONTEXT_BYTES + TRAIN_RESIDUAL_BYTES + outside
+    fsdp = 0
+    if world > 1:
+        context += NCCL_BUFFER_BYTES
+        unsharded = shape.root_parameters + FSDP_UNSHARDED_LAYERS * shape.layer_parameters
+        fsdp = unsharded * (dtype + GRAD_BYTES)
+    requests = spec.data.train_batch_size // max(world, 1) * spec.algorithm.group_size
+    return Parts(
+        context=context,
+        train_params=shard(MASTER_BYTES * n * (2 if reference else 1)),
+        optimizer=shard(ADAM_STATE_BYTES * n),
+        grads=shard(GRAD_BYTES * n),
+        step_temp=shard(ADAM_TEMP_BYTES * n),
+        activations=activation_bytes(spec, shape),
+        fsdp_buffers=fsdp,
+        engine_weights=engine_weights,
+        kv_pool=pool,
+        kv_tokens=tokens,
+        gather=gather_bytes(spec, shape, world),
+        rollout_workspace=requests * shape.vocab * ROLLOUT_BYTES_PER_REQUEST_VOCAB,
+        single_wake_extra=0
+        if spec.rollout.engine is EngineName.TORCH
+        else SGLANG_SINGLE_WAKE_BYTES,
+    )
+
+
+# -- the stages -----------------------------------------------------------------------------------
+
+
+def stage_peaks(
+    p: Parts, wake_up: WakeUp, offload_optimizer: bool, offload_params: bool
+) -> dict[Stage, int]:
+    """Device-wide peak per stage of a steady iteration (1+), following stages.py. A stage's
+    peak includes what it started with (the bench samples at the boundary), and memory freed
+    into torch's cache stays counted until the next empty_cache()."""
+    optimizer = 0 if offload_optimizer else p.optimizer
+    params = 0 if offload_params else p.train_params
+    peaks: dict[Stage, int] = {}
+    train = (
+        p.context
+        + p.train_params
+        + p.optimizer
+        + p.grads
+        + p.step_temp
+        + round(ACTIVATION_RETAIN * p.activations)
+        + p.fsdp_buffers
+    )
+    peaks[Stage.TRAIN] = train
+    peaks[Stage.OFFLOAD_OPTIMIZER] = train  # starts with train's cache; frees after
+    resident = p.context + p.train_params + optimizer
+    single = wake_up is WakeUp.SINGLE
+    kv = p.kv_pool + p.single_wake_extra if single else 0
+    wake = resident + p.engine_weights + kv + p.gather
+    peaks[Stage.WAKE_WEIGHTS] = wake
+    peaks[Stage.OFFLOAD_TRAIN] = wake  # starts with the sync's buckets cached
+    serving = p.context + params + optimizer + p.engine_weights + p.kv_pool
+    serving += p.single_wake_extra if single else 0
+    if wake_up is WakeUp.STAGED:
+        peaks[Stage.WAKE_KV_CACHE] = serving
+    peaks[Stage.ROLLOUT] = serving + p.rollout_workspace
+    peaks[Stage.SLEEP] = max(
+        peaks[Stage.ROLLOUT], p.context + p.train_params + p.optimizer
+    )  # starts with the pool mapped; ends with training state back
+    return peaks
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    stage: Stage
+    peak_bytes: int
+    capacity_bytes: int
+
+    @property
+    def fraction(self) -> float:
+        return self.peak_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= ALLOCATOR_SLACK_BYTES
+
+
+@dataclass(frozen=True)
+class ModePlan:
+    """One wake-up mode at the spec's memFractionStatic."""
+
+    wake_up: WakeUp
+    mem_fraction_static: float
+    offload_optimizer: bool
+    offload_params: bool
+    stages: tuple[StagePeak, ...]
+    parts: Parts
+    largest_fitting_fraction: float | None = None
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits for s in self.stages)
+
+    @property
+    def worst(self) -> StagePeak:
+        return max(self.stages, key=lambda s: s.peak_bytes)
+
+    def misfit_text(self) -> str:
+        """'wake_weights needs 81.02 GiB of 79.18 GiB (1.84 GiB over)' for each misfit."""
+        return "; ".join(
+            f"{s.stage} needs {s.peak_bytes / GiB:.2f} GiB of {s.capacity_bytes / GiB:.2f} GiB "
+            f"({(s.peak_bytes + ALLOCATOR_SLACK_BYTES - s.capacity_bytes) / GiB:.2f} GiB over)"
+            for s in self.stages
+            if not s.fits
+        )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The plan of one job: per mode, per stage, on one rank (the largest shard, rank 0)."""
+
+    capacity_bytes: int
+    world_size: int
+    shape: ModelShape
+    requested: WakeUp
+    modes: dict[WakeUp, ModePlan] = field(default_factory=dict)
+
+    @property
+    def chosen(self) -> ModePlan:
+        return self.modes[self.requested]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "capacityBytes": self.capacity_bytes,
+            "worldSize": self.world_size,
+            "shape": self.shape.__dict__,
+            "parameters": self.shape.parameters,
+            "requested": str(self.requested),
+            "modes": {
+                str(mode): {
+                    "memFractionStatic": m.mem_fraction_static,
+                    "fits": m.fits,
+                    "offloadOptimizer": m.offload_optimizer,
+                    "offloadParams": m.offload_params,
+                    "largestFittingFraction": m.largest_fitting_fraction,
+                    "kvTokens": m.parts.kv_tokens,
+                    "parts": m.parts.as_dict(),
+                    "stages": [
+                        {
+                            "name": str(s.stage),
+                            "peakBytes": s.peak_bytes,
+                            "fraction": round(s.fraction, 4),
+                            "headroomBytes": s.headroom_bytes,
+                            "fits": s.fits,
+                        }
+                        for s in m.stages
+                    ],
+                }
+                for mode, m in self.modes.items()
+            },
+        }
+
+    def to_status(self) -> PlanStatus:
+        m = self.chosen
+        return PlanStatus(
+            capacity_bytes=self.capacity_bytes,
+            wake_up=m.wake_up,
+            mem_fraction_static=m.mem_fraction_static,
+            fits=m.fits,
+            offload_optimizer=m.offload_optimizer,
+            offload_params=m.offload_params,
+            stages=[
+                PlannedStage(
+                    name=s.stage, peak_bytes=s.peak_bytes, peak_fraction=round(s.fraction, 4)
+                )
+                for s in m.stages
+            ],
+            largest_fitting_fraction={
+                str(k): v.largest_fitting_fraction for k, v in self.modes.items()
+            },
+        )
+
+
+def _with(spec: RLJobSpec, wake_up: WakeUp, fraction: float) -> RLJobSpec:
+    rollout = spec.rollout.model_copy(update={"wake_up": wake_up, "mem_fraction_static": fraction})
+    return spec.model_copy(update={"rollout": rollout})
+
+
+def _offload_choices(spec: RLJobSpec) -> list[tuple[bool, bool]]:
+    """(optimizer, params) offloads to try, fewest bytes moved first; Always: the flags."""
+    allowed = (spec.training.offload_optimizer, spec.training.offload_params)
+    if spec.offload is OffloadMode.ALWAYS:
+        return [allowed]
+    # Params (policy + reference) are usually as large as the moments; either order is
+    # one offload, so try optimizer first (it is the one that leaves the device at train end).
+    choices = [(False, False), (True, False), (False, True), (True, True)]
+    return [c for c in choices if (not c[0] or allowed[0]) and (not c[1] or allowed[1])]
+
+
+def mode_plan(
+    spec: RLJobSpec, shape: ModelShape, capacity_bytes: int, world: int | None = None
+) -> ModePlan:
+    """The spec's own mode and fraction; with offload Auto the least offload that fits (or,
+    when none fits, everything the flags allow)."""
+    p = parts(spec, shape, capacity_bytes, world)
+    choices = _offload_choices(spec)
+    plans = []
+    for optimizer, params in choices:
+        peaks = stage_peaks(p, spec.rollout.wake_up, optimizer, params)
+        stages = tuple(StagePeak(s, b, capacity_bytes) for s, b in peaks.items())
+        plans.append(
+            ModePlan(
+                spec.rollout.wake_up, spec.rollout.mem_fraction_static, optimizer, params, stages, p
+            )
+        )
+    return next((m for m in plans if m.fits), plans[-1])
+
+
+def largest_fitting_fraction(
+    spec: RLJobSpec,
+    shape: ModelShape,
+    capacity_bytes: int,
+    wake_up: WakeUp,
+    world: int | None = None,
+    step: float = 0.01,
+) -> float | None:
+    """The largest memFractionStatic (on a grid of `step`) at which every stage fits."""
+    for i in range(round(1 / step) - 1, 0, -1):
+        fraction = round(i * step, 4)
+        if mode_plan(_with(spec, wake_up, fraction), shape, capacity_bytes, world).fits:
+            return fraction
+    return None
+
+
+def plan(
+    spec: RLJobSpec, shape: ModelShape, capacity_bytes: int, world: int | None = None
+) -> MemoryPlan:
+    """Both wake-up modes at the spec's fraction, each with its largest fitting fraction."""
+    world = world or spec.world_size
+    modes = {}
+    for mode in (WakeUp.STAGED, WakeUp.SINGLE):
+        m = mode_plan(
+            _with(spec, mode, spec.rollout.mem_fraction_static), shape, capacity_bytes, world
+        )
+        best = largest_fitting_fraction(spec, shape, capacity_bytes, mode, world)
+        modes[mode] = replace(m, largest_fitting_fraction=best)
+    return MemoryPlan(capacity_bytes, world, shape, spec.rollout.wake_up, modes)
+
+
+def plan_for_point(
+    spec: RLJobSpec, config: Mapping[str, Any], capacity_bytes: int, ranks: int
+) -> ModePlan:
+    """The bench's hook (bench/colocate.py): the plan of one (mode, fraction) point, for a
+    model given by its config.json fields, on `ranks` GPUs of `capacity_bytes`."""
+    shape = ModelShape.from_config({"model_type": "qwen2", **config})
+    return mode_plan(spec, shape, capacity_bytes, ranks)
+
+
+def plan_line(spec: RLJobSpec, config: Mapping[str, Any], capacity_bytes: int, ranks: int) -> str:
+    """One line for the bench to print beside a measured point: the plan's per-stage peaks."""
+    m = plan_for_point(spec, config, capacity_bytes, ranks)
+    peaks = ", ".join(f"{s.stage}: {s.peak_bytes / GiB:.2f}" for s in m.stages)
+    verdict = "fits" if m.fits else f"misfit ({m.misfit_text()})"
+    return (
+        f"plan {m.wake_up} {m.mem_fraction_static:.2f}: {verdict}, KV {m.parts.kv_tokens} "
+        f"tokens, peaks {{{peaks}}} GiB"
+    )
+
+
+def rank_plan(
+    spec: RLJobSpec, capacity_bytes: int | None, world: int, model_path: str | Path | None = None
+) -> MemoryPlan | None:
+    """The plan a rank makes before starting its engine: its real GPU's memory (or, on CPU,
+    spec.memoryPlan.gpuMemory), the shape from builtin, spec or config.json; None without."""
+    from rljob.api import _quantity  # the manifest's quantity parser (no kubernetes client)
+
+    if capacity_bytes is None and spec.memory_plan.gpu_memory is not None:
+        capacity_bytes = int(_quantity(spec.memory_plan.gpu_memory))
+    shape = shape_for(spec)
+    if shape is None and model_path is not None and (Path(model_path) / "config.json").is_file():
+        shape = ModelShape.from_config(json.loads((Path(model_path) / "config.json").read_text()))
+    if shape is None or capacity_bytes is None:
+        return None
+    return plan(spec, shape, capacity_bytes, world)
+
+
+def offload_choice(spec: RLJobSpec, memory_plan: MemoryPlan | None) -> tuple[bool, bool]:
+    """(offload optimizer, offload params) for the stage machine: Always, or no plan, is what
+    training.offloadOptimizer/offloadParams say; Auto is the plan's least offload that fits."""
+    allowed = (spec.training.offload_optimizer, spec.training.offload_params)
+    if spec.offload is OffloadMode.ALWAYS or memory_plan is None:
+        return allowed
+    chosen = memory_plan.chosen
+    return chosen.offload_optimizer, chosen.offload_params

@@ -1,0 +1,102 @@
+"""`rljob plan MANIFEST`: the memory plan of an RLJob manifest as a per-stage table or JSON.
+
+The shell around rljob/plan.py: reads the manifest and the GPU's memory (given, or read from
+the local GPU through torch when it is installed), prints; the arithmetic is all in plan.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import yaml
+
+from rljob.api import _quantity, parse_manifest
+from rljob.plan import GiB, MemoryPlan, plan, shape_for
+
+
+def parse_bytes(text: str) -> int:
+    """'85017493504', '80Gi', '80G' (a Kubernetes quantity) -> bytes."""
+    try:
+        return int(_quantity(text.strip()))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count or quantity") from error
+
+
+def local_gpu_bytes() -> int | None:
+    """The first local GPU's total memory, where torch and a GPU are there."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.mem_get_info()[1])
+
+
+def table(name: str, memory_plan: MemoryPlan) -> str:
+    capacity = memory_plan.capacity_bytes
+    lines = [
+        f"RLJob {name}: {memory_plan.shape.parameters / 1e9:.3f} B params, "
+        f"{memory_plan.world_size} rank(s), GPU {capacity / GiB:.2f} GiB ({capacity} bytes); "
+        f"per rank (rank 0, the largest shard), steady iteration",
+    ]
+    for mode, m in memory_plan.modes.items():
+        chosen = " (the spec's)" if mode == memory_plan.requested else ""
+        lines += [
+            "",
+            f"wakeUp {mode}{chosen} at memFractionStatic {m.mem_fraction_static:.2f}: "
+            f"{'fits' if m.fits else 'DOES NOT FIT: ' + m.misfit_text()}; KV pool "
+            f"{m.parts.kv_tokens} tokens; offload optimizer {m.offload_optimizer}, "
+            f"params {m.offload_params}",
+            f"  {'stage':<18}{'predicted GiB':>14}{'fraction':>10}{'headroom GiB':>14}",
+        ]
+        for s in m.stages:
+            lines.append(
+                f"  {s.stage!s:<18}{s.peak_bytes / GiB:>14.2f}{s.fraction:>10.3f}"
+                f"{s.headroom_bytes / GiB:>14.2f}{'' if s.fits else '  over'}"
+            )
+        best = m.largest_fitting_fraction
+        lines.append(
+            f"  largest memFractionStatic that fits: {best:.2f}"
+            if best is not None
+            else "  no memFractionStatic fits"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="rljob plan", description="Predict per-stage GPU memory of an RLJob manifest."
+    )
+    parser.add_argument("manifest", type=Path)
+    parser.add_argument(
+        "--gpu-memory",
+        type=parse_bytes,
+        help="bytes of one GPU (85017493504, 80Gi); default spec.memoryPlan.gpuMemory, then "
+        "the local GPU",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    name, spec = parse_manifest(yaml.safe_load(args.manifest.read_text()))
+    shape = shape_for(spec)
+    if shape is None:
+        parser.error(
+            f"RLJob {name}: no model shape for spec.model.path={spec.model.path!r}: give "
+            "spec.model.shape, or a local directory with config.json"
+        )
+    capacity = args.gpu_memory
+    if capacity is None and spec.memory_plan.gpu_memory is not None:
+        capacity = int(_quantity(spec.memory_plan.gpu_memory))
+    capacity = capacity or local_gpu_bytes()
+    if capacity is None:
+        parser.error(
+            "no GPU memory: pass --gpu-memory (e.g. 80Gi) or set spec.memoryPlan.gpuMemory"
+        )
+    memory_plan = plan(spec, shape, capacity)
+    if args.json:
+        print(json.dumps({"name": name, **memory_plan.to_dict()}, indent=2))
+    else:
+        print(table(name, memory_plan))
+    return 0 if memory_plan.chosen.fits else 1

@@ -1,0 +1,387 @@
+"""The memory plan's arithmetic (rljob/plan.py) and the OOM policy / plan admission
+(rljob/oom_policy.py), against hand-computed cases and the stored H100 measurements."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rljob.api import AttemptKnobs, RLJobSpec, WakeUp
+from rljob.oom_policy import Outcome, admit, next_attempt, rayjob_name
+from rljob.plan import (
+    BUILTIN_MODEL_SHAPES,
+    ModelShape,
+    Parts,
+    gather_bytes,
+    kv_pool,
+    largest_fitting_fraction,
+    mode_plan,
+    plan,
+    stage_peaks,
+)
+from rljob.plan_cli import main as plan_main
+from rljob.plan_cli import parse_bytes
+from rljob.report import Stage
+
+pytestmark = pytest.mark.unit
+
+H100 = 85017493504  # NVIDIA H100 80GB HBM3, mem_get_info total (bench/results/colocate.json)
+QWEN25_3B = {
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "model_type": "qwen2",
+}
+SHAPE_3B = ModelShape.from_config(QWEN25_3B)
+
+
+def bench_spec(mode: str = "staged", fraction: float = 0.97, **extra: Any) -> RLJobSpec:
+    """bench/colocate.make_spec's job (4 prompts x 8 x 128 tokens, micro-batch 4)."""
+    return RLJobSpec.model_validate(
+        {
+            "model": {"path": "/models/qwen2.5-3b"},
+            "algorithm": {"groupSize": 8, "klCoef": 0.001, "iterations": 3},
+            "data": {"trainBatchSize": 4, "maxResponseLength": 128},
+            "rollout": {"engine": "torch", "wakeUp": mode, "memFractionStatic": fraction},
+            "training": {"microBatchSize": 4},
+            **extra,
+        }
+    )
+
+
+def test_parameter_count_and_kv_bytes_match_the_bench_model() -> None:
+    # The bench counted 3085938688 params with transformers on the meta device; K and V of
+    # 36 layers x 2 KV heads x 128 dims x 2 bytes = 36864 bytes per token.
+    assert SHAPE_3B.parameters == 3085938688
+    assert SHAPE_3B.kv_bytes_per_token(2) == 36864
+    assert SHAPE_3B.kv_bytes_per_token(2, tp=2) == 36864 // 2
+    assert SHAPE_3B.kv_bytes_per_token(2, tp=4) == 36864 // 2  # 2 KV heads: replicated past 2
+
+
+@pytest.mark.parametrize(
+    ("fraction", "tokens", "pool_bytes"),
+    [
+        # torch engine: int(f * total) - weights, whole 16-token blocks, plus one null block;
+        # the tokens are the capacity the H100 runs reported (bench/results/colocate.json).
+        (0.95, 2023504, (2023504 + 16) * 36864),
+        (0.97, 2069632, (2069632 + 16) * 36864),
+        (0.65, 1331632, (1331632 + 16) * 36864),
+    ],
+)
+def test_torch_kv_pool_is_what_the_engine_sized(
+    fraction: float, tokens: int, pool_bytes: int
+) -> None:
+    spec = bench_spec(fraction=fraction)
+    assert kv_pool(spec, SHAPE_3B, H100, 2 * SHAPE_3B.parameters) == (pool_bytes, tokens)
+
+
+def test_weight_sync_transient_is_two_consecutive_buckets() -> None:
+    # The tied embedding (151936 x 2048 bf16 = 622329856 bytes) travels alone, then a bucket
+    # of up to 512 MiB of layer tensors while the embedding's is still held.
+    spec = bench_spec()
+    embed = 151936 * 2048 * 2
+    gate = 2048 * 11008 * 2  # the largest layer tensor
+    one_rank = gather_bytes(spec, SHAPE_3B, world=1)
+    second = one_rank - embed  # a bucket of whole tensors: within one tensor of 512 MiB
+    assert (512 << 20) - gate < second <= 512 << 20
+    # Two ranks: the bucket's send chunk, the received [world, chunk] and the output buffer.
+    assert gather_bytes(spec, SHAPE_3B, world=2) == embed + (second // 2 + 2 * second)
+
+
+PARTS = Parts(
+    context=10,
+    train_params=100,
+    optimizer=200,
+    grads=100,
+    step_temp=100,
+    activations=50,
+    fsdp_buffers=0,
+    engine_weights=30,
+    kv_pool=400,
+    kv_tokens=0,
+    gather=5,
+    rollout_workspace=3,
+)
+
+
+@pytest.mark.parametrize(
+    ("wake_up", "offload", "expected"),
+    [
+        # train: 10 + 100 + 200 + 100 + 100 + 0.58 * 50 = 539 (offload_optimizer starts there);
+        # staged wake: 10 + 100 + 30 + 5; kv: 10 + 30 + 400; rollout + 3; sleep: max(443, 310).
+        (
+            WakeUp.STAGED,
+            (True, True),
+            {"train": 539, "offload_optimizer": 539, "wake_weights": 145, "offload_train": 145,
+             "wake_kv_cache": 440, "rollout": 443, "sleep": 443},
+        ),
+        # single: the KV pool wakes with the weights, on top of the training params.
+        (
+            WakeUp.SINGLE,
+            (True, True),
+            {"train": 539, "offload_optimizer": 539, "wake_weights": 545, "offload_train": 545,
+             "rollout": 443, "sleep": 443},
+        ),
+        # no offload: optimizer (200) and params (100) stay under everything.
+        (
+            WakeUp.STAGED,
+            (False, False),
+            {"train": 539, "offload_optimizer": 539, "wake_weights": 345, "offload_train": 345,
+             "wake_kv_cache": 740, "rollout": 743, "sleep": 743},
+        ),
+    ],
+)  # fmt: skip
+def test_stage_peaks_by_hand(
+    wake_up: WakeUp, offload: tuple[bool, bool], expected: dict[str, int]
+) -> None:
+    peaks = stage_peaks(PARTS, wake_up, *offload)
+    assert {str(k): v for k, v in peaks.items()} == expected
+
+
+def test_largest_fitting_fraction_on_the_h100_matches_the_measured_sweep() -> None:
+    # Measured: staged completes at 0.97 and OOMs at 0.98; single completes at 0.65 and OOMs
+    # at 0.70 (0.66-0.69 were not run).
+    spec = bench_spec(offload="Always")
+    assert largest_fitting_fraction(spec, SHAPE_3B, H100, WakeUp.STAGED) == 0.97
+    single = largest_fitting_fraction(spec, SHAPE_3B, H100, WakeUp.SINGLE)
+    assert single is not None and 0.65 <= single < 0.70
+    assert not mode_plan(bench_spec("staged", 0.98, offload="Always"), SHAPE_3B, H100).fits
+    assert not mode_plan(bench_spec("single", 0.70, offload="Always"), SHAPE_3B, H100).fits
+
+
+def test_plan_matches_every_completed_h100_point_within_5_percent() -> None:
+    result = json.loads(
+        (Path(__file__).parents[2] / "bench" / "results" / "colocate.json").read_text()
+    )
+    compared = 0
+    for point in result["points"]:
+        m = mode_plan(
+            bench_spec(point["mode"], point["fraction"], offload="Always"), SHAPE_3B, H100
+        )
+        assert m.fits == point["completed"], point["fraction"]
+        predicted = {str(s.stage): s.peak_bytes for s in m.stages}
+        if point["completed"]:
+            for stage, measured in point["stage_peak_bytes"].items():
+                assert abs(predicted[stage] - measured) / measured < 0.05, (stage, point)
+                compared += 1
+    assert compared == 39  # every stage of the 6 completed points
+
+
+def test_auto_offloads_only_what_the_kv_pool_needs() -> None:
+    # A 141 GB GPU holds the 3B job's training state under a 0.5 KV pool without offloading;
+    # at 0.9 the optimizer state must go, and on the H100 at 0.97 the params too.
+    assert (lambda m: (m.offload_optimizer, m.offload_params))(
+        mode_plan(bench_spec(fraction=0.5), SHAPE_3B, 150109880320)
+    ) == (False, False)
+    m = mode_plan(bench_spec(fraction=0.97), SHAPE_3B, H100)
+    assert (m.offload_optimizer, m.offload_params) == (True, True) and m.fits
+    always = mode_plan(bench_spec(fraction=0.5, offload="Always"), SHAPE_3B, 150109880320)
+    assert (always.offload_optimizer, always.offload_params) == (True, True)
+    flags_off = bench_spec(fraction=0.97, training={"microBatchSize": 4, "offloadParams": False})
+    assert not mode_plan(flags_off, SHAPE_3B, H100).offload_params
+
+
+def test_plan_reports_both_modes_and_wraps_into_status() -> None:
+    p = plan(bench_spec(fraction=0.97), SHAPE_3B, H100)
+    assert set(p.modes) == {WakeUp.STAGED, WakeUp.SINGLE}
+    status = p.to_status()
+    assert [s.name for s in status.stages] == list(Stage)
+    assert status.largest_fitting_fraction["staged"] == 0.97
+    assert [s["name"] for s in p.to_dict()["modes"]["single"]["stages"]] == [
+        "train", "offload_optimizer", "wake_weights", "offload_train", "rollout", "sleep",
+    ]  # fmt: skip
+
+
+def test_builtin_model_shape_is_the_built_model() -> None:
+    from rljob_worker.model import TINY_QWEN2_CONFIG, TOKENIZER_VOCAB_SIZE
+
+    shape = BUILTIN_MODEL_SHAPES["builtin:tiny-qwen2"]
+    assert (shape.layers, shape.hidden, shape.vocab) == (
+        TINY_QWEN2_CONFIG["num_hidden_layers"],
+        TINY_QWEN2_CONFIG["hidden_size"],
+        TOKENIZER_VOCAB_SIZE,
+    )
+
+
+@pytest.mark.parametrize(("text", "value"), [("85017493504", 85017493504), ("80Gi", 80 << 30)])
+def test_gpu_memory_argument(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+def test_cli_prints_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(
+        json.dumps(
+            {
+                "apiVersion": "rljob.dev/v1alpha1",
+                "kind": "RLJob",
+                "metadata": {"name": "big"},
+                "spec": {
+                    **bench_spec().model_dump(by_alias=True, mode="json", exclude={"model"}),
+                    "model": {"path": "Qwen/Qwen2.5-3B", "shape": {
+                        k: v for k, v in QWEN25_3B.items() if k != "model_type"}},
+                },
+            }
+        )
+    )  # fmt: skip
+    assert plan_main([str(manifest), "--gpu-memory", str(H100)]) == 0
+    out = capsys.readouterr().out
+    assert "largest memFractionStatic that fits: 0.97" in out and "wake_kv_cache" in out
+    assert plan_main([str(manifest), "--gpu-memory", "40Gi", "--json"]) == 1  # does not fit
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["modes"]["staged"]["fits"] is False and doc["capacityBytes"] == 40 << 30
+
+
+# -- the OOM policy -------------------------------------------------------------------------
+
+
+def policy_spec(**policy: Any) -> RLJobSpec:
+    return RLJobSpec.model_validate(
+        {"rollout": {"memFractionStatic": 0.9}, "oomPolicy": {"maxRetries": 2, **policy}}
+    )
+
+
+OOM = Outcome("CUDAOutOfMemory", Stage.WAKE_KV_CACHE, 0)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "made", "policy", "expected"),
+    [
+        # single -> staged first, same fraction
+        ((0.9, "single"), 1, {}, (0.9, "staged")),
+        # then lowered by the step
+        ((0.9, "staged"), 1, {}, (0.85, "staged")),
+        ((0.85, "staged"), 2, {}, (0.8, "staged")),
+        # switchToStaged off: single stays single, lowered
+        ((0.9, "single"), 1, {"switchToStaged": False}, (0.85, "single")),
+        # exhausted: maxRetries 2 means attempts 2 and 3; a third OOM ends it
+        ((0.8, "staged"), 3, {}, None),
+        # never below minFraction
+        ((0.52, "staged"), 1, {"minFraction": 0.5}, None),
+    ],
+)
+def test_policy_table(
+    knobs: tuple[float, str],
+    made: int,
+    policy: dict[str, Any],
+    expected: tuple[float, str] | None,
+) -> None:
+    current = AttemptKnobs(mem_fraction_static=knobs[0], wake_up=WakeUp(knobs[1]))
+    decision = next_attempt(policy_spec(**policy), current, made, OOM)
+    if expected is None:
+        assert not decision.retry and decision.reason == "OOMRetriesExhausted"
+        assert "wake_kv_cache" in decision.message
+    else:
+        assert decision.retry and decision.knobs is not None
+        assert (decision.knobs.mem_fraction_static, str(decision.knobs.wake_up)) == expected
+
+
+def test_policy_skips_fractions_the_plan_says_do_not_fit() -> None:
+    current = AttemptKnobs(mem_fraction_static=0.9, wake_up=WakeUp.STAGED)
+    decision = next_attempt(
+        policy_spec(), current, 1, OOM, fits=lambda k: k.mem_fraction_static <= 0.75
+    )
+    assert decision.knobs == AttemptKnobs(mem_fraction_static=0.75, wake_up=WakeUp.STAGED)
+
+
+def test_host_oomkilled_is_not_retried_and_names_the_limit() -> None:
+    current = AttemptKnobs(mem_fraction_static=0.9, wake_up=WakeUp.STAGED)
+    decision = next_attempt(
+        policy_spec(), current, 1, Outcome("OOMKilled", pod="job-worker-0", limit_bytes=1 << 30)
+    )
+    assert not decision.retry and decision.reason == "OOMKilled"
+    assert "1073741824 bytes" in decision.message and "job-worker-0" in decision.message
+
+
+def test_other_failures_are_not_the_policys() -> None:
+    current = AttemptKnobs(mem_fraction_static=0.9, wake_up=WakeUp.STAGED)
+    assert next_attempt(policy_spec(), current, 1, Outcome("Failed")).reason is None
+
+
+def test_rayjob_names_per_attempt_stay_within_kuberays_limit() -> None:
+    assert rayjob_name("job", 1) == "job"
+    assert rayjob_name("job", 2) == "job-a2"
+    long = "a" * 47
+    assert rayjob_name(long, 3) == "a" * 44 + "-a3" and len(rayjob_name(long, 12)) == 47
+
+
+@pytest.mark.parametrize(
+    ("memory_plan", "status", "start"),
+    [
+        ({"gpuMemory": "80Gi", "onMisfit": "Reject"}, "True", True),
+        ({"gpuMemory": "2Gi", "onMisfit": "Reject"}, "False", False),
+        ({"gpuMemory": "2Gi", "onMisfit": "Warn"}, "False", True),
+        ({"onMisfit": "Reject"}, "Unknown", True),  # no GPU memory given: no plan
+    ],
+)
+def test_admission_by_plan(memory_plan: dict[str, str], status: str, start: bool) -> None:
+    spec = RLJobSpec.model_validate(
+        {
+            "model": {"path": "builtin:tiny-qwen2"},
+            "rollout": {"engine": "torch", "memFractionStatic": 0.5},
+            "resources": {"gpusPerWorker": 1},
+            "memoryPlan": memory_plan,
+        }
+    )
+    admission = admit(spec)
+    assert (admission.status, admission.start) == (status, start)
+    if status == "False":
+        assert "wake_kv_cache needs" in admission.message and "GiB over" in admission.message
+
+
+@pytest.mark.parametrize(("on_misfit", "phase"), [("Reject", "Failed"), ("Warn", "Pending")])
+def test_operator_status_names_the_misfit_stage(on_misfit: str, phase: str) -> None:
+    from rljob_operator import status
+
+    spec = RLJobSpec.model_validate(
+        {
+            "model": {"path": "builtin:tiny-qwen2"},
+            "rollout": {"engine": "torch", "memFractionStatic": 0.5},
+            "resources": {"gpusPerWorker": 1},
+            "memoryPlan": {"gpuMemory": "2Gi", "onMisfit": on_misfit},
+        }
+    )
+    fields, transitions = status.compute(
+        status.Observed(generation=1, spec=spec, applied_spec=None, rayjob=None),
+        "2026-01-01T00:00:00Z",
+    )
+    assert fields["phase"] == phase
+    fits = next(c for c in fields["conditions"] if c["type"] == "MemoryPlanFits")
+    assert fits["status"] == "False" and "wake_kv_cache needs" in fits["message"]
+    warning = next(t for t in transitions if t.type == "MemoryPlanFits")
+    assert warning.event_type == "Warning" and "GiB over" in warning.message
+
+
+def test_describe_shows_predicted_beside_measured() -> None:
+    from rich.console import Console
+
+    from rljob.api import RLJobStatus
+    from rljob.kubectl_plugin import memory_table
+
+    p = plan(bench_spec(fraction=0.97), SHAPE_3B, H100)
+    measured = {"wake_kv_cache": 84645597184}  # c6 staged 0.97 (78.83 GiB)
+    status = RLJobStatus.model_validate(
+        {
+            "memory": {
+                "iteration": 3, "kind": "cuda", "device": "NVIDIA H100 80GB HBM3",
+                "capacityBytes": H100,
+                "stages": [{"name": k, "peakBytes": v, "peakFraction": v / H100, "seconds": 0.1,
+                            "rank": 0} for k, v in measured.items()],
+            },
+            "plan": p.to_status().model_dump(by_alias=True, mode="json"),
+        }
+    )  # fmt: skip
+    table = memory_table("job", status)
+    assert table is not None
+    console = Console(width=200, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert "predicted" in text and "plan error" in text
+    assert "│ 78.83 GiB │      -0.0% │" in text  # predicted, and its error against measured

@@ -1,0 +1,83 @@
+"""bench/colocate.py on the CPU (--smoke): the sweep, the staging tax and the engine-alone pass.
+
+The GPU figures come from the same code on the device machines; here the plumbing runs for real
+(2 ranks' worth of processes, FSDP2 on gloo, the torch engine) and the written result is read.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ITERATIONS = 2
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    command = [sys.executable, str(REPO / "bench" / "colocate.py"), "--smoke",
+               "--iterations", str(ITERATIONS), "--prompts", "2", "--group-size", "2",
+               "--response-length", "8", "--modes", "staged,single", "--fractions", "0.5",
+               "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((out / "colocate.json").read_text())
+    data["_markdown"] = (out / "colocate.md").read_text()
+    return data
+
+
+def test_every_point_completes_its_iterations_with_a_staging_tax(result: dict) -> None:
+    assert {(p["mode"], p["completed"]) for p in result["points"]} == {
+        ("staged", True),
+        ("single", True),
+    }
+    for point in result["points"]:
+        assert point["iterations_done"] == ITERATIONS
+        seconds = point["stage_seconds"]
+        other = {k: v for k, v in seconds.items() if k not in ("train", "rollout")}
+        assert point["staging_tax"] == pytest.approx(sum(other.values()) / sum(seconds.values()))
+        assert point["staging_dominant"] == max(other, key=other.__getitem__)
+        assert 0 < point["staging_tax"] < 1
+        # The weight sync's hand-off to the engine is a part of it, and shown beside it.
+        assert 0 < point["weight_handoff_seconds"] <= point["weight_sync_seconds"]
+        assert f"{point['weight_handoff_seconds']:.3f})" in result["_markdown"]
+
+
+def test_the_engine_alone_runs_the_same_rollouts_and_is_compared(result: dict) -> None:
+    alone = result["alone"]
+    assert "error" not in alone, alone.get("error")
+    # The highest completing staged point, every iteration's rollout (0..N), full responses.
+    assert (alone["mode"], alone["fraction"]) == ("staged", 0.5)
+    assert sorted(int(i) for i in alone["rollout_seconds"]) == list(range(ITERATIONS + 1))
+    assert all(0 < t <= 2 * 2 * 8 for t in alone["generated_tokens"].values())
+    staged = next(p for p in result["points"] if p["mode"] == "staged")
+    assert alone["kv_capacity_tokens"] == staged["kv_capacity_tokens"]
+    assert alone["colocated_over_alone"] == pytest.approx(
+        staged["rollout_tokens_per_second"] / alone["rollout_tokens_per_second"]
+    )
+    names = [t["name"] for t in result["targets"]]
+    assert any("the same engine alone" in n for n in names)
+    assert any(n.startswith("staging tax") for n in names)
+    assert "The engine alone (staged at 0.50" in result["_markdown"]
+    assert result["environment"]["engine"] == "torch"
+
+
+def test_runs_of_two_engines_do_not_merge(result: dict, tmp_path: Path) -> None:
+    ours = tmp_path / "torch.json"
+    theirs = tmp_path / "sglang.json"
+    ours.write_text(json.dumps(result))
+    other = json.loads(json.dumps(result))
+    other["environment"]["engine"] = "sglang"
+    theirs.write_text(json.dumps(other))
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "colocate.py"), "--merge", str(ours), str(theirs),
+         "--out", str(tmp_path / "merged")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "cannot merge runs of engine sglang and torch" in done.stderr
