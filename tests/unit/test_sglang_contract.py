@@ -577,3 +577,16 @@ def test_checker_reports_a_contract_that_drifted_from_the_release(
     problems = check_contract(drifted, release.root)
     assert len(problems) == 1, problems
     assert expected in problems[0]
+
+
+def test_the_running_phase_sigquit_handler_the_adapter_replaces_exists(release: Release) -> None:
+    """rljob_worker.engines.sglang_engine replaces sglang's running-phase SIGQUIT handler (it
+    kills the whole process tree, the rank included) by name: the name must be there."""
+    from rljob_worker.engines.sglang_engine import RUNNING_PHASE_SIGQUIT
+
+    module, cls, method = RUNNING_PHASE_SIGQUIT
+    source = (release.root / (module.replace(".", "/") + ".py")).read_text()
+    body = source[source.index(f"\nclass {cls}:") :]
+    body = body[: body.find("\nclass ", 1)]
+    assert f"def {method}(self, signum=None, frame=None):" in body
+    assert f"signal_handler.{method}" in source  # registered on the loop from there

@@ -489,3 +489,33 @@ except m.SGLangProcessFailed as error:
     assert "cause: RuntimeError Event loop stopped before Future completed." in done.stdout, done
     assert f"child: {-signal.SIGKILL}" in done.stdout, done
     assert "next call: Engine.resume_memory_occupation: an sglang process failed" in done.stdout
+
+
+def test_sglangs_running_phase_sigquit_handler_is_patched_to_the_adapters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before an engine is built the adapter swaps sglang's SignalHandler method (a stand-in
+    module here: sglang cannot be installed on this machine) for one that calls its own handler;
+    the contract test checks the name in both releases' sources."""
+    import signal
+    import sys
+    import types
+
+    module_name, cls_name, method = sglang_module.RUNNING_PHASE_SIGQUIT
+    original_calls: list[str] = []
+
+    class SignalHandler:
+        def running_phase_sigquit_handler(self, signum: Any = None, frame: Any = None) -> None:
+            original_calls.append("kill_process_tree")
+
+    stand_in = types.ModuleType(module_name)
+    setattr(stand_in, cls_name, SignalHandler)
+    monkeypatch.setitem(sys.modules, module_name, stand_in)
+    sglang_module._patch_running_phase_sigquit()
+    assert getattr(SignalHandler, method) is sglang_module._running_phase_sigquit_handler
+    called: list[tuple[int, object]] = []
+    monkeypatch.setattr(
+        sglang_module, "_on_sglang_child_failure", lambda s, f: called.append((s, f))
+    )
+    SignalHandler().running_phase_sigquit_handler()
+    assert called == [(signal.SIGQUIT, None)] and not original_calls

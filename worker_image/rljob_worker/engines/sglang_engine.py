@@ -16,6 +16,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -281,8 +282,6 @@ def _reclaim_sigquit(engine: Any) -> None:
     engine has answered a request (the loop exists by then); only the main thread may set
     handlers, as in sglang.
     """
-    import signal
-
     if threading.current_thread() is not threading.main_thread():
         return
     manager = getattr(engine, "tokenizer_manager", None)
@@ -308,7 +307,30 @@ def _load_engine_class() -> Callable[..., Any]:
     """Import sglang only when an engine is built: the module must import where sglang cannot."""
     contract = installed_contract()
     _patch_tensor_reductions(contract)
+    _patch_running_phase_sigquit()
     return getattr(importlib.import_module(contract.engine_module), contract.engine_class)  # type: ignore[no-any-return]
+
+
+# Where sglang keeps its running-phase SIGQUIT handler (0.5.17 and 0.5.23 alike; the contract
+# test checks both sources): the tokenizer manager registers it on its event loop at its first
+# request, and it kills the whole process tree.
+RUNNING_PHASE_SIGQUIT = (
+    "sglang.srt.managers.tokenizer_manager",
+    "SignalHandler",
+    "running_phase_sigquit_handler",
+)
+
+
+def _running_phase_sigquit_handler(self: Any, signum: Any = None, frame: Any = None) -> None:
+    _on_sglang_child_failure(signal.SIGQUIT, frame)
+
+
+def _patch_running_phase_sigquit() -> None:
+    """Make sglang's running-phase SIGQUIT handler ours, before any engine registers it: putting
+    our handler back after start-up (_reclaim_sigquit) was seen to lose, on an H100, to the
+    handler sglang's loop had registered (the rank died with -9, no report). Idempotent."""
+    module, cls, method = RUNNING_PHASE_SIGQUIT
+    setattr(getattr(importlib.import_module(module), cls), method, _running_phase_sigquit_handler)
 
 
 @dataclass(frozen=True)
