@@ -24,9 +24,18 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
-from rljob.api import GROUP, JOB_CONFIG_FILE, PLURAL, VERSION, JobConfig, OOMEvent, RLJobSpec
-from rljob.oom_policy import admit
-from rljob_operator import causes, kube, metrics, oom, render, status
+from rljob.api import (
+    GROUP,
+    JOB_CONFIG_FILE,
+    PLURAL,
+    VERSION,
+    AttemptKnobs,
+    JobConfig,
+    OOMEvent,
+    RLJobSpec,
+)
+from rljob.oom_policy import REASON_OOM_RETRY, admit, plan_for_knobs
+from rljob_operator import attempts, causes, kube, metrics, oom, render, status
 
 RAYJOB_LABELS = {render.JOB_LABEL: kopf.PRESENT}
 
@@ -137,11 +146,27 @@ def _carry(rljob: dict[str, Any]) -> tuple[dict[str, Any], list[status.Transitio
     return status.carried(dict(rljob.get("status") or {})), []
 
 
+def _fits(spec: RLJobSpec) -> Callable[[AttemptKnobs], bool | None]:
+    """The plan's veto on a retry's knobs, where the operator can plan (else None: no veto)."""
+
+    def fits(knobs: AttemptKnobs) -> bool | None:
+        planned = plan_for_knobs(spec, knobs)
+        return None if planned is None else planned.fits
+
+    return fits
+
+
 @dataclass(frozen=True)
 class Observing:
     """The OperatorFields of one observation: the spec, the spec the job runs with, and the
     RayJob (None: it does not exist). With `spec` None and no problems the spec is parsed from
-    the fresh RLJob, and an invalid one gives None (reconcile() owns the InvalidSpec status)."""
+    the fresh RLJob, and an invalid one gives None (reconcile() owns the InvalidSpec status).
+
+    The RayJob observed (`rayjob`, or `rayjob_name` for one deleted) must be the current
+    attempt's (status.attempts, attempts.py); a RayJob of an earlier attempt gives None. With
+    the OOM policy on, the observation also advances status.attempts: a failed attempt with an
+    OOM gets the policy's decision, and a retry is recorded with no RayJob yet (phase Pending);
+    rljob_changed() then applies the new attempt's children."""
 
     spec: RLJobSpec | None
     applied: RLJobSpec | None
@@ -150,6 +175,7 @@ class Observing:
     apply_failure: status.ApplyFailure | None = None
     reconciled: bool = False
     startup_expired: bool = False
+    rayjob_name: str | None = None
 
     def __call__(
         self, rljob: dict[str, Any]
@@ -161,11 +187,20 @@ class Observing:
                 return None
         current = dict(rljob.get("status") or {})
         meta = rljob["metadata"]
+        about = self.rayjob["metadata"]["name"] if self.rayjob is not None else self.rayjob_name
+        if about is not None and about != attempts.current_ray_job(meta["name"], current):
+            return None  # an earlier attempt's RayJob: its outcome is recorded already
+        rayjob, step = self.rayjob, attempts.Step(None)
+        if spec is not None and not problems:
+            run_spec = status.applied_after_update(spec, self.applied)
+            step = attempts.advance(meta["name"], run_spec, current, rayjob, _fits(run_spec))
+            if step.retry is not None:
+                rayjob = None  # the new attempt's RayJob is applied next (rljob_changed)
         observed = status.Observed(
             generation=int(rljob["metadata"].get("generation") or 0),
             spec=spec,
             applied_spec=self.applied,
-            rayjob=self.rayjob,
+            rayjob=rayjob,
             previous_conditions=list(current.get("conditions") or []),
             problems=problems,
             memory=current.get("memory"),
@@ -174,6 +209,8 @@ class Observing:
             apply_failure=self.apply_failure,
             reconciled=self.reconciled,
             startup_expired=self.startup_expired,
+            attempts=step.attempts,
+            oom_stop=step.stop,
         )
         return status.compute(observed, _now())
 
@@ -238,7 +275,14 @@ def _write(
             kube.apply_status(namespace, name, computed)
         if isinstance(fields, Observing):
             MIRRORED.remember(namespace, name, fields.rayjob)
+        retries = attempts.new_retries(
+            current.get("attempts") or [], computed.get("attempts") or []
+        )
     body = kopf.Body(cast(kopf.RawBody, rljob))
+    for number, message in retries:
+        # One Warning per retry: the write that appended the attempt happens once.
+        kopf.event(body, type="Warning", reason=REASON_OOM_RETRY, message=message)
+        logger.warning(f"RLJob {namespace}/{name}: attempt {number}: {message}")
     for t in transitions:
         reason = t.reason if t.status == "True" or t.type == status.SPEC_APPLIED else t.type
         event_type = "Warning" if t.reason == status.REASON_UPDATE_REFUSED else t.event_type
@@ -308,7 +352,13 @@ def reconcile(
         with _job_lock(namespace, name):
             # A job the memory plan rejects (onMisfit Reject) gets no RayJob; status says why.
             start = admit(run_spec).start
-            stored = _apply_children(owner, spec, run_spec, retry, logger, rayjob=start)
+            # The OOM policy's current attempt, from status as stored now (not as the event
+            # saw it): its RayJob and job config are the ones to apply.
+            fresh = kube.get_rljob(namespace, name) or dict(body)
+            attempt = attempts.current(name, run_spec, fresh.get("status") or {})
+            stored = _apply_children(
+                owner, spec, run_spec, retry, logger, rayjob=start, attempt=attempt
+            )
             APPLIED.remember(namespace, name, stored["ConfigMap"], run_spec)
             observing = Observing(spec, run_spec, stored.get("RayJob"), reconciled=True)
             _write(namespace, name, observing, logger)
@@ -319,13 +369,16 @@ def reconcile(
 
 def _apply_children(
     owner: render.Owner, spec: RLJobSpec, run_spec: RLJobSpec, retry: int,
-    logger: kopf.Logger, rayjob: bool = True,
+    logger: kopf.Logger | logging.Logger, rayjob: bool = True,
+    attempt: attempts.Current | None = None,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Server-side apply every child; the stored objects by kind. A child the apiserver refuses
-    makes the RLJob Failed (PermanentError: kopf stops); a transient failure is in status as a
-    retry, and kopf retries with a doubling delay."""
+    """Server-side apply every child of the current attempt (1 when not given); the stored
+    objects by kind. A child the apiserver refuses makes the RLJob Failed (PermanentError: kopf
+    stops); a transient failure is in status as a retry, and kopf retries with a doubling
+    delay."""
     stored: dict[str, dict[str, Any]] = {}
-    for child in _apply_order(render.children(owner, run_spec)):
+    number, knobs = (attempt.number, attempt.knobs) if attempt is not None else (1, None)
+    for child in _apply_order(render.children(owner, run_spec, number, knobs)):
         if child["kind"] == "RayJob" and not rayjob:
             continue
         try:
@@ -361,7 +414,10 @@ def rayjob_changed(
             if MIRRORED.holds(namespace, name, rayjob):
                 return  # the RLJob's status was computed from this very RayJob state
             # The spec is parsed from the RLJob _write reads (one read, under the same lock).
-            _write(namespace, name, Observing(None, APPLIED.read(namespace, name), rayjob), logger)
+            # A RayJob of an earlier OOM-policy attempt is ignored there (Observing).
+            applied = APPLIED.read(namespace, name)
+            observing = Observing(None, applied, rayjob, rayjob_name=body["metadata"]["name"])
+            _write(namespace, name, observing, logger)
     except (ApiException, HTTPError) as exc:
         logger.warning(f"RLJob {namespace}/{name}: status not updated: {exc}")
 
@@ -389,7 +445,7 @@ def _observe_causes(
         return
     try:
         with _job_lock(namespace, job):
-            rayjob = kube.get_rayjob(namespace, job)
+            rayjob = kube.get_rayjob(namespace, _current_ray_job(namespace, job))
             _write(namespace, job, Observing(None, APPLIED.read(namespace, job), rayjob), logger)
     except (ApiException, HTTPError) as exc:
         logger.warning(f"RLJob {namespace}/{job}: causes not recorded yet: {exc}")
@@ -418,16 +474,24 @@ async def startup_deadline(
     await asyncio.to_thread(_time_out, owner, logger)
 
 
+def _current_ray_job(namespace: str, job: str) -> str:
+    """The current OOM-policy attempt's RayJob name, from the RLJob's status as stored."""
+    rljob = kube.get_rljob(namespace, job) or {}
+    return attempts.current_ray_job(job, rljob.get("status") or {})
+
+
 def _time_out(owner: render.Owner, logger: kopf.Logger) -> None:
     namespace, name = owner.namespace, owner.name
     try:
         with _job_lock(namespace, name):
             applied = APPLIED.read(namespace, name)
-            rayjob = kube.get_rayjob(namespace, name)
+            rljob = kube.get_rljob(namespace, name) or {}
+            attempt = attempts.current(name, applied, rljob.get("status") or {})
+            rayjob = kube.get_rayjob(namespace, attempt.ray_job)
             if rayjob is not None and applied is not None:
                 # Suspend first: if this fails the job is still Starting and the timer retries.
                 suspended = applied.model_copy(update={"suspend": True})
-                rayjob = kube.apply(render.ray_job(owner, suspended))
+                rayjob = kube.apply(render.ray_job(owner, suspended, attempt.number))
             _write(namespace, name, Observing(None, applied, rayjob, startup_expired=True), logger)
     except (ApiException, HTTPError) as exc:
         raise kopf.TemporaryError(
@@ -452,6 +516,8 @@ def rljob_changed(
         return
     current = dict(body.get("status") or {})
     metrics.JOBS.observe(namespace, name, current)
+    if attempts.needs_attention(dict(body.get("spec") or {}), current):
+        _follow_attempt(namespace, name, logger)
     wanted = status.derived(current.get("memory"), dict(current.get("oomCounts") or {}))
     held = {key: current[key] for key in status.DERIVED_FIELDS if key in current}
     if wanted == held:
@@ -461,6 +527,41 @@ def rljob_changed(
     except (ApiException, HTTPError) as exc:
         # Not retried by kopf: the next change of this RLJob repairs it.
         logger.warning(f"RLJob {namespace}/{name}: derived status not updated: {exc}")
+
+
+def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Logger) -> None:
+    """The OOM policy's work an RLJob change may bring (attempts.needs_attention): apply the
+    children of a retry recorded in status.attempts whose RayJob does not exist yet, or decide
+    on a failed attempt whose OOM record arrived after KubeRay's failure. Everything is read
+    again under the job's lock, so a stale event does nothing; a failure here is logged, and
+    the next change of the RLJob (or the operator's resume) tries again."""
+    try:
+        with _job_lock(namespace, name):
+            rljob = kube.get_rljob(namespace, name)
+            if rljob is None:
+                return
+            spec, problems = _parse(rljob)
+            if spec is None or problems:
+                return
+            applied = APPLIED.read(namespace, name)
+            run_spec = status.applied_after_update(spec, applied)
+            current = dict(rljob.get("status") or {})
+            attempt = attempts.current(name, run_spec, current)
+            rayjob = kube.get_rayjob(namespace, attempt.ray_job)
+            if rayjob is None and attempt.number > 1:
+                if status.timed_out(current):
+                    run_spec = run_spec.model_copy(update={"suspend": True})
+                meta = rljob["metadata"]
+                owner = render.Owner(name=name, namespace=namespace, uid=meta["uid"])
+                stored = _apply_children(owner, spec, run_spec, 0, logger, attempt=attempt)
+                APPLIED.remember(namespace, name, stored["ConfigMap"], run_spec)
+                logger.info(f"RLJob {namespace}/{name}: attempt {attempt.number} started")
+                observing = Observing(spec, run_spec, stored.get("RayJob"), reconciled=True)
+            else:
+                observing = Observing(spec, applied, rayjob)
+            _write(namespace, name, observing, logger)
+    except (ApiException, HTTPError, kopf.TemporaryError, kopf.PermanentError) as exc:
+        logger.warning(f"RLJob {namespace}/{name}: OOM policy attempt not advanced yet: {exc}")
 
 
 @kopf.on.event("", "v1", "pods", labels=RAYJOB_LABELS)

@@ -15,10 +15,12 @@ from rljob.api import (
     JOB_CONFIG_DIR,
     JOB_CONFIG_FILE,
     KIND,
+    AttemptKnobs,
     JobConfig,
     RLJobSpec,
     name_problems,
 )
+from rljob.oom_policy import rayjob_name
 from rljob_operator.rbac import job_rules
 
 # The Ray driver the RayJob runs (built in worker_image/rljob_worker/driver/ray_main.py).
@@ -68,9 +70,17 @@ def _metadata(name: str, owner: Owner) -> dict[str, Any]:
     }
 
 
-def config_map(owner: Owner, spec: RLJobSpec) -> dict[str, Any]:
-    """The worker's job config: the validated spec and whose status to write."""
-    config = JobConfig(name=owner.name, namespace=owner.namespace, spec=spec)
+def config_map(
+    owner: Owner, spec: RLJobSpec, attempt: int = 1, knobs: AttemptKnobs | None = None
+) -> dict[str, Any]:
+    """The worker's job config: the validated spec and whose status to write; from the OOM
+    policy's second attempt on, the attempt's number and memory knobs (the spec unchanged)."""
+    if attempt == 1 and knobs is None:
+        config = JobConfig(name=owner.name, namespace=owner.namespace, spec=spec)
+    else:
+        config = JobConfig(
+            name=owner.name, namespace=owner.namespace, spec=spec, attempt=attempt, knobs=knobs
+        )
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -144,8 +154,9 @@ def worker_env(spec: RLJobSpec) -> list[dict[str, str]]:
     return env
 
 
-def ray_job(owner: Owner, spec: RLJobSpec) -> dict[str, Any]:
-    """The KubeRay RayJob: a head (runs the driver, no ranks) and one worker group (the ranks)."""
+def ray_job(owner: Owner, spec: RLJobSpec, attempt: int = 1) -> dict[str, Any]:
+    """The KubeRay RayJob: a head (runs the driver, no ranks) and one worker group (the ranks).
+    Attempt N >= 2 of the OOM policy is RayJob NAME-aN (rljob.oom_policy.rayjob_name)."""
     res = spec.resources
     worker_limits: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
     worker_start: dict[str, str] = {}
@@ -164,7 +175,7 @@ def ray_job(owner: Owner, spec: RLJobSpec) -> dict[str, Any]:
     return {
         "apiVersion": RAY_API_VERSION,
         "kind": "RayJob",
-        "metadata": _metadata(owner.name, owner),
+        "metadata": _metadata(rayjob_name(owner.name, attempt), owner),
         "spec": {
             "entrypoint": DRIVER_ENTRYPOINT,
             "submissionMode": "K8sJobMode",
@@ -222,15 +233,19 @@ def job_role_binding(owner: Owner) -> dict[str, Any]:
     }
 
 
-def children(owner: Owner, spec: RLJobSpec) -> list[dict[str, Any]]:
-    """All children: identity and config before the RayJob that uses them (the operator applies
-    the Role and RoleBinding after the RayJob: see handlers.AFTER_RAYJOB)."""
+def children(
+    owner: Owner, spec: RLJobSpec, attempt: int = 1, knobs: AttemptKnobs | None = None
+) -> list[dict[str, Any]]:
+    """All children of one attempt: identity and config before the RayJob that uses them (the
+    operator applies the Role and RoleBinding after the RayJob: see handlers.AFTER_RAYJOB).
+    Every attempt shares the ServiceAccount, Role, RoleBinding and job-config ConfigMap (which
+    names the current attempt and its knobs); each has its own RayJob."""
     return [
         service_account(owner),
         job_role(owner),
         job_role_binding(owner),
-        config_map(owner, spec),
-        ray_job(owner, spec),
+        config_map(owner, spec, attempt, knobs),
+        ray_job(owner, spec, attempt),
     ]
 
 

@@ -1,8 +1,9 @@
 """Status computation: what the operator observes (RLJob, applied spec, RayJob) in, the
 operator-owned status fields out. Pure; computed each time from observations, never accumulated.
 
-The operator owns phase, observedGeneration, conditions, rayJob and the derived printer-column
-fields; the job's driver owns iteration, memory and CUDA OOMs (see DESIGN.md).
+The operator owns phase, observedGeneration, conditions, rayJob, attempts (the OOM policy's,
+advanced by attempts.py) and the derived printer-column fields; the job's driver owns
+iteration, memory and CUDA OOMs (see DESIGN.md).
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob.api import DEFAULT_STARTUP_TIMEOUT_SECONDS, Phase, RLJobSpec
-from rljob.oom_policy import MEMORY_PLAN_FITS, REASON_PLAN_MISFIT, admit
+from rljob.oom_policy import (
+    MEMORY_PLAN_FITS,
+    REASON_HOST_OOM,
+    REASON_PLAN_MISFIT,
+    REASON_RETRIES_EXHAUSTED,
+    admit,
+)
 from rljob_operator.causes import Cause
 from rljob_operator.oom import KIND as KILLED
 from rljob_operator.oom import KilledPart
@@ -101,6 +108,10 @@ class Observed:
     apply_failure: ApplyFailure | None = None  # applying a child failed in this reconcile
     reconciled: bool = False  # this reconcile applied every child
     startup_expired: bool = False  # the startup deadline passed (the timer says so)
+    # status.attempts as the OOM policy has it (attempts.advance); None: the policy is off.
+    attempts: list[dict[str, Any]] | None = None
+    # The policy's final decision on a failed attempt: (reason, message) for Failed.
+    oom_stop: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +130,9 @@ class Transition:
 
 
 WARNING_REASONS = (REASON_UPDATE_REFUSED, REASON_APPLY_RETRYING, REASON_PLAN_MISFIT)
+# Failed reasons of the OOM policy: news even when Failed was already True (a RayJobFailed seen
+# before the driver's OOM record arrived).
+POLICY_REASONS = (REASON_RETRIES_EXHAUSTED, REASON_HOST_OOM)
 
 
 def refused_fields(spec: RLJobSpec, applied: RLJobSpec | None) -> list[str]:
@@ -173,7 +187,11 @@ def _phase_and_reasons(obs: Observed) -> tuple[Phase, dict[str, tuple[bool, str,
         else (True, REASON_APPLIED, "the RayJob reflects the spec")
     )
     if obs.rayjob is None:
-        conditions[CREATED] = (False, REASON_RAYJOB_MISSING, "RayJob not created yet")
+        what = "RayJob not created yet"
+        if obs.attempts and len(obs.attempts) > 1:
+            last = obs.attempts[-1]
+            what = f"RayJob {last.get('rayJob')} of attempt {last.get('attempt')} not created yet"
+        conditions[CREATED] = (False, REASON_RAYJOB_MISSING, what)
         return Phase.PENDING, conditions
     name = obs.rayjob.get("metadata", {}).get("name", "")
     conditions[CREATED] = (True, REASON_RAYJOB_CREATED, f"RayJob {name} created")
@@ -282,6 +300,8 @@ def _with_failures(obs: Observed, phase: Phase, conditions: Conditions) -> Phase
     standing = _standing_failure(obs)
     if standing is None and obs.startup_expired and phase in (Phase.PENDING, Phase.STARTING):
         standing = REASON_STARTUP_TIMEOUT, _startup_timeout_text(obs, conditions.get(PODS_READY))
+    if standing is None and obs.oom_stop is not None and phase is Phase.FAILED:
+        standing = obs.oom_stop
     if standing is None:
         return phase
     reason, message = standing
@@ -342,13 +362,18 @@ def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
         flag = "True" if ok else "False"
         before = previous.get(ctype)
         changed = before is None or before.get("status") != flag
+        # The OOM policy's verdict on a job already Failed (RayJobFailed first) is news too.
+        renamed = (
+            ctype == FAILED and ok and reason in POLICY_REASONS
+            and before is not None and before.get("reason") != reason
+        )  # fmt: skip
         # A condition appearing as False (e.g. Failed=False at creation) is no news; an Event
         # goes out when one becomes True or flips.
         # PodsReady has no transition Event: each cause has its own aggregated one (causes.py),
         # and the pods running is the Running condition's Event.
         # MemoryPlanFits=False is news at creation too: the Warning Event of onMisfit Warn.
         news = ok or before is not None or ctype == MEMORY_PLAN_FITS
-        if changed and news and ctype != PODS_READY:
+        if ((changed and news) or renamed) and ctype != PODS_READY:
             transitions.append(Transition(ctype, flag, reason, message))
         since = now if before is None or changed else str(before["lastTransitionTime"])
         conditions.append(
@@ -376,6 +401,8 @@ def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
             "jobStatus": rj.get("jobStatus", ""),
             "jobDeploymentStatus": rj.get("jobDeploymentStatus", ""),
         }
+    if obs.attempts:
+        status["attempts"] = obs.attempts
     status.update(derived(obs.memory, obs.oom_counts))
     return status, transitions
 
@@ -438,14 +465,19 @@ def _time(text: str) -> datetime.datetime:
 
 def startup_deadline(rljob: Mapping[str, Any]) -> datetime.datetime | None:
     """When the job fails for not having started, or None while no deadline runs (it runs,
-    finished, failed, or is suspended). The clock starts when the RLJob is created and again
-    when it is resumed (its Suspended condition turning False)."""
+    finished, failed, or is suspended). The clock starts when the RLJob is created, again
+    when it is resumed (its Suspended condition turning False), and again with each OOM retry."""
     current = rljob.get("status") or {}
     if current.get("phase") not in (None, Phase.PENDING.value, Phase.STARTING.value):
         return None
     since = _time(str(rljob["metadata"]["creationTimestamp"]))
+    retried = len(current.get("attempts") or []) > 1
     for c in current.get("conditions") or []:
         if c.get("type") == SUSPENDED and c.get("status") == "False":
+            since = max(since, _time(str(c["lastTransitionTime"])))
+        # An OOM retry starts the clock again: Created turned False when the retry was
+        # recorded and True when its RayJob was made.
+        if retried and c.get("type") == CREATED:
             since = max(since, _time(str(c["lastTransitionTime"])))
     spec = rljob.get("spec") or {}
     timeout = int(spec.get("startupTimeoutSeconds") or DEFAULT_STARTUP_TIMEOUT_SECONDS)

@@ -1,0 +1,229 @@
+"""The OOM policy's attempts as the operator tracks them (issue 19). Pure: the RLJob's status
+(status.attempts, status.oomEvents) and the current attempt's RayJob in, the next status.attempts
+and what to do out. rljob/oom_policy.py decides; this module observes and records.
+
+State lives in the RLJob's status only (it survives operator restarts): the last entry of
+status.attempts is the current attempt, and its RayJob is rayjob_name(job, N). A retry is
+recorded by appending attempt N+1 to status.attempts before its RayJob exists; the handlers then
+apply that attempt's children (server-side apply, a fixed name: never created twice). With
+spec.oomPolicy.maxRetries 0 (and no attempts in status) nothing here writes anything.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from rljob.api import Attempt, AttemptKnobs, RLJobSpec
+from rljob.oom_policy import Decision, Outcome, first_knobs, next_attempt, rayjob_name
+
+RUNNING: Final = "Running"
+SUCCEEDED: Final = "Succeeded"
+FAILED: Final = "Failed"
+# Results of an attempt that the policy decided on (retry or stop): never recomputed.
+OOM_RESULTS = ("CUDAOutOfMemory", "OOMKilled")
+
+
+@dataclass(frozen=True)
+class Current:
+    """The attempt the job is on: its number, RayJob and knobs (None: the spec's own)."""
+
+    number: int
+    ray_job: str
+    knobs: AttemptKnobs | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one observation of the current attempt's RayJob means.
+
+    attempts: status.attempts to write (None: the policy is off, write none); stop: (reason,
+    message) of a final decision, for the Failed condition; retry: the new attempt, recorded in
+    `attempts` but whose RayJob does not exist yet; decision: the policy's, when it ran.
+    """
+
+    attempts: list[dict[str, Any]] | None
+    stop: tuple[str, str] | None = None
+    retry: Current | None = None
+    decision: Decision | None = None
+
+
+def policy_on(spec: RLJobSpec, status: Mapping[str, Any]) -> bool:
+    return spec.oom_policy.max_retries > 0 or bool(status.get("attempts"))
+
+
+def entry(job: str, number: int, knobs: AttemptKnobs, result: str = RUNNING) -> dict[str, Any]:
+    """A status.attempts entry (camelCase, as stored)."""
+    attempt = Attempt(
+        attempt=number,
+        ray_job=rayjob_name(job, number),
+        mem_fraction_static=knobs.mem_fraction_static,
+        wake_up=knobs.wake_up,
+        result=result,
+    )
+    return attempt.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def _knobs(spec: RLJobSpec, last: Mapping[str, Any]) -> AttemptKnobs:
+    return AttemptKnobs(
+        mem_fraction_static=float(last["memFractionStatic"]),
+        wake_up=last.get("wakeUp") or spec.rollout.wake_up,
+    )
+
+
+def current(job: str, spec: RLJobSpec | None, status: Mapping[str, Any]) -> Current:
+    """The current attempt, from status.attempts (attempt 1, the RLJob's name, without any)."""
+    attempts = list(status.get("attempts") or [])
+    if not attempts or spec is None:
+        return Current(1, rayjob_name(job, 1))
+    last = attempts[-1]
+    number = int(last["attempt"])
+    knobs = _knobs(spec, last) if number > 1 else None
+    return Current(number, str(last.get("rayJob") or rayjob_name(job, number)), knobs)
+
+
+def current_ray_job(job: str, status: Mapping[str, Any]) -> str:
+    """The current attempt's RayJob name, without parsing the spec."""
+    attempts = list(status.get("attempts") or [])
+    if not attempts:
+        return rayjob_name(job, 1)
+    last = attempts[-1]
+    return str(last.get("rayJob") or rayjob_name(job, int(last["attempt"])))
+
+
+def ended(rayjob: Mapping[str, Any]) -> str:
+    """RUNNING (not ended, pending included), SUCCEEDED or FAILED, as status.py reads KubeRay."""
+    rj = rayjob.get("status") or {}
+    job_status, deployment = rj.get("jobStatus", ""), rj.get("jobDeploymentStatus", "")
+    if job_status == "SUCCEEDED" or (deployment == "Complete" and job_status != "FAILED"):
+        return SUCCEEDED
+    if job_status in ("FAILED", "STOPPED") or deployment in ("Failed", "ValidationFailed"):
+        return FAILED
+    return RUNNING
+
+
+def _seconds(text: str) -> datetime.datetime | None:
+    """An RFC 3339 time cut to whole seconds (the apiserver's and the worker's precision)."""
+    try:
+        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.replace(microsecond=0)
+
+
+def outcome(rayjob: Mapping[str, Any], oom_events: Sequence[Mapping[str, Any]]) -> Outcome:
+    """How a failed attempt ended: its first OOM (CUDA from the driver, OOMKilled from the
+    kubelet) strictly after its RayJob was created, else a plain failure.
+
+    Strictly later, in whole seconds: the previous attempt's OOM happened before its RayJob
+    failed, hence before this RayJob was created, possibly in the same second; no attempt's
+    pods run, let alone OOM, within the second its RayJob is created.
+    """
+    start = _seconds(str(rayjob.get("metadata", {}).get("creationTimestamp") or ""))
+    found: list[tuple[datetime.datetime, int, Mapping[str, Any]]] = []
+    for event in oom_events:
+        kind = event.get("kind")
+        when = _seconds(str(event.get("time") or ""))
+        if kind not in OOM_RESULTS or when is None or (start is not None and when <= start):
+            continue
+        found.append((when, 0 if kind == "CUDAOutOfMemory" else 1, event))
+    if not found:
+        return Outcome(FAILED)
+    _, _, first = min(found, key=lambda f: (f[0], f[1]))
+    rank = first.get("rank")
+    limit = first.get("limitBytes")
+    return Outcome(
+        "CUDAOutOfMemory" if first["kind"] == "CUDAOutOfMemory" else "OOMKilled",
+        stage=first.get("stage"),
+        rank=int(rank) if rank is not None else None,
+        pod=str(first.get("pod") or ""),
+        limit_bytes=int(limit) if limit is not None else None,
+    )
+
+
+def advance(
+    job: str,
+    spec: RLJobSpec,
+    status: Mapping[str, Any],
+    rayjob: Mapping[str, Any] | None,
+    fits: Callable[[AttemptKnobs], bool | None] = lambda _k: None,
+) -> Step:
+    """status.attempts after observing `rayjob` (the current attempt's, or None: not created).
+
+    The current (last) entry's result follows its RayJob; when that RayJob failed with an OOM
+    after it started, the policy (next_attempt) decides: a retry appends attempt N+1, a stop
+    is returned for the Failed condition. Earlier entries are never touched, so the same
+    observation always gives the same answer (level-triggered, restart-safe).
+    """
+    if not policy_on(spec, status):
+        return Step(None)
+    attempts = [dict(a) for a in status.get("attempts") or []]
+    if not attempts:
+        attempts = [entry(job, 1, first_knobs(spec))]
+    last = attempts[-1]
+    number = int(last["attempt"])
+    name = str(last.get("rayJob") or rayjob_name(job, number))
+    if rayjob is None or rayjob.get("metadata", {}).get("name") != name:
+        return Step(attempts)
+    result = ended(rayjob)
+    for key in ("oomStage", "oomRank"):
+        last.pop(key, None)
+    last["message"] = ""
+    if result != FAILED:
+        last["result"] = result
+        return Step(attempts)
+    out = outcome(rayjob, list(status.get("oomEvents") or []))
+    last["result"] = out.kind
+    if out.kind == FAILED:
+        return Step(attempts)
+    if out.stage is not None:
+        last["oomStage"] = str(out.stage)
+    if out.rank is not None:
+        last["oomRank"] = out.rank
+    decision = next_attempt(spec, _knobs(spec, last), number, out, fits)
+    last["message"] = decision.message[:1024]
+    if decision.retry and decision.knobs is not None:
+        attempts.append(entry(job, number + 1, decision.knobs))
+        retry = Current(number + 1, rayjob_name(job, number + 1), decision.knobs)
+        return Step(attempts, retry=retry, decision=decision)
+    if decision.reason is None:
+        return Step(attempts, decision=decision)
+    return Step(attempts, stop=(decision.reason, decision.message), decision=decision)
+
+
+def new_retries(
+    before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]
+) -> list[tuple[int, str]]:
+    """(attempt number, the policy's message) for each retry `after` adds to `before`."""
+    known = {int(a["attempt"]) for a in before}
+    by_number = {int(a["attempt"]): a for a in after}
+    return [
+        (n, str((by_number.get(n - 1) or {}).get("message") or f"attempt {n}"))
+        for n in sorted(by_number)
+        if n > 1 and n not in known
+    ]
+
+
+def needs_attention(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+    """From an RLJob event's body alone (no reads): whether the policy may have work to do.
+
+    The current attempt's RayJob is not the one status mirrors (a retry recorded, its children
+    not applied yet), or it failed without an OOM seen yet while status holds OOM entries (the
+    driver's write came after KubeRay's)."""
+    attempts = list(status.get("attempts") or [])
+    if not attempts:
+        return False
+    last = attempts[-1]
+    mirrored = (status.get("rayJob") or {}).get("name")
+    if int(last.get("attempt") or 1) > 1 and mirrored != last.get("rayJob"):
+        return True
+    oom_entries = any(e.get("kind") in OOM_RESULTS for e in status.get("oomEvents") or [])
+    return (
+        int(((spec.get("oomPolicy") or {}).get("maxRetries")) or 0) > 0
+        and last.get("result") == FAILED
+        and oom_entries
+    )

@@ -1,0 +1,215 @@
+"""The operator's side of the OOM policy as pure functions (rljob_operator/attempts.py): which
+attempt is current, how a failed attempt ended, status.attempts after an observation, and the
+status fields and render output that follow from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rljob.api import JOB_CONFIG_FILE, AttemptKnobs, JobConfig, RLJobSpec, WakeUp
+from rljob_operator import attempts, render, status
+
+pytestmark = pytest.mark.unit
+
+CREATED_AT = "2026-11-25T10:00:00Z"
+
+
+def spec(max_retries: int = 2, wake_up: str = "staged", **policy: Any) -> RLJobSpec:
+    return RLJobSpec.model_validate(
+        {
+            "rollout": {"memFractionStatic": 0.85, "wakeUp": wake_up},
+            "oomPolicy": {"maxRetries": max_retries, **policy},
+        }
+    )
+
+
+def rayjob(name: str, job_status: str = "FAILED", deployment: str = "Failed") -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "uid": f"uid-{name}", "creationTimestamp": CREATED_AT},
+        "status": {"jobStatus": job_status, "jobDeploymentStatus": deployment},
+    }
+
+
+def cuda(time: str, stage: str = "wake_kv_cache", rank: int = 0) -> dict[str, Any]:
+    return {"id": f"cuda/{rank}/{time}", "kind": "CUDAOutOfMemory", "time": time,
+            "stage": stage, "rank": rank, "iteration": 1}  # fmt: skip
+
+
+def killed(time: str) -> dict[str, Any]:
+    return {"id": "killed/p/c", "kind": "OOMKilled", "time": time, "pod": "j-workers-x",
+            "container": "ray-worker", "limitBytes": 1 << 30}  # fmt: skip
+
+
+def test_policy_off_writes_no_attempts() -> None:
+    step = attempts.advance("j", spec(0), {"oomEvents": [cuda("2026-11-25T10:00:09Z")]},
+                            rayjob("j"))  # fmt: skip
+    assert step == attempts.Step(None)
+
+
+def test_first_observation_records_attempt_one_running() -> None:
+    step = attempts.advance("j", spec(), {}, rayjob("j", "RUNNING", "Running"))
+    assert step.attempts == [
+        {"attempt": 1, "rayJob": "j", "memFractionStatic": 0.85, "wakeUp": "staged",
+         "result": "Running", "message": ""}
+    ]  # fmt: skip
+    assert step.retry is None and step.stop is None
+
+
+def test_an_oom_after_the_start_retries_with_the_lowered_fraction() -> None:
+    current = {"oomEvents": [cuda("2026-11-25T10:00:07Z")]}
+    step = attempts.advance("j", spec(), current, rayjob("j"))
+    assert step.attempts is not None
+    first, second = step.attempts
+    assert (first["result"], first["oomStage"], first["oomRank"]) == (
+        "CUDAOutOfMemory", "wake_kv_cache", 0,
+    )  # fmt: skip
+    assert "attempt 2 runs with memFractionStatic 0.8" in first["message"]
+    assert second == {"attempt": 2, "rayJob": "j-a2", "memFractionStatic": 0.8,
+                      "wakeUp": "staged", "result": "Running", "message": ""}  # fmt: skip
+    assert step.retry == attempts.Current(2, "j-a2", AttemptKnobs(mem_fraction_static=0.8,
+                                                                  wake_up=WakeUp.STAGED))  # fmt: skip
+
+
+def test_single_becomes_staged_first() -> None:
+    current = {"oomEvents": [cuda("2026-11-25T10:00:07Z")]}
+    step = attempts.advance("j", spec(wake_up="single"), current, rayjob("j"))
+    assert step.retry is not None and step.retry.knobs == AttemptKnobs(
+        mem_fraction_static=0.85, wake_up=WakeUp.STAGED
+    )
+
+
+def test_the_same_observation_gives_the_same_answer_and_an_old_rayjob_changes_nothing() -> None:
+    current: dict[str, Any] = {"oomEvents": [cuda("2026-11-25T10:00:07Z")]}
+    step = attempts.advance("j", spec(), current, rayjob("j"))
+    recorded = {**current, "attempts": step.attempts}
+    # The first attempt's RayJob seen again (an operator restart lists it): not current.
+    again = attempts.advance("j", spec(), recorded, rayjob("j"))
+    assert again.attempts == step.attempts and again.retry is None
+    assert attempts.current("j", spec(), recorded).ray_job == "j-a2"
+    assert attempts.current_ray_job("j", recorded) == "j-a2"
+
+
+def test_an_oom_of_the_previous_attempt_is_not_this_attempts() -> None:
+    # j-a2 created in the same second as attempt 1's OOM: that OOM is not attempt 2's.
+    previous = [
+        {"attempt": 1, "rayJob": "j", "memFractionStatic": 0.85, "wakeUp": "staged",
+         "result": "CUDAOutOfMemory", "message": "m"},
+        {"attempt": 2, "rayJob": "j-a2", "memFractionStatic": 0.8, "wakeUp": "staged",
+         "result": "Running", "message": ""},
+    ]  # fmt: skip
+    current = {"attempts": previous, "oomEvents": [cuda(CREATED_AT)]}
+    step = attempts.advance("j", spec(), current, rayjob("j-a2"))
+    assert step.attempts is not None and step.attempts[-1]["result"] == "Failed"
+    assert step.retry is None and step.stop is None
+
+
+def test_a_third_oom_exhausts_max_retries_two() -> None:
+    made = [attempts.entry("j", n, AttemptKnobs(mem_fraction_static=f, wake_up=WakeUp.STAGED))
+            for n, f in ((1, 0.85), (2, 0.8), (3, 0.75))]  # fmt: skip
+    current = {"attempts": made, "oomEvents": [cuda("2026-11-25T10:00:30Z", "rollout", 1)]}
+    step = attempts.advance("j", spec(), current, rayjob("j-a3"))
+    assert step.retry is None and step.stop is not None
+    assert step.stop[0] == "OOMRetriesExhausted" and "attempt 3" in step.stop[1]
+    assert step.attempts is not None and len(step.attempts) == 3
+    assert (step.attempts[-1]["oomStage"], step.attempts[-1]["oomRank"]) == ("rollout", 1)
+
+
+def test_oomkilled_is_not_retried_and_names_the_limit() -> None:
+    step = attempts.advance("j", spec(), {"oomEvents": [killed("2026-11-25T10:00:05Z")]},
+                            rayjob("j"))  # fmt: skip
+    assert step.stop is not None and step.stop[0] == "OOMKilled"
+    assert str(1 << 30) in step.stop[1] and "j-workers-x" in step.stop[1]
+    assert step.attempts is not None and step.attempts[-1]["result"] == "OOMKilled"
+
+
+@pytest.mark.parametrize(
+    ("job_status", "deployment", "result"),
+    [("RUNNING", "Running", "Running"), ("", "Initializing", "Running"),
+     ("SUCCEEDED", "Complete", "Succeeded"), ("FAILED", "Failed", "Failed")],
+)  # fmt: skip
+def test_the_current_attempts_result_follows_its_rayjob(
+    job_status: str, deployment: str, result: str
+) -> None:
+    step = attempts.advance("j", spec(), {}, rayjob("j", job_status, deployment))
+    assert step.attempts is not None and step.attempts[-1]["result"] == result
+
+
+def test_new_retries_and_needs_attention() -> None:
+    one = [{"attempt": 1, "rayJob": "j", "message": "m1"}]
+    two = [*one, {"attempt": 2, "rayJob": "j-a2"}]
+    assert attempts.new_retries(one, two) == [(2, "m1")]
+    assert attempts.new_retries(two, two) == []
+    policy = {"oomPolicy": {"maxRetries": 2}}
+    # A retry whose RayJob status does not mirror yet.
+    assert attempts.needs_attention(policy, {"attempts": two, "rayJob": {"name": "j"}})
+    assert not attempts.needs_attention(policy, {"attempts": two, "rayJob": {"name": "j-a2"}})
+    # A failure decided before the OOM record arrived.
+    failed = [{"attempt": 1, "rayJob": "j", "result": "Failed"}]
+    oom = [cuda("2026-11-25T10:00:07Z")]
+    assert attempts.needs_attention(policy, {"attempts": failed, "oomEvents": oom})
+    assert not attempts.needs_attention(policy, {"attempts": failed})
+    assert not attempts.needs_attention({}, {"oomEvents": oom})
+
+
+def _observed(step: attempts.Step, rj: dict[str, Any] | None) -> status.Observed:
+    return status.Observed(generation=1, spec=spec(), applied_spec=spec(), rayjob=rj,
+                           attempts=step.attempts, oom_stop=step.stop)  # fmt: skip
+
+
+def test_status_keeps_the_retry_pending_and_fails_an_exhausted_job() -> None:
+    retry = attempts.advance("j", spec(), {"oomEvents": [cuda("2026-11-25T10:00:07Z")]},
+                             rayjob("j"))  # fmt: skip
+    fields, _ = status.compute(_observed(retry, None), "2026-11-25T10:00:08Z")
+    assert fields["phase"] == "Pending" and len(fields["attempts"]) == 2
+    created = next(c for c in fields["conditions"] if c["type"] == "Created")
+    assert "j-a2" in created["message"]
+    made = [attempts.entry("j", n, AttemptKnobs(mem_fraction_static=f, wake_up=WakeUp.STAGED))
+            for n, f in ((1, 0.85), (2, 0.8), (3, 0.75))]  # fmt: skip
+    stop = attempts.advance("j", spec(), {"attempts": made,
+                            "oomEvents": [cuda("2026-11-25T10:00:30Z")]}, rayjob("j-a3"))  # fmt: skip
+    # Failed=True RayJobFailed first (the OOM record came later): the policy's reason is news.
+    before = [{"type": "Failed", "status": "True", "reason": "RayJobFailed", "message": "",
+               "lastTransitionTime": "2026-11-25T10:00:29Z"}]  # fmt: skip
+    observed = status.Observed(generation=1, spec=spec(), applied_spec=spec(),
+                               rayjob=rayjob("j-a3"), previous_conditions=before,
+                               attempts=stop.attempts, oom_stop=stop.stop)  # fmt: skip
+    fields, transitions = status.compute(observed, "2026-11-25T10:00:31Z")
+    failed = next(c for c in fields["conditions"] if c["type"] == "Failed")
+    assert fields["phase"] == "Failed" and failed["reason"] == "OOMRetriesExhausted"
+    assert failed["lastTransitionTime"] == "2026-11-25T10:00:29Z"
+    assert [(t.reason, t.event_type) for t in transitions if t.type == "Failed"] == [
+        ("OOMRetriesExhausted", "Warning")
+    ]
+
+
+def test_render_names_the_attempts_rayjob_and_puts_its_knobs_in_the_job_config() -> None:
+    owner = render.Owner(name="j", namespace="ns", uid="u")
+    knobs = AttemptKnobs(mem_fraction_static=0.8, wake_up=WakeUp.STAGED)
+    kids = {c["kind"]: c for c in render.children(owner, spec(), 2, knobs)}
+    assert kids["RayJob"]["metadata"]["name"] == "j-a2"
+    assert kids["RayJob"]["metadata"]["labels"]["rljob.dev/job"] == "j"
+    config = JobConfig.from_yaml(kids["ConfigMap"]["data"][JOB_CONFIG_FILE])
+    assert (config.attempt, config.knobs) == (2, knobs)
+    assert config.spec == spec()  # the user's spec, unchanged
+    assert config.effective_spec.rollout.mem_fraction_static == 0.8
+    # Attempt 1 renders exactly as before the policy existed.
+    assert render.children(owner, spec(), 1, None) == render.children(owner, spec())
+    plain = JobConfig.from_yaml(render.config_map(owner, spec())["data"][JOB_CONFIG_FILE])
+    assert (plain.attempt, plain.knobs) == (1, None)
+
+
+def test_a_retry_restarts_the_startup_clock() -> None:
+    job = {
+        "metadata": {"creationTimestamp": "2026-11-25T09:00:00Z"},
+        "spec": {"startupTimeoutSeconds": 60},
+        "status": {
+            "phase": "Pending",
+            "attempts": [{"attempt": 1}, {"attempt": 2}],
+            "conditions": [{"type": "Created", "status": "False",
+                            "lastTransitionTime": "2026-11-25T10:00:00Z"}],
+        },
+    }  # fmt: skip
+    deadline = status.startup_deadline(job)
+    assert deadline is not None and deadline.isoformat() == "2026-11-25T10:01:00+00:00"
