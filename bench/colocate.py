@@ -41,8 +41,8 @@ for extra in (ROOT, ROOT / "worker_image", ROOT / "operator"):
     if str(extra) not in sys.path:  # runnable from a bare checkout on the device machine
         sys.path.insert(0, str(extra))
 
-from rljob.api import RLJobSpec, WakeUp  # noqa: E402
-from rljob.plan import plan_line  # noqa: E402 (issue 19: the plan beside each point)
+from rljob.api import OffloadMode, RLJobSpec, WakeUp  # noqa: E402
+from rljob.plan import plan_for_point, plan_line  # noqa: E402 (issue 19: the plan beside each point)
 from rljob.report import Stage, StageSample  # noqa: E402
 from rljob_worker.driver.local import LocalRun, run_local  # noqa: E402
 from rljob_worker.loop import RankIteration  # noqa: E402
@@ -315,6 +315,11 @@ class Point:
     # Steady seconds of the stages that are neither train nor rollout, over all stages.
     staging_tax: float | None = None
     staging_dominant: str | None = None  # the largest of those stages
+    # spec.offload and what it came to: Always offloads what training.offload* allow, Auto
+    # the least the memory plan says the point needs (issue 19).
+    offload: str = "Always"
+    offload_optimizer: bool = True
+    offload_params: bool = True
     timeline: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -331,9 +336,10 @@ def make_spec(args: argparse.Namespace, model_path: str, mode: str, fraction: fl
             "training": {"micro_batch_size": args.micro_batch_size},
             # One worker with the ranks' GPUs: a tensor-parallel group lies within one worker.
             "resources": {"gpus_per_worker": args.ranks if args.tp > 1 else 1},
-            # As every stored point was measured: offload as training.offload* say, not as
-            # the memory plan would trim it (offload: Auto, the default since issue 19).
-            "offload": "Always",
+            # Always by default, as every stored point was measured: offload as
+            # training.offload* say; Auto (the product's default since issue 19) offloads only
+            # what the memory plan says the KV pool needs.
+            "offload": args.offload,
         }
     )  # fmt: skip
 
@@ -368,9 +374,16 @@ def _steady(values: dict[int, float]) -> float | None:
 
 
 def summarize_point(
-    run: LocalRun, mode: str, fraction: float, model: dict[str, Any], args: argparse.Namespace
+    run: LocalRun,
+    mode: str,
+    fraction: float,
+    model: dict[str, Any],
+    args: argparse.Namespace,
+    offloads: tuple[bool, bool] = (True, True),
 ) -> Point:
-    point = Point(mode=mode, fraction=fraction, completed=run.ok)
+    """`offloads`: (optimizer, params) as the ranks chose them (offload_choice)."""
+    point = Point(mode=mode, fraction=fraction, completed=run.ok, offload=args.offload,
+                  offload_optimizer=offloads[0], offload_params=offloads[1])  # fmt: skip
     if run.ooms:
         point.oom_stage, point.oom_iteration = str(run.ooms[0].stage), run.ooms[0].iteration
         point.failure = run.ooms[0].message[:300]
@@ -435,7 +448,7 @@ def summarize_point(
     ]  # fmt: skip
     # Host memory (smoke runs) says nothing about device releases: checked on CUDA only.
     if point.completed and last >= 1 and samples[0].kind == "cuda":
-        point.released = release_check(ordered, model, point.kv_pool_bytes or 0)
+        point.released = release_check(ordered, model, point.kv_pool_bytes or 0, offloads)
     return point
 
 
@@ -457,27 +470,33 @@ def staging_tax(stage_seconds: dict[str, float]) -> tuple[float | None, str | No
 
 
 def release_check(
-    ordered: list[StageSample], model: dict[str, Any], kv_pool_bytes: int
+    ordered: list[StageSample],
+    model: dict[str, Any],
+    kv_pool_bytes: int,
+    offloads: tuple[bool, bool] = (True, True),
 ) -> dict[str, dict[str, int]]:
     """Device memory each release gave back (mem_get_info at stage ends) against its bytes.
 
     offload_optimizer frees the AdamW moments (plus gradients and activations cached since
     train, hence >=); offload_train the sharded params; sleep the engine's weights and KV pool
     while it loads the offloaded training state back, so its freed bytes are
-    (end of rollout - end of sleep) + bytes loaded back.
+    (end of rollout - end of sleep) + bytes loaded back. A part that `offloads` (optimizer,
+    params) keeps on the device releases nothing and is not checked.
     """
     end = {str(s.stage): s.device_used_bytes for s in ordered}
     order = [str(s.stage) for s in ordered]
     before = {order[i]: end[order[i - 1]] for i in range(1, len(order))}
     checks = {}
-    if "offload_optimizer" in before:
-        checks["offload_optimizer"] = {"released_bytes": model["optimizer_bytes"],
+    optimizer_bytes = model["optimizer_bytes"] if offloads[0] else 0
+    param_bytes = model["train_param_bytes"] if offloads[1] else 0
+    if "offload_optimizer" in before and optimizer_bytes:
+        checks["offload_optimizer"] = {"released_bytes": optimizer_bytes,
                                        "freed_bytes": before["offload_optimizer"] - end["offload_optimizer"]}  # fmt: skip
-    if "offload_train" in before:
-        checks["offload_train"] = {"released_bytes": model["train_param_bytes"],
+    if "offload_train" in before and param_bytes:
+        checks["offload_train"] = {"released_bytes": param_bytes,
                                    "freed_bytes": before["offload_train"] - end["offload_train"]}  # fmt: skip
     if "sleep" in before:
-        loaded = model["train_param_bytes"] + model["optimizer_bytes"]
+        loaded = param_bytes + optimizer_bytes
         checks["sleep"] = {"released_bytes": model["engine_weight_bytes"] + kv_pool_bytes,
                            "freed_bytes": before["sleep"] - end["sleep"] + loaded}  # fmt: skip
     return checks
@@ -564,6 +583,23 @@ def _num(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if value is not None else "-"
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _offload(point: dict[str, Any]) -> str:
+    return str(point.get("offload", "Always"))  # points stored before --offload ran Always
+
+
+def _offload_note(point: dict[str, Any]) -> str:
+    """' (Auto: optimizer)' and the like: what an Auto point offloaded; nothing for Always."""
+    if _offload(point) == "Always":
+        return ""
+    parts = [n for n, on in (("optimizer", point["offload_optimizer"]),
+                             ("params", point["offload_params"])) if on]  # fmt: skip
+    return f" (Auto: {' + '.join(parts) or 'no offload'})"
+
+
 def _handoff(point: dict[str, Any]) -> str:
     """` (0.012)`: the hand-off part of the weight sync, where the run measured it."""
     seconds = point.get("weight_handoff_seconds")
@@ -631,7 +667,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         "offload s | onload s | staging tax | run |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for p in sorted(result["points"], key=lambda p: (p["mode"], p["fraction"])):
+    for p in sorted(result["points"], key=lambda p: (p["mode"], p["fraction"], _offload(p))):
         peaks = p["stage_peak_bytes"]
         if p["completed"]:
             outcome = f"ok ({p['iterations_done']} it)"
@@ -639,12 +675,12 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
             kind = "OOM" if p.get("failure_kind", "oom") == "oom" else "error"
             outcome = f"{kind} in {p['oom_stage']} (it {p['oom_iteration']})"
         lines.append(
-            f"| {p['mode']} | {p['fraction']:.2f} | {outcome} | {p['kv_capacity_tokens'] or '-'} "
+            f"| {p['mode']}{_offload_note(p)} | {p['fraction']:.2f} | {outcome} | {p['kv_capacity_tokens'] or '-'} "
             f"| {_gib(peaks.get('wake_weights'))} | {_gib(peaks.get('wake_kv_cache'))} | "
             f"{_gib(peaks.get('rollout'))} | {_num(p['rollout_tokens_per_second'], 0)} | "
             f"{_num(p['weight_sync_seconds'], 3)}{_handoff(p)} | {_num(p['offload_seconds'])} | "
             f"{_num(p['onload_seconds'])} | "
-            f"{'-' if p.get('staging_tax') is None else format(p['staging_tax'], '.1%')} | "
+            f"{_share(p.get('staging_tax'))} | "
             f"{p.get('run', 1)} |"
         )
     alone = result.get("alone")
@@ -738,7 +774,10 @@ def planned_kv_tokens(result: dict[str, Any], fraction: float) -> int:
 
 def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     best, points, ideal = result["best"], result["points"], result.get("ideal_seconds", {})
-    by = {(p["mode"], p["fraction"]): p for p in points}
+    # The stored points' targets are Always's; an Auto point at the same place is compared below.
+    by = {
+        (p["mode"], p["fraction"]): p for p in sorted(points, key=lambda p: _offload(p) == "Always")
+    }
     targets = []
     staged, single = best.get("staged"), best.get("single")
     single_fail = min(
@@ -779,6 +818,17 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                                     f"{ref['staging_dominant']} "
                                     f"({ref['stage_seconds'].get(ref['staging_dominant'], 0):.2f} s)",
                         "met": ref["staging_tax"] <= 0.05})  # fmt: skip
+    for auto in (p for p in points if _offload(p) == "Auto"):
+        always = next((p for p in points if _offload(p) == "Always" and p["mode"] == auto["mode"]
+                       and p["fraction"] == auto["fraction"]), None)  # fmt: skip
+        if always is None or always.get("staging_tax") is None:
+            continue
+        both = auto["completed"] and always["completed"] and auto.get("staging_tax") is not None
+        targets.append({"name": f"offload Auto lowers the staging tax against Always, "
+                                f"{auto['mode']} at {auto['fraction']:.2f}, both completing",
+                        "measured": f"{_offload_note(auto).strip()} {_share(auto.get('staging_tax'))}"
+                                    f" vs Always {_share(always['staging_tax'])}",
+                        "met": both and auto["staging_tax"] < always["staging_tax"]})  # fmt: skip
     alone = result.get("alone")
     if alone and alone.get("colocated_over_alone") is not None:
         targets.append({"name": "colocated rollout throughput >= 0.9x the same engine alone",
@@ -873,12 +923,12 @@ def merge(paths: list[Path], out: Path) -> None:
             merged["weight_sync_profile"] = other["weight_sync_profile"]
         if other.get("alone"):
             merged["alone"] = other["alone"]
-        done = {(p["mode"], p["fraction"]) for p in other["points"]}
+        done = {(p["mode"], p["fraction"], _offload(p)) for p in other["points"]}
         for point in other["points"]:  # results written before failure_kind knew cuBLAS
             if point["failure"] and point.get("failure_kind") == "error":
                 point["failure_kind"] = failure_kind(point["failure"])
         merged["points"] = [
-            p for p in merged["points"] if (p["mode"], p["fraction"]) not in done
+            p for p in merged["points"] if (p["mode"], p["fraction"], _offload(p)) not in done
         ] + other["points"]
     finish(merged, out)
 
@@ -907,6 +957,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--response-length", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--kl-coef", type=float, default=0.001, help="> 0 keeps a reference")
+    parser.add_argument("--offload", default="Always", choices=("Always", "Auto"),
+                        help="spec.offload (Always: as every stored point ran)")  # fmt: skip
     parser.add_argument("--keep-going", action="store_true", help="sweep past a mode's first OOM")
     parser.add_argument("--deadline-seconds", type=float, default=None,
                         help="start no new point, nor the engine-alone pass, after this many seconds")  # fmt: skip
@@ -996,11 +1048,17 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             started = time.monotonic()
             spec = make_spec(args, model_path, mode, fraction)
+            offloads = (spec.training.offload_optimizer, spec.training.offload_params)
             if on_cuda and model_name in QWEN25:  # issue 19: the memory plan beside the point
                 shape = {**_QWEN25_COMMON, **QWEN25[model_name]}
-                print(plan_line(spec, shape, environment["device_total_bytes"], args.ranks))
+                total = environment["device_total_bytes"]
+                print(plan_line(spec, shape, total, args.ranks))
+                if spec.offload is OffloadMode.AUTO:  # what the ranks' own plan will choose
+                    chosen = plan_for_point(spec, shape, total, args.ranks)
+                    offloads = (chosen.offload_optimizer, chosen.offload_params)
+                    print(f"offload Auto: optimizer {offloads[0]}, params {offloads[1]}")
             run = run_local(spec, args.ranks, "cuda" if on_cuda else "cpu")
-            point = summarize_point(run, mode, fraction, model, args)
+            point = summarize_point(run, mode, fraction, model, args, offloads)
             point.wall_seconds = time.monotonic() - started
             result["points"].append(asdict(point))
             finish(result, args.out)

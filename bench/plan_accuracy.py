@@ -29,8 +29,8 @@ TOLERANCE = 0.05
 
 
 def point_spec(settings: dict[str, str], mode: str, fraction: float) -> RLJobSpec:
-    """bench/colocate.make_spec for a stored run (its settings are strings); offload Always,
-    as every stored point ran before offload Auto existed."""
+    """bench/colocate.make_spec for a stored run (its settings are strings); offload as the run
+    said (`--offload`; Always for the runs made before that option existed)."""
     return RLJobSpec.model_validate(
         {
             "model": {"path": "/bench/model", "dtype": "bfloat16"},
@@ -50,7 +50,7 @@ def point_spec(settings: dict[str, str], mode: str, fraction: float) -> RLJobSpe
                 "memFractionStatic": fraction,
             },
             "training": {"microBatchSize": int(settings["micro_batch_size"])},
-            "offload": "Always",
+            "offload": settings.get("offload", "Always"),
         }
     )
 
@@ -138,8 +138,9 @@ def render(rows: list[dict[str, Any]]) -> str:
         "rank 0, the highest over the point's iterations. Predicted: the plan's "
         "steady-iteration peak of that stage. In sample: the torch engine's constants were "
         "fitted to its Qwen2.5-3B points (c4..c10), sglang's to s1 (staged) and s2 (single), "
-        "3B; out of sample: the sglang Qwen2.5-1.5B points (s3). The torch engine has not run "
-        "a second model size on a GPU.",
+        "3B; out of sample: the sglang Qwen2.5-1.5B points (s3, s6, s8, s9; s9 with offload "
+        "Auto) and the torch engine's Qwen2.5-1.5B points (t1). The constants were not refitted "
+        "after t1.",
         "",
         f"- stage peaks compared: {len(errors)}; largest |error| "
         f"{max(errors, default=0):.2%}; mean |error| "

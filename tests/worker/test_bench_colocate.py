@@ -81,3 +81,32 @@ def test_runs_of_two_engines_do_not_merge(result: dict, tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode != 0
     assert "cannot merge runs of engine sglang and torch" in done.stderr
+
+
+def test_an_auto_point_merges_beside_always_and_its_staging_tax_is_compared(
+    result: dict, tmp_path: Path
+) -> None:
+    """--offload Auto at the same mode and fraction is another point, not a replacement: the
+    merged table shows both and a target compares their staging tax."""
+    always = tmp_path / "always.json"
+    auto = tmp_path / "auto.json"
+    always.write_text(json.dumps(result))
+    other = json.loads(json.dumps(result))
+    for point in other["points"]:
+        point.update(offload="Auto", offload_optimizer=False, offload_params=False)
+        point["staging_tax"] = point["staging_tax"] / 2
+    auto.write_text(json.dumps(other))
+    out = tmp_path / "merged"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "colocate.py"), "--merge", str(always), str(auto),
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = json.loads((out / "colocate.json").read_text())
+    assert sorted((p["mode"], p.get("offload", "Always")) for p in merged["points"]) == [
+        ("single", "Always"), ("single", "Auto"), ("staged", "Always"), ("staged", "Auto"),
+    ]  # fmt: skip
+    compared = [t for t in merged["targets"] if t["name"].startswith("offload Auto lowers")]
+    assert [t["met"] for t in compared] == [True, True]
+    assert "| staged (Auto: no offload) | 0.50 |" in (out / "colocate.md").read_text()
