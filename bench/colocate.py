@@ -443,7 +443,9 @@ def summarize_point(
     ordered = sorted((s for s in samples if s.iteration == last), key=lambda s: s.start_seconds)
     point.timeline = [
         {"stage": str(s.stage), "start_seconds": s.start_seconds, "seconds": s.seconds,
-         "peak_bytes": s.device_peak_used_bytes, "end_bytes": s.device_used_bytes}
+         "peak_bytes": s.device_peak_used_bytes, "end_bytes": s.device_used_bytes,
+         # torch's allocator at the stage's end: what the plan's residual terms are made of
+         "allocated_bytes": s.allocated_bytes, "reserved_bytes": s.reserved_bytes}
         for s in ordered
     ]  # fmt: skip
     # Host memory (smoke runs) says nothing about device releases: checked on CUDA only.
