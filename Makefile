@@ -8,7 +8,8 @@ run:
 	@bash hack/venv.sh
 	.venv/bin/rljob run $(MANIFEST)
 
-# The whole test suite (what CI runs): venv, control plane binaries, ruff, mypy, pytest.
+# The whole test suite (what CI runs): venv, control plane binaries, the e2e layer's images and
+# kind cluster, ruff, mypy, pytest (tests/e2e first, then the rest once the cluster is gone).
 test:
 	@bash hack/test.sh
 

@@ -68,6 +68,7 @@ die() {
   REPORTED=1
   exit 1
 }
+# shellcheck disable=SC2154 # rc is set inside the trap's own text
 trap 'rc=$?; [[ $REPORTED == 1 ]] || printf "[images] FAILED in step %s (exit %s)\n" "$STEP" "$rc" >&2; REPORTED=1' ERR
 step() { # step NAME CMD...: name the step for failures, time it
   local start
@@ -102,8 +103,9 @@ ensure_dockerd() {
     return
   }
   if ! command -v dockerd >/dev/null; then
-    [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null ||
+    if [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null; then
       die "no dockerd here and not root with apt-get: install Debian's docker.io"
+    fi
     log "dockerd: apt-get install docker.io"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap >/dev/null
@@ -113,11 +115,11 @@ ensure_dockerd() {
   log "dockerd: starting (log: $CACHE/dockerd.log)"
   mkdir -p "$CACHE/bin"
   install -m 0755 "$HERE/images/runc-bounded-caps" "$CACHE/bin/runc-bounded-caps"
-  setsid dockerd --storage-driver=overlay2 \
-    --add-runtime "rljob-runc=$CACHE/bin/runc-bounded-caps" --default-runtime rljob-runc \
-    >"$CACHE/dockerd.log" 2>&1 </dev/null &
-  local i
-  for i in $(seq 60); do
+  # A config file of its own (not /etc/docker/daemon.json, whose keys would clash with flags).
+  printf '{"storage-driver": "overlay2", "runtimes": {"rljob-runc": {"path": "%s"}}, "default-runtime": "rljob-runc"}\n' \
+    "$CACHE/bin/runc-bounded-caps" >"$CACHE/dockerd.json"
+  setsid dockerd --config-file "$CACHE/dockerd.json" >"$CACHE/dockerd.log" 2>&1 </dev/null &
+  for _ in $(seq 60); do
     docker info >/dev/null 2>&1 && return
     sleep 1
   done
@@ -150,6 +152,8 @@ ensure_image() {
   "$@"
   [[ $(image_key "$ref") == "$key" ]] || die "the build of $ref left no image labelled $key"
   rm -f "$base"-*.tar
+  # The image this build replaced, now untagged (unless a container, e.g. an old kind node, runs it).
+  docker image prune -f --filter "label=$KEY_LABEL" >/dev/null
   docker save -o "$tar.part" "$ref"
   mv "$tar.part" "$tar"
   log "saved: $ref -> $tar ($(du -h "$tar" | cut -f1))"
@@ -267,11 +271,17 @@ build_debian() {
   rm -rf "$rootfs" "$rootfs.log"
 }
 
+# docker build with the classic builder, without its deprecation notice on every call.
+classic_build() { # (grep finding no other line is no failure: `|| true` keeps the ERR trap quiet)
+  docker build "$@" 2> >(grep -v -e '^DEPRECATED: The legacy builder' -e 'BuildKit is currently disabled' \
+    -e 'environment-variable\.$' -e '^$' >&2 || true)
+}
+
 # docker_build KEY TAG DOCKERFILE CONTEXT [ARGS...]
 docker_build() {
   local key=$1 tag=$2 file=$3 context=$4
   shift 4
-  docker build -q --label "$KEY_LABEL=$key" -t "$tag" -f "$file" "$@" "$context" >/dev/null
+  classic_build -q --label "$KEY_LABEL=$key" -t "$tag" -f "$file" "$@" "$context" >/dev/null
 }
 
 # --- the kind node image -----------------------------------------------------------------------
@@ -279,7 +289,7 @@ docker_build() {
 kind_files() { echo "$("$GO" env GOMODCACHE)/sigs.k8s.io/kind@$KIND_VERSION/images/base/files"; }
 
 node_base_key() {
-  { echo "$(image_key "$DEBIAN_IMAGE")"; hash_files "$(kind_files)" .; hash_files "$HERE" images/node-base.Dockerfile; } | hash_text
+  { image_key "$DEBIAN_IMAGE"; hash_files "$(kind_files)" .; hash_files "$HERE" images/node-base.Dockerfile; } | hash_text
 }
 
 build_node_base() {
@@ -318,7 +328,7 @@ static_image() {
   cp "$(binary_path "$binary")" "$ctx/$name"
   # The binary is the entrypoint (pause and CoreDNS run with none given; an ENTRYPOINT takes no ARG).
   { cat "$HERE/images/static.Dockerfile"; echo "ENTRYPOINT [\"${dest%/}/$name\"]"; } |
-    docker build -q -t "$tag" -f - --build-arg "BINARY=$name" \
+    classic_build -q -t "$tag" -f - --build-arg "BINARY=$name" \
       --build-arg "DEST=$dest" --build-arg "USER_ID=$user" "$ctx" >/dev/null
   rm -rf "$ctx"
 }
@@ -330,7 +340,7 @@ tools_image() {
   ctx=$(mktemp -d "$CACHE/.build-ctx.XXXXXX")
   mkdir -p "$ctx/bin"
   for b in "$@"; do cp "$b" "$ctx/bin/"; done
-  docker build -q -t "$tag" -f "$HERE/images/debian-tools.Dockerfile" \
+  classic_build -q -t "$tag" -f "$HERE/images/debian-tools.Dockerfile" \
     --build-arg "BASE_IMAGE=$DEBIAN_IMAGE" --build-arg "PACKAGES=$packages" "$ctx" >/dev/null
   rm -rf "$ctx"
 }
@@ -340,7 +350,10 @@ node_key() {
     image_key "$NODE_BASE_IMAGE"
     echo "$K8S_VERSION $COREDNS_VERSION $PAUSE_VERSION $ETCD_TAG $NETD_IMAGE"
     sha256sum "$K8S_DIR"/bin/* "$NODE_BIN_DIR"/* "$COREDNS_DIR/bin/coredns" "$PAUSE_DIR/bin/pause" | cut -c1-64
-    hash_files "$HERE" images images.sh
+    # The files it is made of and the functions that make it, not all of this script: a change
+    # to another image's build must not rebuild the node image (and so every cluster).
+    hash_files "$HERE" images
+    declare -f build_node static_image tools_image binary_path
   } | hash_text
 }
 
@@ -368,11 +381,23 @@ build_node() ( # a subshell: its EXIT trap removes the build container
   sed "s#NETD_IMAGE#$NETD_IMAGE#" "$HERE/images/default-cni.yaml" |
     docker exec -i "$c" sh -c 'cat >/kind/manifests/default-cni.yaml'
   docker exec -i "$c" sh -c 'cat >/kind/manifests/default-storage.yaml' <"$HERE/images/default-storage.yaml"
+  # kubeadm v1.34 probes etcd at /livez and /readyz, which etcd 3.4 (Debian's) does not serve:
+  # the startup probe would kill it every 4 minutes. tests/e2e/kind-config.yaml points kubeadm at
+  # these patches (probes on /health, which 3.4 serves on the same metrics port).
+  docker cp "$HERE/images/kubeadm-patches" "$c:/kind/kubeadm-patches"
   docker exec "$c" sed -i "s#sandbox_image = .*#sandbox_image = \"$PAUSE_IMAGE\"#" /etc/containerd/config.toml
   # The node's containerd runs pods (kube-proxy is privileged) through the same capability
   # filter as dockerd: the node's bounding set is the host's.
   docker cp "$HERE/images/runc-bounded-caps" "$c:/usr/local/bin/runc-bounded-caps"
   docker exec "$c" sed -i 's#^\(\s*\)SystemdCgroup = true#&\n\1BinaryName = "/usr/local/bin/runc-bounded-caps"#' \
+    /etc/containerd/config.toml
+  # Without CAP_SYS_RESOURCE no process may lower its oom_score_adj, and kubelet asks for -998
+  # (critical pods, every sandbox of a static pod) or -997 (Guaranteed): runc's nsexec then fails
+  # with "failed to update /proc/self/oom_score_adj: Permission denied", seen by containerd as
+  # "can't get final child's PID from pipe: EOF". restrict_oom_score_adj (what kind sets for
+  # rootless nodes) clamps each request to containerd's own score (0 here; -999 where systemd
+  # may set it, so a no-op there); positive scores (BestEffort 1000, Burstable) stay as asked.
+  docker exec "$c" sed -i 's/restrict_oom_score_adj = false/restrict_oom_score_adj = true/' \
     /etc/containerd/config.toml
   docker exec "$c" bash -c 'nohup containerd >/tmp/containerd.log 2>&1 &
     for i in $(seq 30); do ctr version >/dev/null 2>&1 && exit 0; sleep 1; done; exit 1'
@@ -391,7 +416,7 @@ kuberay_key() { { echo "$KUBERAY_VERSION"; sha256sum "$KUBERAY_DIR/bin/kuberay-o
 build_kuberay() {
   # KubeRay's own image: /manager, non-root 65532 (its chart sets runAsNonRoot).
   static_image "$KUBERAY_IMAGE" kuberay-operator / manager 65532
-  docker build -q -t "$KUBERAY_IMAGE" --label "$KEY_LABEL=$1" - >/dev/null <<<"FROM $KUBERAY_IMAGE"
+  classic_build -q -t "$KUBERAY_IMAGE" --label "$KEY_LABEL=$1" - >/dev/null <<<"FROM $KUBERAY_IMAGE"
 }
 
 # The project's files a Dockerfile copies (the .dockerignore allow-list) and the lock.
@@ -424,33 +449,45 @@ cmd_install() { # cmd_install [STEP...]: all steps, or only these (for working o
   step controlplane-binaries bash "$HERE/controlplane.sh" install >/dev/null
   step go-builds go_builds
   step debian-image ensure_image "$DEBIAN_IMAGE" "$(debian_key)" build_debian "$(debian_key)"
-  local key
-  key=$({ image_key "$DEBIAN_IMAGE"; hash_files "$HERE" images/python.Dockerfile; } | hash_text)
+  # Each key only for a step that runs: a key hashes what the steps before it built.
+  local key=
+  step_wanted python-image &&
+    key=$({ image_key "$DEBIAN_IMAGE"; hash_files "$HERE" images/python.Dockerfile; } | hash_text)
   step python-image ensure_image "$PYTHON_IMAGE" "$key" docker_build "$key" "$PYTHON_IMAGE" \
     "$HERE/images/python.Dockerfile" "$HERE/images" --build-arg "BASE_IMAGE=$DEBIAN_IMAGE"
-  key=$(node_base_key)
+  step_wanted kind-base-image && key=$(node_base_key)
   step kind-base-image ensure_image "$NODE_BASE_IMAGE" "$key" build_node_base "$key"
-  key=$(node_key)
+  step_wanted kind-node-image && key=$(node_key)
   step kind-node-image ensure_image "$NODE_IMAGE" "$key" build_node "$key"
-  key=$(kuberay_key)
+  step_wanted kuberay-image && key=$(kuberay_key)
   step kuberay-image ensure_image "$KUBERAY_IMAGE" "$key" build_kuberay "$key"
-  key=$(project_key operator/Dockerfile)
+  step_wanted operator-image && key=$(project_key operator/Dockerfile)
   step operator-image ensure_image "$OPERATOR_IMAGE" "$key" \
     build_project_image "$key" "$OPERATOR_IMAGE" operator/Dockerfile
-  key=$(project_key worker_image/Dockerfile.cpu)
+  step_wanted worker-image && key=$(project_key worker_image/Dockerfile.cpu)
   step worker-image ensure_image "$WORKER_IMAGE" "$key" \
     build_project_image "$key" "$WORKER_IMAGE" worker_image/Dockerfile.cpu
   # The images kind loads, tagged with their input keys: a changed image gets a new name, so a
   # reused cluster's Deployments roll to it and nothing runs an old image under a reused tag.
-  local ref refs=() var
+  # Each with its `docker save` tarball (holding REF, the untagged name) and that name:
+  # hack/kind.sh imports the tarball into the nodes, saving a `docker save` of GBs per cluster.
+  local ref refs=() var key tar
   [[ ${#ONLY[@]} == 0 ]] || return 0
   for var in KUBERAY_IMAGE OPERATOR_IMAGE WORKER_IMAGE; do
     ref=${!var}
-    docker tag "$ref" "${ref%:*}:$(image_key "$ref")"
-    refs+=("export RLJOB_$var=${ref%:*}:$(image_key "$ref")")
+    key=$(image_key "$ref")
+    tar=$IMAGES/$(tr '/:' '__' <<<"$ref")-$key.tar
+    docker tag "$ref" "${ref%:*}:$key"
+    # Older keyed tags of it go (their images share all but the changed layers with this one).
+    docker images --format '{{.Repository}}:{{.Tag}}' "${ref%:*}" |
+      { grep -vx -e "$ref" -e "${ref%:*}:$key" || true; } | xargs -r docker rmi >/dev/null
+    refs+=("export RLJOB_$var=${ref%:*}:$key")
+    if [[ -f $tar ]]; then
+      refs+=("export RLJOB_${var}_ARCHIVE=$tar" "export RLJOB_${var}_ARCHIVED_AS=$ref")
+    fi
   done
   printf '%s\n' "${refs[@]}" >"$IMAGES/loaded-images.env"
-  STEP=done
+  STEP='done'
   log "images ready in $(($(date +%s) - start))s (cache: $IMAGES)"
 }
 

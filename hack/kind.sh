@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The kind cluster the e2e layer runs against, made from the images hack/images.sh builds here.
 #
-#   hack/kind.sh up     images, cluster (1 control-plane + 1 worker), images loaded into the
-#                       worker with `kind load`, KubeRay's chart (tests/e2e/vendor) and
-#                       charts/rljob installed with helm; reuses a healthy cluster of the same
-#                       node image (idempotent)
+#   hack/kind.sh up     images, cluster (1 control-plane + 1 worker), images imported into the
+#                       worker from hack/images.sh's cache, KubeRay (its Go module's kustomize
+#                       config) and charts/rljob (helm) installed; reuses a healthy cluster of
+#                       the same node image (idempotent)
 #   hack/kind.sh down   delete the cluster
 #   hack/kind.sh env    RLJOB_E2E_KUBECONFIG, RLJOB_E2E_CLUSTER, the tools and image names
 #
@@ -14,11 +14,14 @@ set -euo pipefail
 set -E
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
+# shellcheck source=versions.env
+source "$HERE/versions.env"
 CACHE=${RLJOB_CACHE_DIR:-$HOME/.cache/rljob}
 NAME=${RLJOB_KIND_CLUSTER:-rljob-e2e}
 KUBECONFIG_FILE=$CACHE/kind/$NAME.kubeconfig
 KIND_CONFIG=$ROOT/tests/e2e/kind-config.yaml
-KUBERAY_CHART=$ROOT/tests/e2e/vendor/kuberay-operator
+KUBERAY_MODULE=github.com/ray-project/kuberay/ray-operator
+GO=${GO:-go}
 
 STEP=setup
 REPORTED=0
@@ -28,6 +31,7 @@ die() {
   REPORTED=1
   exit 1
 }
+# shellcheck disable=SC2154 # rc is set inside the trap's own text
 trap 'rc=$?; [[ $REPORTED == 1 ]] || printf "[kind] FAILED in step %s (exit %s)\n" "$STEP" "$rc" >&2; REPORTED=1' ERR
 step() {
   local start
@@ -67,6 +71,9 @@ create_cluster() {
     return
   fi
   "$KIND" delete cluster --name "$NAME" >/dev/null 2>&1 || true
+  # The node image an older cluster ran, untagged by a rebuild (hack/images.sh prunes it unless a
+  # container runs it, as that cluster's nodes did): GBs.
+  docker image prune -f --filter "label=dev.rljob.inputs" >/dev/null
   local config
   config=$(mktemp)
   sed "s/ETCD_IMAGE_TAG/$RLJOB_ETCD_IMAGE_TAG/" "$KIND_CONFIG" >"$config"
@@ -85,33 +92,120 @@ create_cluster() {
   k -n kube-system rollout status deploy/coredns --timeout=180s
 }
 
+# After an import (`ctr import` of a `docker save` tarball) a node holds each image twice: its layer tarballs
+# in containerd's content store and the unpacked snapshots. Only the snapshots run containers, so
+# the tarballs go, as containerd's own discard_unpacked_layers does for pulled images (the worker
+# image's CUDA torch is GBs; this machine's disk is small). The manifest and config stay, so the
+# image is listed, runs, and a later import of it is skipped; a changed image re-imports and
+# reuses the snapshots of its unchanged layers.
+# shellcheck disable=SC2016 # expanded by the node's bash, not here
+DISCARD_LAYERS='
+set -euo pipefail
+for ref in "$@"; do
+  manifest=$(ctr -n k8s.io images ls "name==$ref" | awk "NR == 2 {print \$3}")
+  [[ -n $manifest ]] || { echo "no image $ref in the node" >&2; exit 1; }
+  for layer in $(ctr -n k8s.io content get "$manifest" | jq -r ".layers[]?.digest"); do
+    ctr -n k8s.io content rm "$layer" >/dev/null 2>&1 || true
+  done
+done
+'
+
+# import_archive NODE VAR: the image named by $VAR into NODE's containerd from the tarball
+# hack/images.sh saved (as kind's own `load` does after a `docker save`), under its keyed name.
+import_archive() {
+  local node=$1 var=$2 archive saved
+  archive=${var}_ARCHIVE saved=${var}_ARCHIVED_AS
+  docker exec -i "$node" ctr -n k8s.io images import --all-platforms --digests \
+    --snapshotter=overlayfs - <"${!archive}" >/dev/null
+  docker exec "$node" ctr -n k8s.io images tag --force "${!saved}" "${!var}" >/dev/null
+  docker exec "$node" ctr -n k8s.io images rm "${!saved}" >/dev/null
+}
+
 load_images() {
-  local nodes image
+  local nodes node var image archive
   nodes=$(workers)
   [[ -n $nodes ]] || die "cluster $NAME has no worker node"
-  for image in "$RLJOB_KUBERAY_IMAGE" "$RLJOB_OPERATOR_IMAGE" "$RLJOB_WORKER_IMAGE"; do
-    # Only the workers run pods (the control-plane node keeps its NoSchedule taint).
-    "$KIND" load docker-image "$image" --name "$NAME" --nodes "$nodes"
+  for var in RLJOB_KUBERAY_IMAGE RLJOB_OPERATOR_IMAGE RLJOB_WORKER_IMAGE; do
+    image=${!var}
+    archive=${var}_ARCHIVE
+    # Only the workers run pods (the control-plane node keeps its NoSchedule taint). kind's own
+    # "already present" check runs crictl, which the node image lacks: check with ctr here (the
+    # tags are keyed by the image's inputs), or every `up` would copy GBs again.
+    local missing=()
+    for node in ${nodes//,/ }; do
+      docker exec "$node" ctr -n k8s.io images ls -q "name==$image" | grep -qx "$image" ||
+        missing+=("$node")
+    done
+    if [[ ${#missing[@]} == 0 ]]; then
+      log "$image: on every worker already"
+    elif [[ -f ${!archive:-} ]]; then
+      for node in "${missing[@]}"; do import_archive "$node" "$var"; done
+      log "$image: imported from ${!archive}"
+    else
+      "$KIND" load docker-image "$image" --name "$NAME" --nodes "$(IFS=,; echo "${missing[*]}")"
+    fi
+  done
+  for node in ${nodes//,/ }; do
+    docker exec "$node" bash -c "$DISCARD_LAYERS" discard \
+      "$RLJOB_KUBERAY_IMAGE" "$RLJOB_OPERATOR_IMAGE" "$RLJOB_WORKER_IMAGE"
   done
 }
 
+# KubeRay from its own kustomize config (ray-operator/config/default: CRDs, RBAC, Deployment) in
+# the KubeRay Go module of the pinned release, read where `go mod download` (hack/controlplane.sh
+# does the same) keeps it in the Go module cache: nothing of KubeRay is committed here. Its Helm
+# chart is in no Go module, and no chart repository is reachable from the project's machines.
+# The overlay written here sets the namespace, the image hack/images.sh built, and the feature
+# gates KubeRay's chart turns on by default.
 install_kuberay() {
-  local chart
-  chart=$(mktemp -d)
-  cp -r "$KUBERAY_CHART" "$chart/"
-  mkdir -p "$chart/kuberay-operator/crds"
-  cp "$RLJOB_KUBERAY_CRDS"/*.yaml "$chart/kuberay-operator/crds/"
-  # helm installs a chart's crds/ only on first install: apply them for a reused cluster too.
-  k apply --server-side --force-conflicts -f "$chart/kuberay-operator/crds/" >/dev/null
-  "$HELM" --kubeconfig "$KUBECONFIG_FILE" upgrade --install kuberay-operator \
-    "$chart/kuberay-operator" --namespace kuberay-system --create-namespace \
-    --set "image.repository=${RLJOB_KUBERAY_IMAGE%:*}" --set "image.tag=${RLJOB_KUBERAY_IMAGE##*:}" \
-    --set image.pullPolicy=Never --wait --timeout 5m
-  rm -rf "$chart"
+  local src overlay
+  src=$(cd / && "$GO" mod download -json "$KUBERAY_MODULE@$KUBERAY_VERSION" |
+    sed -n 's/.*"Dir": "\(.*\)",/\1/p')
+  [[ -d $src/config/default ]] || die "no config/default in the KubeRay module ($src)"
+  overlay=$(mktemp -d)
+  # (kustomize takes another kustomization only by a relative path)
+  cat >"$overlay/kustomization.yaml" <<EOF
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+namespace: kuberay-system
+resources:
+  - $(realpath --relative-to="$overlay" "$src/config/default")
+images:
+  - name: quay.io/kuberay/operator
+    newName: ${RLJOB_KUBERAY_IMAGE%:*}
+    newTag: ${RLJOB_KUBERAY_IMAGE##*:}
+patches:
+  - target: {kind: Deployment, name: kuberay-operator}
+    patch: |
+      - op: replace
+        path: /spec/template/spec/containers/0/args
+        value:
+          - --feature-gates=RayClusterStatusConditions=true,RayJobDeletionPolicy=true,RayMultiHostIndexing=true
+      - op: replace
+        path: /spec/template/spec/containers/0/imagePullPolicy
+        value: Never
+EOF
+  k create namespace kuberay-system --dry-run=client -o yaml | k apply -f - >/dev/null
+  # Server-side: the RayJob and RayCluster CRDs are too large for apply's last-applied annotation.
+  k apply --server-side --force-conflicts -k "$overlay" >/dev/null
+  rm -rf "$overlay"
+  k -n kuberay-system rollout status deploy/kuberay-operator --timeout=300s
 }
 
 install_rljob() {
   k apply --server-side --force-conflicts -f "$ROOT/charts/rljob/crds/" >/dev/null
+  # The chart's ClusterKopfPeering and the operator's own ensure_peering both create the object:
+  # when the operator pod starts first (its image is already on the node), `helm install` fails
+  # with 'clusterkopfpeerings.kopf.dev "rljob-operator" already exists'. Made here first, with
+  # Helm's ownership marks, the release adopts it instead.
+  k apply -f - >/dev/null <<EOF
+apiVersion: kopf.dev/v1
+kind: ClusterKopfPeering
+metadata:
+  name: rljob-operator
+  labels: {app.kubernetes.io/managed-by: Helm}
+  annotations: {meta.helm.sh/release-name: rljob, meta.helm.sh/release-namespace: rljob-system}
+EOF
   "$HELM" --kubeconfig "$KUBECONFIG_FILE" upgrade --install rljob "$ROOT/charts/rljob" \
     --namespace rljob-system --create-namespace \
     --set "image.repository=${RLJOB_OPERATOR_IMAGE%:*}" --set "image.tag=${RLJOB_OPERATOR_IMAGE##*:}" \
@@ -126,9 +220,9 @@ cmd_up() {
   load_env
   step cluster create_cluster
   step load-images load_images
-  step kuberay-chart install_kuberay
+  step kuberay install_kuberay
   step rljob-chart install_rljob
-  STEP=done
+  STEP='done'
   log "cluster $NAME ready in $(($(date +%s) - start))s (kubeconfig: $KUBECONFIG_FILE)"
 }
 
@@ -142,6 +236,8 @@ cmd_env() {
   load_env
   echo "export RLJOB_E2E_CLUSTER=$NAME"
   echo "export RLJOB_E2E_KUBECONFIG=$KUBECONFIG_FILE"
+  # kubectl and helm (tests/e2e/cluster.py runs kubectl from RLJOB_KUBECTL).
+  bash "$HERE/controlplane.sh" env
   bash "$HERE/images.sh" env
 }
 

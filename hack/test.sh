@@ -3,7 +3,7 @@
 # This is the README's test command (`make test`) and exactly what .ci/run runs.
 # Extra arguments go to pytest (e.g. `hack/test.sh -m controlplane -k smoke`).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 declare -a PHASES=()
 phase() {  # phase NAME CMD...: run a step, time it, stop the run on failure
@@ -39,11 +39,17 @@ run_pytest() {
 
 phase venv bash hack/venv.sh
 phase controlplane bash hack/controlplane.sh install
-# The e2e layer's images and kind cluster (README: end-to-end on kind): on a run whose arguments
-# name the e2e layer (`make e2e`), or with RLJOB_E2E=1. Not yet part of the default run: pods do
-# not start in the kind node on this machine type (issue 18). A missing dockerd, a failed image
-# build or a cluster that does not come up fails its phase (and the run), naming the step.
-if [[ ${RLJOB_E2E:-0} == 1 || " $* " == *e2e* ]]; then
+# The e2e layer (README: end-to-end on kind): its images, a kind cluster, then tests/e2e. Part of
+# the full run (no arguments) and of a run whose arguments name the layer (`make e2e`); RLJOB_E2E=1
+# adds it to any run, RLJOB_E2E=0 leaves it out. A missing dockerd, a failed image build or a
+# cluster that does not come up fails its phase (and the run), naming the step.
+E2E=0
+case ${RLJOB_E2E:-} in
+  1) E2E=1 ;;
+  0) ;;
+  *) if [[ $# == 0 || " $* " == *e2e* ]]; then E2E=1; fi ;;
+esac
+if [[ $E2E == 1 ]]; then
   phase e2e-images bash hack/images.sh install
   phase e2e-cluster bash hack/kind.sh up
   eval "$(bash hack/kind.sh env)"
@@ -56,5 +62,15 @@ if [[ $# == 0 ]]; then
   phase ruff-format .venv/bin/ruff format --check .
   phase mypy .venv/bin/mypy
 fi
-phase pytest run_pytest "$@"
+if [[ $E2E == 1 && $# == 0 ]]; then
+  # The full run: the e2e layer in a pytest run of its own, then the cluster goes (idle, its two
+  # nodes still take about a fifth of a core) before the other layers run.
+  phase pytest-e2e run_pytest tests/e2e
+  if [[ ${RLJOB_E2E_KEEP:-0} != 1 ]]; then
+    phase e2e-down bash hack/kind.sh down
+  fi
+  phase pytest run_pytest --ignore=tests/e2e
+else
+  phase pytest run_pytest "$@"
+fi
 summary

@@ -100,15 +100,24 @@ def operator_cluster_role(name: str = "rljob-operator") -> dict[str, Any]:
 
 
 def job_rules(rljob_name: str) -> list[dict[str, Any]]:
-    """The per-RLJob Role's rules: read/patch that one RLJob's status and post Events.
+    """The per-RLJob Role's rules: read that one RLJob, patch its status only, post Events.
 
-    `resourceNames` pins the status rules to the job's own object, so a job's pods cannot
-    write another job's status (the apiserver refuses it).
+    `resourceNames` pins both rules to the job's own object, so a job's pods cannot write
+    another job's status (the apiserver refuses it); `patch` is on the status subresource
+    alone, so they cannot change their own spec either (seen on kind: with `patch` on
+    `rljobs` too, the driver's token could patch its own RLJob's spec).
     """
     return [
         Rule(
             (GROUP,),
-            (PLURAL, f"{PLURAL}/status"),
+            (PLURAL,),
+            ("get",),
+            "the driver reads its own RLJob (uid for Events)",
+            (rljob_name,),
+        ).to_k8s(),
+        Rule(
+            (GROUP,),
+            (f"{PLURAL}/status",),
             ("get", "patch"),
             "the driver writes iteration, memory, CUDA OOMs",
             (rljob_name,),

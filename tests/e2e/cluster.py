@@ -151,11 +151,14 @@ class Cluster:
 
 def tiny_job(name: str, image: str, **resources: Any) -> dict[str, Any]:
     """examples/tiny-local.yaml under another name, on the worker image built here, sized for
-    one 2-CPU kind worker node (the example asks for 3 CPUs: a 2-CPU worker and a 1-CPU head)."""
+    one 2-CPU kind worker node (the example asks for 3 CPUs: a 2-CPU worker and a 1-CPU head).
+    That node's 2 CPUs hold, as requests: the worker pod (1), KubeRay's submitter pod (500m,
+    KubeRay's default), the two operators (100m each), the pod network daemon (10m), so the
+    head gets 250m."""
     manifest: dict[str, Any] = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
     manifest["metadata"] = {"name": name}
     res = manifest["spec"]["resources"]
-    res.update({"image": image, "cpu": "1", "headCpu": "500m"})
+    res.update({"image": image, "cpu": "1", "headCpu": "250m"})
     res.update(resources)
     return manifest
 

@@ -97,6 +97,18 @@ def children(cluster: Cluster, namespace: str) -> dict[str, str]:
     return {k: v for k, v in found.items() if k.lower() not in NAMESPACE_DEFAULTS}
 
 
+def pods_ready_false(cluster: Cluster, namespace: str, name: str, reason: str) -> dict[str, Any]:
+    """The RLJob's PodsReady=False condition with this reason, once the operator set it."""
+
+    def probe() -> dict[str, Any] | None:
+        for c in cluster.status(namespace, name).get("conditions") or []:
+            if c["type"] == "PodsReady" and c["status"] == "False" and c["reason"] == reason:
+                return dict(c)
+        return None
+
+    return wait_for(f"PodsReady=False {reason}", probe, PODS_SECONDS)
+
+
 def test_tiny_example_runs_two_iterations_to_succeeded_with_host_memory_of_every_rank(
     cluster: Cluster, namespace: str
 ) -> None:
@@ -145,7 +157,9 @@ def test_worker_oomkilled_appears_in_status_and_as_warning_within_5s(
 ) -> None:
     """A worker limit far below what Ray and two torch ranks need: the kernel kills it."""
     name = "tiny-oom"
-    cluster.apply(tiny_job(name, cluster.worker_image, memory="400Mi"), namespace)
+    # /dev/shm counts against the limit, so the CRD wants sharedMemory <= memory.
+    job = tiny_job(name, cluster.worker_image, memory="400Mi", sharedMemory="64Mi")
+    cluster.apply(job, namespace)
 
     def kubelet_reported() -> tuple[str, str, float] | None:
         for pod in cluster.pods(namespace):
@@ -267,8 +281,9 @@ def test_driver_service_account_patches_its_own_status_and_nothing_else(
     cluster: Cluster, namespace: str
 ) -> None:
     name, other = "tiny-rbac", "tiny-other"
-    # A long job, so the head pod is there for the probe; the other RLJob never gets pods.
-    cluster.apply(tiny_job(other, cluster.worker_image, cpu="64"), namespace)
+    # A long job, so the head pod is there for the probe; the other RLJob never gets pods (its
+    # head and worker ask for more than the node has, so neither takes this job's CPUs).
+    cluster.apply(tiny_job(other, cluster.worker_image, cpu="64", headCpu="64"), namespace)
     job = tiny_job(name, cluster.worker_image)
     job["spec"]["algorithm"]["iterations"] = 50
     cluster.apply(job, namespace)
@@ -294,40 +309,31 @@ def test_missing_image_reaches_the_rljob_as_image_pull_back_off_naming_the_pod(
 ) -> None:
     name = "tiny-nopull"
     cluster.apply(tiny_job(name, "rljob.local/no-such-image:0"), namespace)
-
-    def pods_ready_false() -> dict[str, Any] | None:
-        for c in cluster.status(namespace, name).get("conditions") or []:
-            if (
-                c["type"] == "PodsReady"
-                and c["status"] == "False"
-                and c["reason"] == "ImagePullBackOff"
-            ):
-                return dict(c)
-        return None
-
-    condition = wait_for("PodsReady=False ImagePullBackOff", pods_ready_false, PODS_SECONDS)
+    condition = pods_ready_false(cluster, namespace, name, "ImagePullBackOff")
     names = [p["metadata"]["name"] for p in cluster.pods(namespace)]
     assert any(pod in condition["message"] for pod in names), (condition, names)
 
 
-def test_impossible_resources_reach_the_rljob_as_unschedulable(
+def test_worker_asking_more_cpu_than_the_node_has_reaches_the_rljob_as_unschedulable(
     cluster: Cluster, namespace: str
 ) -> None:
+    """The scheduler, not a test, marks the worker pod Unschedulable (64 CPUs asked of a 2-CPU
+    node); the operator names that pod in PodsReady=False."""
     name = "tiny-huge"
-    cluster.apply(tiny_job(name, cluster.worker_image, cpu="64", memory="900Gi"), namespace)
+    cluster.apply(tiny_job(name, cluster.worker_image, cpu="64"), namespace)
 
-    def unschedulable() -> dict[str, Any] | None:
-        for c in cluster.status(namespace, name).get("conditions") or []:
-            if (
-                c["type"] == "PodsReady"
-                and c["status"] == "False"
-                and c["reason"] == "Unschedulable"
-            ):
-                return dict(c)
-        return None
+    def unschedulable_pods() -> list[str]:
+        return [
+            str(p["metadata"]["name"])
+            for p in cluster.pods(namespace)
+            for c in p["status"].get("conditions") or []
+            if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
+        ]
 
-    condition = wait_for("PodsReady=False Unschedulable", unschedulable, PODS_SECONDS)
-    assert "Insufficient" in condition["message"] or "cpu" in condition["message"], condition
+    condition = pods_ready_false(cluster, namespace, name, "Unschedulable")
+    pods = wait_for("the scheduler's Unschedulable pod", unschedulable_pods, 30)
+    assert any(pod in condition["message"] for pod in pods), (condition, pods)
+    assert "cpu" in condition["message"], condition
 
 
 def test_cluster_runs_kubelet_v1_34_on_two_ready_nodes(cluster: Cluster) -> None:

@@ -27,14 +27,15 @@ def gpu_missing_reason() -> str | None:
 
 def kind_missing_reason() -> str | None:
     """Why e2e tests cannot run here, or None. They run against the kind cluster that
-    `hack/test.sh` builds (`make e2e`, or RLJOB_E2E=1), which then sets RLJOB_E2E_KUBECONFIG;
+    `hack/test.sh` builds (`make test`, `make e2e`, or RLJOB_E2E=1 with arguments), which then
+    sets RLJOB_E2E_KUBECONFIG;
     a failed image build or cluster has already failed that run, naming the step. Without it,
     the layer skips with the reason."""
     if os.environ.get("RLJOB_E2E_KUBECONFIG"):
         return None
     if shutil.which("docker") is None:
         return "docker is not installed (the kind e2e suite needs Docker and kind: `make e2e`)"
-    return "no kind cluster: the e2e layer runs under `make e2e` (hack/test.sh builds it)"
+    return "no kind cluster: the e2e layer runs under `make test` or `make e2e` (hack/test.sh builds it)"
 
 
 # Layers that may skip, and the probe saying why this machine cannot run them (None: it can).

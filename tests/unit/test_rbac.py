@@ -43,6 +43,18 @@ def test_job_rules_pin_status_to_one_rljob() -> None:
     assert set(status_rule["verbs"]) == {"get", "patch"}
 
 
+def test_job_may_patch_only_the_status_of_its_own_rljob_never_the_spec() -> None:
+    granted = {
+        (resource, verb, tuple(rule.get("resourceNames", ())))
+        for rule in job_rules("mine")
+        if "rljob.dev" in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert ("rljobs", "patch", ("mine",)) not in granted
+    assert {("rljobs", "get", ("mine",)), ("rljobs/status", "patch", ("mine",))} <= granted
+
+
 def test_cluster_role_manifest_carries_the_rules() -> None:
     role = operator_cluster_role("x")
     assert role["kind"] == "ClusterRole" and role["metadata"]["name"] == "x"

@@ -141,9 +141,12 @@ def test_config_map_holds_the_spec_the_worker_reads_back() -> None:
 
 def test_job_role_grants_status_of_its_own_rljob_only() -> None:
     role = children(OWNER, _spec())[1]
-    (status_rule,) = [r for r in role["rules"] if r["apiGroups"] == ["rljob.dev"]]
-    assert status_rule["resourceNames"] == ["j"]
-    assert "delete" not in status_rule["verbs"]
+    rules = [r for r in role["rules"] if r["apiGroups"] == ["rljob.dev"]]
+    assert {tuple(r["resources"]): r["verbs"] for r in rules} == {
+        ("rljobs",): ["get"],
+        ("rljobs/status",): ["get", "patch"],
+    }
+    assert all(r["resourceNames"] == ["j"] for r in rules)
 
 
 @pytest.mark.parametrize(("name", "problem"), [("a" * 47, None), ("a" * 48, "metadata.name")])
