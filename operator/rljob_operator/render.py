@@ -143,8 +143,17 @@ def _container(
     return container
 
 
+# Ray's memory monitor kills a task when its node nears the container's memory limit (95%), and
+# the job then fails with Ray's OutOfMemoryError while the container lives on: the kubelet never
+# reports it. Off in rljob's pods, so the pod's memory limit is the one boundary and a host OOM
+# is always the kernel's OOMKilled, which the operator reports with the pod and its limit (the
+# e2e OOMKilled test lost that race to the monitor once in six kind runs). verl's docs give
+# the same setting for colocated jobs.
+RAY_ENV: tuple[dict[str, str], ...] = ({"name": "RAY_memory_monitor_refresh_ms", "value": "0"},)
+
+
 def worker_env(spec: RLJobSpec) -> list[dict[str, str]]:
-    env: list[dict[str, str]] = []
+    env: list[dict[str, str]] = [dict(e) for e in RAY_ENV]
     if spec.rollout.tensor_parallel_size > 1:
         # SGLang refuses to start TP>1 when ranks see unequal free memory, which is always the
         # case while FSDP shares the GPUs (verl and slime set the same switch).
@@ -165,7 +174,8 @@ def ray_job(owner: Owner, spec: RLJobSpec, attempt: int = 1) -> dict[str, Any]:
     else:
         # On CPU one Ray actor per rank: advertise exactly cpuRanksPerWorker CPUs to Ray.
         worker_start["num-cpus"] = str(res.cpu_ranks_per_worker)
-    head = _container("ray-head", spec, {"cpu": res.head_cpu, "memory": res.head_memory}, env=[])
+    head_limits = {"cpu": res.head_cpu, "memory": res.head_memory}
+    head = _container("ray-head", spec, head_limits, env=[dict(e) for e in RAY_ENV])
     head["ports"] = [
         {"containerPort": 6379, "name": "gcs-server"},
         {"containerPort": 8265, "name": "dashboard"},

@@ -155,3 +155,13 @@ def test_names_longer_than_kuberay_allows_are_a_deeper_problem(
 ) -> None:
     found = [field for field, _ in deeper_problems(name, _spec())]
     assert found == ([problem] if problem else [])
+
+
+def test_rays_memory_monitor_is_off_in_every_ray_container() -> None:
+    """A host OOM must end as the kernel's OOMKilled (reported with the pod's limit), not as
+    Ray's own task kill at 95% of the limit, which leaves the container running."""
+    cluster = children(OWNER, _spec())[-1]["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in pods:
+        (container,) = group["template"]["spec"]["containers"]
+        assert {"name": "RAY_memory_monitor_refresh_ms", "value": "0"} in container["env"]
