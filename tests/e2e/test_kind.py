@@ -159,6 +159,10 @@ def test_worker_oomkilled_appears_in_status_and_as_warning_within_5s(
     name = "tiny-oom"
     # /dev/shm counts against the limit, so the CRD wants sharedMemory <= memory.
     job = tiny_job(name, cluster.worker_image, memory="400Mi", sharedMemory="64Mi")
+    # KubeRay deletes the Ray cluster as soon as the failed job ends (the example's TTL is 0):
+    # keep its pods a minute, so the kubelet's OOMKilled is still there to be seen (once it was
+    # gone within the poll of a loaded machine, while the RLJob had recorded it).
+    job["spec"]["ttlSecondsAfterFinished"] = 60
     cluster.apply(job, namespace)
 
     def kubelet_reported() -> tuple[str, str, float] | None:
