@@ -41,8 +41,8 @@ for extra in (ROOT, ROOT / "worker_image", ROOT / "operator"):
     if str(extra) not in sys.path:  # runnable from a bare checkout on the device machine
         sys.path.insert(0, str(extra))
 
-from rljob.api import OffloadMode, RLJobSpec, WakeUp  # noqa: E402
-from rljob.plan import plan_for_point, plan_line  # noqa: E402 (issue 19: the plan beside each point)
+from rljob.api import RLJobSpec, WakeUp  # noqa: E402
+from rljob.plan import plan_line  # noqa: E402 (issue 19: the plan beside each point)
 from rljob.report import Stage, StageSample  # noqa: E402
 from rljob_worker.driver.local import LocalRun, run_local  # noqa: E402
 from rljob_worker.loop import RankIteration  # noqa: E402
@@ -373,15 +373,25 @@ def _steady(values: dict[int, float]) -> float | None:
     return statistics.median(steady) if steady else None
 
 
+def _offloads(spec: RLJobSpec, iterations: list[RankIteration]) -> tuple[bool, bool]:
+    """(optimizer, params) as rank 0 offloaded them (its plan's choice under offload Auto, as
+    each iteration reports); the flags, where it reported no iteration."""
+    for item in iterations:
+        if item.offload_optimizer is not None and item.offload_params is not None:
+            return item.offload_optimizer, item.offload_params
+    return spec.training.offload_optimizer, spec.training.offload_params
+
+
 def summarize_point(
     run: LocalRun,
     mode: str,
     fraction: float,
     model: dict[str, Any],
     args: argparse.Namespace,
-    offloads: tuple[bool, bool] = (True, True),
+    spec: RLJobSpec,
 ) -> Point:
-    """`offloads`: (optimizer, params) as the ranks chose them (offload_choice)."""
+    iterations: list[RankIteration] = [i for i in run.iterations if i.rank == 0]
+    offloads = _offloads(spec, iterations)
     point = Point(mode=mode, fraction=fraction, completed=run.ok, offload=args.offload,
                   offload_optimizer=offloads[0], offload_params=offloads[1])  # fmt: skip
     if run.ooms:
@@ -399,7 +409,6 @@ def summarize_point(
             failed = max(run.samples, key=lambda s: s.start_seconds, default=None)
             if failed is not None:
                 point.oom_stage, point.oom_iteration = str(failed.stage), failed.iteration
-    iterations: list[RankIteration] = [i for i in run.iterations if i.rank == 0]
     point.iterations_done = max((i.iteration for i in iterations), default=0)
     if iterations:
         point.kv_capacity_tokens = min(i.kv_capacity_tokens for i in iterations)
@@ -593,6 +602,11 @@ def _offload(point: dict[str, Any]) -> str:
     return str(point.get("offload", "Always"))  # points stored before --offload ran Always
 
 
+def _place(point: dict[str, Any]) -> tuple[str, float, str]:
+    """What makes two points the same measurement: mode, fraction and offload."""
+    return point["mode"], point["fraction"], _offload(point)
+
+
 def _offload_note(point: dict[str, Any]) -> str:
     """' (Auto: optimizer)' and the like: what an Auto point offloaded; nothing for Always."""
     if _offload(point) == "Always":
@@ -669,7 +683,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         "offload s | onload s | staging tax | run |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for p in sorted(result["points"], key=lambda p: (p["mode"], p["fraction"], _offload(p))):
+    for p in sorted(result["points"], key=_place):
         peaks = p["stage_peak_bytes"]
         if p["completed"]:
             outcome = f"ok ({p['iterations_done']} it)"
@@ -925,13 +939,11 @@ def merge(paths: list[Path], out: Path) -> None:
             merged["weight_sync_profile"] = other["weight_sync_profile"]
         if other.get("alone"):
             merged["alone"] = other["alone"]
-        done = {(p["mode"], p["fraction"], _offload(p)) for p in other["points"]}
+        done = {_place(p) for p in other["points"]}
         for point in other["points"]:  # results written before failure_kind knew cuBLAS
             if point["failure"] and point.get("failure_kind") == "error":
                 point["failure_kind"] = failure_kind(point["failure"])
-        merged["points"] = [
-            p for p in merged["points"] if (p["mode"], p["fraction"], _offload(p)) not in done
-        ] + other["points"]
+        merged["points"] = [p for p in merged["points"] if _place(p) not in done] + other["points"]
     finish(merged, out)
 
 
@@ -1050,17 +1062,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             started = time.monotonic()
             spec = make_spec(args, model_path, mode, fraction)
-            offloads = (spec.training.offload_optimizer, spec.training.offload_params)
             if on_cuda and model_name in QWEN25:  # issue 19: the memory plan beside the point
                 shape = {**_QWEN25_COMMON, **QWEN25[model_name]}
-                total = environment["device_total_bytes"]
-                print(plan_line(spec, shape, total, args.ranks))
-                if spec.offload is OffloadMode.AUTO:  # what the ranks' own plan will choose
-                    chosen = plan_for_point(spec, shape, total, args.ranks)
-                    offloads = (chosen.offload_optimizer, chosen.offload_params)
-                    print(f"offload Auto: optimizer {offloads[0]}, params {offloads[1]}")
+                print(plan_line(spec, shape, environment["device_total_bytes"], args.ranks))
             run = run_local(spec, args.ranks, "cuda" if on_cuda else "cpu")
-            point = summarize_point(run, mode, fraction, model, args, offloads)
+            point = summarize_point(run, mode, fraction, model, args, spec)
             point.wall_seconds = time.monotonic() - started
             result["points"].append(asdict(point))
             finish(result, args.out)

@@ -147,13 +147,14 @@ def _container(
 # the job then fails with Ray's OutOfMemoryError while the container lives on: the kubelet never
 # reports it. Off in rljob's pods, so the pod's memory limit is the one boundary and a host OOM
 # is always the kernel's OOMKilled, which the operator reports with the pod and its limit (the
-# e2e OOMKilled test lost that race to the monitor once in six kind runs). verl's docs give
-# the same setting for colocated jobs.
-RAY_ENV: tuple[dict[str, str], ...] = ({"name": "RAY_memory_monitor_refresh_ms", "value": "0"},)
+# e2e OOMKilled test lost that race to the monitor once in six kind runs).
+def ray_env() -> list[dict[str, str]]:
+    """The environment of every Ray container (head and workers)."""
+    return [{"name": "RAY_memory_monitor_refresh_ms", "value": "0"}]
 
 
 def worker_env(spec: RLJobSpec) -> list[dict[str, str]]:
-    env: list[dict[str, str]] = [dict(e) for e in RAY_ENV]
+    env = ray_env()
     if spec.rollout.tensor_parallel_size > 1:
         # SGLang refuses to start TP>1 when ranks see unequal free memory, which is always the
         # case while FSDP shares the GPUs (verl and slime set the same switch).
@@ -175,7 +176,7 @@ def ray_job(owner: Owner, spec: RLJobSpec, attempt: int = 1) -> dict[str, Any]:
         # On CPU one Ray actor per rank: advertise exactly cpuRanksPerWorker CPUs to Ray.
         worker_start["num-cpus"] = str(res.cpu_ranks_per_worker)
     head_limits = {"cpu": res.head_cpu, "memory": res.head_memory}
-    head = _container("ray-head", spec, head_limits, env=[dict(e) for e in RAY_ENV])
+    head = _container("ray-head", spec, head_limits, env=ray_env())
     head["ports"] = [
         {"containerPort": 6379, "name": "gcs-server"},
         {"containerPort": 8265, "name": "dashboard"},
