@@ -159,8 +159,15 @@ cleanup() {  # on any exit: stop our own download jobs, drop unfinished build fo
 cmd_install() {
   mkdir -p "$CACHE"
   # One install at a time per cache (two test sessions on a fresh machine would race).
+  # Bounded, and said: a wait in silence looks like a hang to whoever reads the log.
   exec 9>"$CACHE/.install.lock"
-  flock 9
+  if ! flock -n 9; then
+    log "waiting (at most ${RLJOB_LOCK_WAIT_S:-1800}s) for $CACHE/.install.lock"
+    flock -w "${RLJOB_LOCK_WAIT_S:-1800}" 9 || {
+      echo "$CACHE/.install.lock still held after ${RLJOB_LOCK_WAIT_S:-1800}s" >&2
+      exit 1
+    }
+  fi
   # Holding the lock, any leftover build folder is from an interrupted run.
   rm -rf "$CACHE"/.build-*
   trap cleanup EXIT

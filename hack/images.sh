@@ -118,7 +118,10 @@ ensure_dockerd() {
   # A config file of its own (not /etc/docker/daemon.json, whose keys would clash with flags).
   printf '{"storage-driver": "overlay2", "runtimes": {"rljob-runc": {"path": "%s"}}, "default-runtime": "rljob-runc"}\n' \
     "$CACHE/bin/runc-bounded-caps" >"$CACHE/dockerd.json"
-  setsid dockerd --config-file "$CACHE/dockerd.json" >"$CACHE/dockerd.log" 2>&1 </dev/null &
+  # Without the lock's descriptors (8 here, 9 of hack/controlplane.sh): a daemon that inherited
+  # one would hold the lock for its whole life, and the next install would wait on it for ever
+  # (the CI run of 7f3683e did, silently, from the kind step on, until CI's limit).
+  setsid dockerd --config-file "$CACHE/dockerd.json" >"$CACHE/dockerd.log" 2>&1 </dev/null 8>&- 9>&- &
   for _ in $(seq 60); do
     docker info >/dev/null 2>&1 && return
     sleep 1
@@ -432,6 +435,15 @@ build_project_image() { # build_project_image KEY TAG DOCKERFILE
   docker_build "$1" "$2" "$ROOT/$3" "$ROOT" --build-arg "PYTHON_IMAGE=$PYTHON_IMAGE"
 }
 
+# wait_lock FD FILE: flock FD, waiting at most RLJOB_LOCK_WAIT_S (default 1800 s) and saying so,
+# with the processes that hold FILE, instead of waiting in silence.
+wait_lock() {
+  local fd=$1 file=$2 limit=${RLJOB_LOCK_WAIT_S:-1800}
+  flock -n "$fd" && return
+  log "waiting (at most ${limit}s) for $file, held by: $(fuser "$file" 2>/dev/null | xargs -r ps -o pid=,args= -p | tr '\n' ';' || true)"
+  flock -w "$limit" "$fd" || die "$file still held after ${limit}s (another hack/images.sh install?)"
+}
+
 ONLY=()
 step_wanted() { [[ ${#ONLY[@]} == 0 || " ${ONLY[*]} " == *" $1 "* ]]; }
 
@@ -440,7 +452,7 @@ cmd_install() { # cmd_install [STEP...]: all steps, or only these (for working o
   mkdir -p "$CACHE" "$IMAGES"
   if [[ ${#ONLY[@]} == 0 ]]; then
     exec 8>"$CACHE/.images.lock"
-    flock 8
+    wait_lock 8 "$CACHE/.images.lock"
     rm -rf "$CACHE"/.build-ctx.* "$CACHE"/.build-components.* "$CACHE"/.build-debian.*
   fi
   local start

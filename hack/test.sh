@@ -6,14 +6,26 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
 declare -a PHASES=()
-phase() {  # phase NAME CMD...: run a step, time it, stop the run on failure
-  local name=$1 start end rc
+# Each phase has a time limit (seconds): a step that hangs fails by name, with the time it was
+# given, instead of running in silence into CI's own limit. Generous: about twice a cold run's.
+declare -A LIMIT=([venv]=1200 [controlplane]=2400 [e2e-images]=2700 [e2e-cluster]=900
+  [ruff]=300 [ruff-format]=300 [mypy]=900 [pytest-e2e]=1800 [e2e-down]=300 [pytest]=3600)
+phase() {  # phase NAME CMD...: run a step within its limit, time it, stop the run on failure
+  local name=$1 start end rc limit
   shift
+  limit=${LIMIT[$name]:-1800}
   echo "==> $name"
   start=$(date +%s)
-  "$@"
+  if declare -F "$1" >/dev/null; then
+    PHASE_LIMIT=$limit "$@"  # a function of this script bounds its own command (run_pytest)
+  else
+    timeout -k 30 "$limit" "$@"
+  fi
   rc=$?
   end=$(date +%s)
+  if [[ $rc == 124 || $rc == 137 ]] && ((end - start >= limit)); then
+    echo "==> $name did not end within its limit of ${limit}s: stopped" >&2
+  fi
   PHASES+=("$(printf '%-14s %4ss  %s' "$name" "$((end - start))" "$([[ $rc == 0 ]] && echo ok || echo "FAILED ($rc)")")")
   if [[ $rc != 0 ]]; then
     summary
@@ -28,7 +40,7 @@ summary() {
 run_pytest() {
   local rc
   # --durations: the slowest tests in every run, so CI time can be followed test by test.
-  PYTHONPATH=hack .venv/bin/python -m pytest -p pytest_layer_guard -rs --timeout=1200 --durations=20 "$@"
+  PYTHONPATH=hack timeout -k 60 "${PHASE_LIMIT:-3600}" .venv/bin/python -m pytest -p pytest_layer_guard -rs --timeout=1200 --durations=20 "$@"
   rc=$?
   if [[ $rc == 5 ]]; then
     echo "pytest collected no tests: that is a failure here, not a pass" >&2
