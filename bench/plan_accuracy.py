@@ -133,18 +133,18 @@ def render(rows: list[dict[str, Any]]) -> str:
         "",
         "Made by `.venv/bin/python bench/plan_accuracy.py` from `bench/results/colocate.json` "
         "and `bench/results/raw/*.json` (bf16 engine, fp32 masters + fp32 reference, 4 "
-        "prompts x 8 samples x 128 tokens, micro-batch 4; one H100 80GB with 1 rank, two H200s "
+        "prompts x 8 samples x 128 tokens, micro-batch 4; one H100 80GB or one H200 with 1 rank, two H200s "
         "with 2 ranks). Measured: the device-wide peak (mem_get_info, sampled every 5 ms) of "
         "rank 0, the highest over the point's iterations. Predicted: the plan's "
         "steady-iteration peak of that stage. In sample: the torch engine's constants were "
-        "fitted to its Qwen2.5-3B points (c4..c10), sglang's to s1 (staged) and s2 (single), "
-        "3B; out of sample: the sglang Qwen2.5-1.5B points (s3, s6, s8, s9; s9 with offload "
-        "Auto) and the torch engine's Qwen2.5-1.5B points (t1, r1) and Qwen2.5-0.5B point (r1). "
-        "The constants were not refitted after t1 and r1: at 0.5B and 1.5B the torch "
-        "allocator's cache held 0.32 and 0.59 GiB (reserved minus allocated at offload_train's "
-        "end, after empty_cache) that the 3B-fitted constants do not carry, and at 0.5B the "
-        "training peak (activations and logits) runs 1.1 GiB above the 3B-fitted activation "
-        "model.",
+        "fitted to its Qwen2.5-3B points (c4..c10) and the training step's cached logits to "
+        "the torch points at all three sizes; sglang's to s1 (staged) and s2 (single), 3B. "
+        "Modelled from the code, not fitted: torch's caching allocator (the engine's weight "
+        "region and the fp32 masters in whole segments) and sglang's pool sizing. a1 (H100, "
+        "with RLJOB_ALLOCATOR_REPORT) and v1 (H200, with cuBLAS's workspaces released before "
+        "offload_train's empty_cache) are this plan's out-of-sample checks; every run before "
+        "v1 had the workspace pinning 0.01-0.40 GiB of freed training memory. See the README "
+        "(Memory plan and OOM policy) for what each disagreement is.",
         "",
         f"- stage peaks compared: {len(errors)}; largest |error| "
         f"{max(errors, default=0):.2%}; mean |error| "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,15 +40,22 @@ CUDA_CONTEXT_BYTES = 1_520_992_256
 # What the first training step leaves behind for good (cuBLAS workspaces, autograd caches):
 # c5 offload_optimizer end (iteration 1+) minus its iteration-0 level.
 TRAIN_RESIDUAL_BYTES = 375_390_208
-# The engine's tensors outside its memory-saver regions, allocated at its first wake
-# (offload_train end minus offload_optimizer end minus engine weights: 278798336 in c4 and c5).
-ENGINE_OUTSIDE_REGIONS_BYTES = 278_798_336
+# The torch engine's tensors outside its memory-saver regions, allocated at its first wake
+# (offload_train end minus offload_optimizer end minus the engine weights' reserved bytes:
+# 278798336 in c4 and c5, less the 254 MiB its weight region reserves beyond the tensors at 3B,
+# see reserved_bytes).
+ENGINE_OUTSIDE_REGIONS_BYTES = 278_798_336 - 266_338_304
 # Per rank when world > 1: NCCL's buffers and streams (and the H200's larger context): c9's
 # offload_optimizer end minus half the params minus the one-rank baseline.
 NCCL_BUFFER_BYTES = 1_296_023_552
-# Share of the forward/backward activations the caching allocator still holds at the optimizer
-# step's peak (freed blocks it cannot reuse for AdamW's temporaries): c4 train peak, 1 rank.
-ACTIVATION_RETAIN = 0.58
+# What the caching allocator still holds at the optimizer step's peak, per token per vocab entry
+# of one micro-batch: the training logits' blocks (bf16 logits, fp32 copy, log_softmax and their
+# gradients), freed after backward but cached, which AdamW's temporaries do not reuse. Fitted as
+# the highest over the torch engine's one-rank points at three sizes, H100 and H200 (train peak
+# minus the context, params as reserved, moments, grads and the step's temporary: 2.58-2.60 GiB
+# at 0.5B, 2.18-2.30 at 1.5B, 2.66-2.83 at 3B, for 768 tokens x 151936 entries): a share of the
+# logits, not of the layer activations, which grow 3.4x from 0.5B to 3B while this does not.
+STEP_CACHE_BYTES_PER_LOGIT_ENTRY = 26.06
 # Bytes kept per token per layer for backward, in units of the compute dtype: ~10 hidden-wide
 # tensors (norm inputs, q/k/v/o, residuals) and 4 MLP-wide ones (gate, up, act, product).
 ACTIVATION_HIDDEN_TENSORS = 10
@@ -73,14 +80,32 @@ ALLOCATOR_SLACK_BYTES = 64 * MiB
 SGLANG_PROCESS_CONTEXT_BYTES = 1_363_492_864
 SGLANG_RESIDENT_BYTES = 2_130_706_432
 SGLANG_CUDA_GRAPH_BYTES = 1_140_850_688
+# What was in use on the device when sglang took its "free memory before the model" (its own and
+# the rank's CUDA contexts): sglang 0.5.17 sizes the pool as the free memory at profile time minus
+# (1 - memFractionStatic) x that earlier free memory (kv_cache_configurator's
+# _profile_available_bytes), so the pool grows by (1 - fraction) x this over a pool of
+# fraction x capacity. Fitted to sglang's own token counts at ten points (3B and 1.5B, fractions
+# 0.50 to 0.97): within 0.11 GiB of every pool.
+SGLANG_BOOTSTRAP_USED_BYTES = 2_755_540_650
 # sglang with wakeUp single: what its wake (every tag resumed at once, then the weight update)
 # and rollout hold beyond the staged accounting. Not explained yet; fitted to the one completing
-# sglang single point (bench/results/raw/s2-sglang-h100-single.json, 3B at 0.65: +1.29 GiB at
-# wake_weights, +1.74 GiB at rollout; the wake figure taken). With it the plan calls the 1.5B
-# single 0.80 point (it OOMed in wake_weights, s3) a misfit; without it, a fit.
-SGLANG_SINGLE_WAKE_BYTES = 1320 * MiB
+# sglang single point (bench/results/raw/s2-sglang-h100-single.json, 3B at 0.65: +397 MiB at
+# wake_weights over the plan with sglang's own pool size, +0.84 GiB at rollout; the wake figure
+# taken).
+SGLANG_SINGLE_WAKE_BYTES = 397 * MiB
 # The torch engine's pool: whole 16-token blocks plus one null block (torch_engine.py).
 TORCH_KV_BLOCK_TOKENS = 16
+
+# torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp), which also serves the memory
+# saver's regions: requests round up to 512 B; up to 1 MiB from 2 MiB segments (small pool),
+# below 10 MiB from 20 MiB segments, larger ones from a segment of their size rounded up to
+# 2 MiB; a free block is split when more than 1 MiB (small pool: 512 B) would be left.
+ALLOC_ROUND = 512
+ALLOC_SMALL = 1 << 20
+ALLOC_SMALL_SEGMENT = 2 << 20
+ALLOC_MEDIUM_SEGMENT = 20 << 20
+ALLOC_LARGE_MIN = 10 << 20
+ALLOC_LARGE_ROUND = 2 << 20
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 MASTER_BYTES = 4  # train.Trainer keeps fp32 master params (policy and reference)
@@ -198,6 +223,35 @@ def shape_for(spec: RLJobSpec, read_config: bool = True) -> ModelShape | None:
     return None
 
 
+def reserved_bytes(sizes: Iterable[int]) -> int:
+    """Device bytes torch's caching allocator reserves for tensors of these byte sizes,
+    allocated in this order and all kept (best fit among the free remainders, as the allocator
+    does). The torch engine's weights go in this way: 20 MiB segments hold whole tensors only,
+    so at Qwen2.5-1.5B four 4.5 MiB projections leave 2 MiB of each segment unused (189.6 MiB in
+    all; 49.7 at 0.5B, 254 at 3B: what RLJOB_ALLOCATOR_REPORT showed on an H100, to the MiB)."""
+    free: dict[bool, list[int]] = {True: [], False: []}
+    reserved = 0
+    for n in sizes:
+        size = max(ALLOC_ROUND, -(-n // ALLOC_ROUND) * ALLOC_ROUND)
+        small = size <= ALLOC_SMALL
+        fitting = [b for b in free[small] if b >= size]
+        if fitting:
+            block = min(fitting)
+            free[small].remove(block)
+        else:
+            if small:
+                block = ALLOC_SMALL_SEGMENT
+            elif size < ALLOC_LARGE_MIN:
+                block = ALLOC_MEDIUM_SEGMENT
+            else:
+                block = -(-size // ALLOC_LARGE_ROUND) * ALLOC_LARGE_ROUND
+            reserved += block
+        rest = block - size
+        if rest >= ALLOC_ROUND if small else rest > ALLOC_SMALL:
+            free[small].append(rest)
+    return reserved
+
+
 def plan_buckets(sizes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
     """Group named tensors, in order, into buckets of at most `bucket_bytes` (the weight sync's
     buckets; train.Trainer uses this very function). A tensor larger than a bucket travels
@@ -230,7 +284,8 @@ class Parts:
     optimizer: int  # AdamW moments, this rank's shard
     grads: int
     step_temp: int  # AdamW's foreach temporary at the step
-    activations: int  # one micro-batch's forward/backward, before ACTIVATION_RETAIN
+    step_cache: int  # the logits' blocks the allocator still caches at the step
+    activations: int  # one micro-batch's forward/backward (layers and logits), at backward
     fsdp_buffers: int  # unsharded root and layers (world > 1)
     engine_weights: int  # this rank's TP shard, engine dtype
     kv_pool: int  # KV cache (+ sglang's CUDA graphs)
@@ -243,13 +298,18 @@ class Parts:
         return {k: int(v) for k, v in self.__dict__.items()}
 
 
+def training_tokens(spec: RLJobSpec) -> int:
+    """Tokens of one micro-batch at the longest sequence the spec allows (prompt + response)."""
+    return spec.training.micro_batch_size * (
+        spec.data.max_prompt_length + spec.data.max_response_length
+    )
+
+
 def activation_bytes(spec: RLJobSpec, shape: ModelShape) -> int:
     """One micro-batch's activations kept for backward, at the longest sequence the spec allows
     (prompt + response): per layer, or with checkpointing one layer plus each layer's input."""
     dtype = DTYPE_BYTES[spec.model.dtype]
-    tokens = spec.training.micro_batch_size * (
-        spec.data.max_prompt_length + spec.data.max_response_length
-    )
+    tokens = training_tokens(spec)
     per_layer = dtype * (
         ACTIVATION_HIDDEN_TENSORS * shape.hidden
         + ACTIVATION_INTERMEDIATE_TENSORS * shape.intermediate
@@ -276,6 +336,7 @@ def kv_pool(
         tokens = max(budget, 0) // per_token // TORCH_KV_BLOCK_TOKENS * TORCH_KV_BLOCK_TOKENS
         return (tokens + TORCH_KV_BLOCK_TOKENS) * per_token, tokens
     budget -= CUDA_CONTEXT_BYTES + SGLANG_PROCESS_CONTEXT_BYTES
+    budget += int((1 - rollout.mem_fraction_static) * SGLANG_BOOTSTRAP_USED_BYTES)
     tokens = max(budget, 0) // per_token
     return tokens * per_token + SGLANG_CUDA_GRAPH_BYTES, tokens
 
@@ -312,6 +373,9 @@ def parts(
     tp = spec.rollout.tensor_parallel_size
     engine_weights = n * dtype // tp
     pool, tokens = kv_pool(spec, shape, capacity_bytes, engine_weights)
+    if spec.rollout.engine is EngineName.TORCH:
+        # Its pool is sized from the tensors' bytes; its weight region holds whole segments.
+        engine_weights = reserved_bytes(size * dtype // tp for _, size in shape.named_sizes())
     outside = (
         ENGINE_OUTSIDE_REGIONS_BYTES
         if spec.rollout.engine is EngineName.TORCH
@@ -326,10 +390,16 @@ def parts(
     requests = spec.data.train_batch_size // max(world, 1) * spec.algorithm.group_size
     return Parts(
         context=context,
-        train_params=shard(MASTER_BYTES * n * (2 if reference else 1)),
+        # fp32 masters (and the reference's) as torch's allocator holds them, whole segments:
+        # 115 MiB over the tensors per Qwen2.5-0.5B copy, 101 at 1.5B, 2 at 3B.
+        train_params=reserved_bytes(
+            [math.ceil(MASTER_BYTES * size / world) for _, size in shape.named_sizes()]
+            * (2 if reference else 1)
+        ),
         optimizer=shard(ADAM_STATE_BYTES * n),
         grads=shard(GRAD_BYTES * n),
         step_temp=shard(ADAM_TEMP_BYTES * n),
+        step_cache=round(STEP_CACHE_BYTES_PER_LOGIT_ENTRY * training_tokens(spec) * shape.vocab),
         activations=activation_bytes(spec, shape),
         fsdp_buffers=fsdp,
         engine_weights=engine_weights,
@@ -355,13 +425,14 @@ def stage_peaks(
     optimizer = 0 if offload_optimizer else p.optimizer
     params = 0 if offload_params else p.train_params
     peaks: dict[Stage, int] = {}
+    # The higher of the optimizer step (its temporary and the cached logits) and backward (the
+    # micro-batch's activations, all live): at the bench's 768-token micro-batches the step.
     train = (
         p.context
         + p.train_params
         + p.optimizer
         + p.grads
-        + p.step_temp
-        + round(ACTIVATION_RETAIN * p.activations)
+        + max(p.step_temp + p.step_cache, p.activations)
         + p.fsdp_buffers
     )
     peaks[Stage.TRAIN] = train

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rljob.api import AttemptKnobs, RLJobSpec, WakeUp
+from rljob.api import AttemptKnobs, EngineName, RLJobSpec, WakeUp
 from rljob.oom_policy import Outcome, admit, next_attempt, rayjob_name
 from rljob.plan import (
     BUILTIN_MODEL_SHAPES,
@@ -19,7 +20,9 @@ from rljob.plan import (
     kv_pool,
     largest_fitting_fraction,
     mode_plan,
+    parts,
     plan,
+    reserved_bytes,
     stage_peaks,
 )
 from rljob.plan_cli import main as plan_main
@@ -101,6 +104,7 @@ PARTS = Parts(
     optimizer=200,
     grads=100,
     step_temp=100,
+    step_cache=29,
     activations=50,
     fsdp_buffers=0,
     engine_weights=30,
@@ -114,7 +118,7 @@ PARTS = Parts(
 @pytest.mark.parametrize(
     ("wake_up", "offload", "expected"),
     [
-        # train: 10 + 100 + 200 + 100 + 100 + 0.58 * 50 = 539 (offload_optimizer starts there);
+        # train: 10 + 100 + 200 + 100 + max(100 + 29, 50) = 539 (offload_optimizer starts there);
         # staged wake: 10 + 100 + 30 + 5; kv: 10 + 30 + 400; rollout + 3; sleep: max(443, 310).
         (
             WakeUp.STAGED,
@@ -143,6 +147,68 @@ def test_stage_peaks_by_hand(
 ) -> None:
     peaks = stage_peaks(PARTS, wake_up, *offload)
     assert {str(k): v for k, v in peaks.items()} == expected
+
+
+QWEN25_1_5B = {**QWEN25_3B, "hidden_size": 1536, "intermediate_size": 8960,
+               "num_hidden_layers": 28, "num_attention_heads": 12}  # fmt: skip
+QWEN25_0_5B = {**QWEN25_3B, "hidden_size": 896, "intermediate_size": 4864,
+               "num_hidden_layers": 24, "num_attention_heads": 14}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "unused_mib"),
+    # The torch engine's bf16 weight region on an H100 (RLJOB_ALLOCATOR_REPORT,
+    # bench/results/raw/allocator-report/): free bytes in the segments its tensors hold.
+    [(QWEN25_0_5B, 41.8), (QWEN25_1_5B, 188.7), (QWEN25_3B, 145.5)],
+)
+def test_reserved_bytes_is_what_torchs_allocator_held_for_the_engine_weights(
+    config: dict[str, Any], unused_mib: float
+) -> None:
+    sizes = [n * 2 for _, n in ModelShape.from_config(config).named_sizes()]
+    reserved = reserved_bytes(sizes)
+    # The segments' free bytes, plus the sub-MiB tails the allocator leaves unsplit.
+    assert reserved - sum(sizes) >= unused_mib * (1 << 20) - 1
+    assert reserved - sum(sizes) < unused_mib * (1 << 20) + 120 * (1 << 20)
+
+
+def test_reserved_bytes_by_hand() -> None:
+    MiB = 1 << 20
+    # Four 4.5 MiB tensors share one 20 MiB segment; the fifth opens a second.
+    assert reserved_bytes([9 * MiB // 2] * 5) == 40 * MiB
+    # 16 MiB and up: a segment each, rounded to 2 MiB; the 1 MiB tail is not split off.
+    assert reserved_bytes([17 * MiB, 16 * MiB]) == 18 * MiB + 16 * MiB
+    # Small tensors share 2 MiB segments, 512-byte rounded.
+    assert reserved_bytes([1000] * 4) == 2 * MiB
+    assert reserved_bytes([]) == 0
+
+
+def test_train_peaks_at_backward_when_the_activations_outweigh_the_step() -> None:
+    # Long sequences: all of one micro-batch's activations (500) live in backward exceed the
+    # step's temporary and cached logits (129): train = 10 + 100 + 200 + 100 + 500.
+    long_sequences = replace(PARTS, activations=500)
+    assert stage_peaks(long_sequences, WakeUp.STAGED, True, True)[Stage.TRAIN] == 910
+
+
+def test_sglang_pool_matches_sglangs_own_token_counts() -> None:
+    # sglang sizes its pool from the free memory before its model load (its
+    # _profile_available_bytes): stored runs at two sizes, fractions 0.50 to 0.97.
+    raw = Path(__file__).parents[2] / "bench" / "results" / "raw"
+    checked = 0
+    for name in ("s1-sglang-h100", "s2-sglang-h100-single", "s3-sglang-h100-1.5b",
+                 "s8-sglang-h100-1.5b-offload-always"):  # fmt: skip
+        result = json.loads((raw / f"{name}.json").read_text())
+        shape = ModelShape.from_config(
+            {"model_type": "qwen2", "vocab_size": 151936, **result["model"]}
+        )
+        for point in result["points"]:
+            if not point["kv_capacity_tokens"]:
+                continue
+            spec = bench_spec(point["mode"], point["fraction"])
+            spec.rollout.engine = EngineName.SGLANG
+            tokens = parts(spec, shape, result["environment"]["device_total_bytes"]).kv_tokens
+            assert abs(tokens - point["kv_capacity_tokens"]) / point["kv_capacity_tokens"] < 0.005
+            checked += 1
+    assert checked == 7
 
 
 def test_largest_fitting_fraction_on_the_h100_matches_the_measured_sweep() -> None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from rljob.api import MisfitAction, PlanStatus, RLJobSpec
 from rljob.plan import offload_choice, rank_plan
 from rljob.report import OOMRecord, StageSample
+from rljob_worker import allocator_report
 from rljob_worker.engines import make_engine
 from rljob_worker.engines.base import ALL_TAGS, RolloutEngine, SamplingParams
 from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM
@@ -217,6 +218,7 @@ def run_rank(
 
     # The engine first, then release it: it sizes its KV pool on a device that training does
     # not yet occupy, and the loop starts where every iteration starts (engine asleep).
+    allocator_report.start_recording()  # RLJOB_ALLOCATOR_REPORT: stacks from here on
     engine = make_engine(spec, device=str(device), eos_token_ids=eos_ids, node=config.node)
     released = engine.released_tags
     engine.release([tag for tag in ALL_TAGS if tag not in released])
