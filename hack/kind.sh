@@ -194,18 +194,8 @@ EOF
 
 install_rljob() {
   k apply --server-side --force-conflicts -f "$ROOT/charts/rljob/crds/" >/dev/null
-  # The chart's ClusterKopfPeering and the operator's own ensure_peering both create the object:
-  # when the operator pod starts first (its image is already on the node), `helm install` fails
-  # with 'clusterkopfpeerings.kopf.dev "rljob-operator" already exists'. Made here first, with
-  # Helm's ownership marks, the release adopts it instead.
-  k apply -f - >/dev/null <<EOF
-apiVersion: kopf.dev/v1
-kind: ClusterKopfPeering
-metadata:
-  name: rljob-operator
-  labels: {app.kubernetes.io/managed-by: Helm}
-  annotations: {meta.helm.sh/release-name: rljob, meta.helm.sh/release-namespace: rljob-system}
-EOF
+  # The operator pod may make its ClusterKopfPeering before Helm does (the image is on the node
+  # already): it marks it for the release (RLJOB_HELM_RELEASE), and Helm adopts it.
   "$HELM" --kubeconfig "$KUBECONFIG_FILE" upgrade --install rljob "$ROOT/charts/rljob" \
     --namespace rljob-system --create-namespace \
     --set "image.repository=${RLJOB_OPERATOR_IMAGE%:*}" --set "image.tag=${RLJOB_OPERATOR_IMAGE##*:}" \

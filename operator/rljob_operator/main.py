@@ -10,10 +10,12 @@ import argparse
 import asyncio
 import functools
 import logging
+import os
 import random
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import kopf
 from kubernetes import client, config
@@ -74,16 +76,44 @@ def kuberay_problem() -> str | None:
     return None
 
 
+# Set by the Helm chart's Deployment: the release that owns the peering objects.
+HELM_RELEASE_ENV = "RLJOB_HELM_RELEASE"
+HELM_RELEASE_NAMESPACE_ENV = "RLJOB_HELM_RELEASE_NAMESPACE"
+
+
+def helm_ownership() -> dict[str, Any]:
+    """The metadata by which Helm adopts an object it finds already there (Helm >= 3.2), when
+    the chart started this process; else nothing."""
+    release = os.environ.get(HELM_RELEASE_ENV, "").strip()
+    namespace = os.environ.get(HELM_RELEASE_NAMESPACE_ENV, "").strip()
+    if not (release and namespace):
+        return {}
+    return {
+        "labels": {"app.kubernetes.io/managed-by": "Helm"},
+        "annotations": {
+            "meta.helm.sh/release-name": release,
+            "meta.helm.sh/release-namespace": namespace,
+        },
+    }
+
+
 def ensure_peering(name: str, namespaces: list[str]) -> None:
     """Make sure the peering object(s) kopf keeps alive in exist: get first, create if missing.
 
-    Get first because the Helm chart owns these objects (so `helm uninstall` removes them) and
-    grants no `create` on them; a manual install without them still works where RBAC allows.
+    The Helm chart owns these objects (so `helm uninstall` removes them), but Helm creates
+    custom resources after the Deployment: an operator pod that starts first (its image already
+    on the node) creates them, and `helm install` then found them "already exists". Created
+    here with the release's ownership marks (helm_ownership), Helm adopts them instead.
     """
+    ownership = helm_ownership()
     api = client.CustomObjectsApi()
     targets: list[tuple[Callable[[], object], Callable[[], object]]] = []
     for ns in namespaces:
-        body = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name}}
+        body = {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "KopfPeering",
+            "metadata": {"name": name, **ownership},
+        }
         targets.append(
             (
                 functools.partial(
@@ -98,7 +128,7 @@ def ensure_peering(name: str, namespaces: list[str]) -> None:
         body = {
             "apiVersion": "kopf.dev/v1",
             "kind": "ClusterKopfPeering",
-            "metadata": {"name": name},
+            "metadata": {"name": name, **ownership},
         }
         targets.append(
             (
