@@ -194,8 +194,8 @@ EOF
 
 install_rljob() {
   k apply --server-side --force-conflicts -f "$ROOT/charts/rljob/crds/" >/dev/null
-  # The operator pod may make its ClusterKopfPeering before Helm does (the image is on the node
-  # already): it marks it for the release (RLJOB_HELM_RELEASE), and Helm adopts it.
+  # The operator pod may start before Helm creates its ClusterKopfPeering (the image is on the
+  # node already): it waits for the release's object (RLJOB_HELM_RELEASE) rather than racing.
   "$HELM" --kubeconfig "$KUBECONFIG_FILE" upgrade --install rljob "$ROOT/charts/rljob" \
     --namespace rljob-system --create-namespace \
     --set "image.repository=${RLJOB_OPERATOR_IMAGE%:*}" --set "image.tag=${RLJOB_OPERATOR_IMAGE##*:}" \

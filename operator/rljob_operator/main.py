@@ -15,7 +15,6 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 import kopf
 from kubernetes import client, config
@@ -76,43 +75,31 @@ def kuberay_problem() -> str | None:
     return None
 
 
-# Set by the Helm chart's Deployment: the release that owns the peering objects.
+# Set by the Helm chart's Deployment: the release that creates and owns the peering objects.
 HELM_RELEASE_ENV = "RLJOB_HELM_RELEASE"
-HELM_RELEASE_NAMESPACE_ENV = "RLJOB_HELM_RELEASE_NAMESPACE"
+# How long an operator started by the chart waits for the release's peering objects.
+PEERING_WAIT_SECONDS = 180.0
 
 
-def helm_ownership() -> dict[str, Any]:
-    """The metadata by which Helm adopts an object it finds already there (Helm >= 3.2), when
-    the chart started this process; else nothing."""
-    release = os.environ.get(HELM_RELEASE_ENV, "").strip()
-    namespace = os.environ.get(HELM_RELEASE_NAMESPACE_ENV, "").strip()
-    if not (release and namespace):
-        return {}
-    return {
-        "labels": {"app.kubernetes.io/managed-by": "Helm"},
-        "annotations": {
-            "meta.helm.sh/release-name": release,
-            "meta.helm.sh/release-namespace": namespace,
-        },
-    }
+def ensure_peering(name: str, namespaces: list[str], wait_seconds: float | None = None) -> None:
+    """Make sure the peering object(s) kopf keeps alive in exist.
 
-
-def ensure_peering(name: str, namespaces: list[str]) -> None:
-    """Make sure the peering object(s) kopf keeps alive in exist: get first, create if missing.
-
-    The Helm chart owns these objects (so `helm uninstall` removes them), but Helm creates
-    custom resources after the Deployment: an operator pod that starts first (its image already
-    on the node) creates them, and `helm install` then found them "already exists". Created
-    here with the release's ownership marks (helm_ownership), Helm adopts them instead.
+    Started by the Helm chart (RLJOB_HELM_RELEASE set), the release creates them, after the
+    Deployment: a pod that starts first (its image already on the node) waits for them, saying
+    so, and never creates them, or `helm install` fails with "already exists" (Helm checks for
+    existing objects before it creates any, so marking ours for adoption does not close the
+    race). Installed by hand, get first and create what is missing.
     """
-    ownership = helm_ownership()
+    release = os.environ.get(HELM_RELEASE_ENV, "").strip()
+    if wait_seconds is None:
+        wait_seconds = PEERING_WAIT_SECONDS if release else 0.0
     api = client.CustomObjectsApi()
     targets: list[tuple[Callable[[], object], Callable[[], object]]] = []
     for ns in namespaces:
         body = {
             "apiVersion": "kopf.dev/v1",
             "kind": "KopfPeering",
-            "metadata": {"name": name, **ownership},
+            "metadata": {"name": name},
         }
         targets.append(
             (
@@ -128,7 +115,7 @@ def ensure_peering(name: str, namespaces: list[str]) -> None:
         body = {
             "apiVersion": "kopf.dev/v1",
             "kind": "ClusterKopfPeering",
-            "metadata": {"name": name, **ownership},
+            "metadata": {"name": name},
         }
         targets.append(
             (
@@ -147,7 +134,10 @@ def ensure_peering(name: str, namespaces: list[str]) -> None:
             except ApiException as exc:
                 if exc.status != 404:
                     raise
-                _ignore_conflict(create)
+                if wait_seconds > 0:
+                    _wait_for_release_object(get, name, release, wait_seconds)
+                else:
+                    _ignore_conflict(create)
     except ApiException as exc:
         if exc.status == 404:
             raise SystemExit(
@@ -161,6 +151,25 @@ def ensure_peering(name: str, namespaces: list[str]) -> None:
                 "KopfPeering/ClusterKopfPeering object yourself, or run with --standalone"
             ) from exc
         raise
+
+
+def _wait_for_release_object(
+    get: Callable[[], object], name: str, release: str, wait_seconds: float
+) -> None:
+    log.info(f"waiting up to {wait_seconds:.0f}s for Helm release {release!r} to create {name!r}")
+    deadline = time.monotonic() + wait_seconds
+    while time.monotonic() < deadline:
+        time.sleep(2.0)
+        try:
+            get()
+            return
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+    raise SystemExit(
+        f"the peering object {name!r} of Helm release {release!r} did not appear within "
+        f"{wait_seconds:.0f}s: is leaderElection.enabled in the release's values?"
+    )
 
 
 def _ignore_conflict(create: Callable[[], object]) -> None:

@@ -239,57 +239,57 @@ def test_helm_install_runs_the_operator_with_only_the_charts_grants_and_uninstal
     _uninstall_and_expect_nothing_left(plane, installed)
 
 
-def _peering_made_by_the_operator(plane: ControlPlane, name: str, env: dict[str, str]) -> None:
+def _operator_peering_step(
+    plane: ControlPlane, name: str, env: dict[str, str]
+) -> subprocess.Popen[str]:
     """What the operator's pod does first (ensure_peering), with the environment given."""
     code = (
         "import sys; from kubernetes import config; config.load_kube_config(); "
         "from rljob_operator.main import ensure_peering; ensure_peering(sys.argv[1], [])"
     )
-    subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", code, name],
         env={**os.environ, "KUBECONFIG": str(plane.kubeconfig), **env},
-        check=True,
-        timeout=60,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
-def test_an_operator_pod_that_makes_the_peering_before_helm_leaves_it_to_the_release(
+def test_an_operator_pod_that_starts_before_helm_waits_for_the_releases_peering(
     plane: ControlPlane, namespace: str, kuberay_crds: None, release_name: str
 ) -> None:
-    # Helm creates custom resources after the Deployment: a pod whose image is already on the
-    # node can make the ClusterKopfPeering first. With the Deployment's environment it marks
-    # the object for the release, and `helm install` adopts it instead of failing.
+    # Helm creates custom resources after the Deployment, so the operator pod can start before
+    # its ClusterKopfPeering exists. Started by the chart (RLJOB_HELM_RELEASE), it waits.
     plane.kubectl("apply", "-f", str(CHART / "crds" / "kopf-peering.yaml"))
-    release_ns = f"{namespace}-sys"
-    _peering_made_by_the_operator(
-        plane,
-        release_name,
-        {"RLJOB_HELM_RELEASE": release_name, "RLJOB_HELM_RELEASE_NAMESPACE": release_ns},
-    )
-    before = plane.kubectl_json("get", "clusterkopfpeering", release_name)
-    assert INSTANCE not in (before["metadata"].get("labels") or {})
-    installed = _install(plane, release_name, release_ns)
-    after = plane.kubectl_json("get", "clusterkopfpeering", release_name)
-    assert after["metadata"]["uid"] == before["metadata"]["uid"]  # adopted, not replaced
-    assert after["metadata"]["annotations"]["meta.helm.sh/release-name"] == release_name
-    assert [
-        d["metadata"]["name"] for d in installed.manifest if d["kind"] == "ClusterKopfPeering"
-    ] == [release_name]
+    waiting = _operator_peering_step(plane, release_name, {"RLJOB_HELM_RELEASE": release_name})
+    try:
+        time.sleep(4)
+        assert waiting.poll() is None, waiting.communicate()[0]
+        absent = plane.kubectl("get", "clusterkopfpeering", release_name, check=False)
+        assert absent.returncode != 0 and "NotFound" in absent.stderr
+        installed = _install(plane, release_name, f"{namespace}-sys")
+        assert waiting.wait(timeout=30) == 0, waiting.communicate()[0]
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+    made = plane.kubectl_json("get", "clusterkopfpeering", release_name)
+    assert made["metadata"]["labels"][INSTANCE] == release_name  # Helm's, not the operator's
     _uninstall_and_expect_nothing_left(plane, installed)
-    gone = plane.kubectl("get", "clusterkopfpeering", release_name, check=False)
-    assert gone.returncode != 0 and "NotFound" in gone.stderr
 
-    # Without the marks (an operator run by hand), the same install is refused by Helm.
+    # Installed by hand (no release), the operator creates what is missing; had the chart's
+    # pod done that, `helm install` would have failed on the object it found.
     stray = f"{release_name}-x"
-    _peering_made_by_the_operator(plane, stray, {})
+    by_hand = _operator_peering_step(plane, stray, {})
+    assert by_hand.wait(timeout=60) == 0, by_hand.communicate()[0]
     try:
         refused = plane.helm(
-            "install", stray, str(CHART), "--namespace", release_ns, "--create-namespace",
+            "install", stray, str(CHART), "--namespace", f"{namespace}-sys", "--create-namespace",
             "--set", f"leaderElection.peeringName={stray}", check=False,
         )  # fmt: skip
         assert refused.returncode != 0 and "exists" in refused.stderr, refused.stderr
     finally:
-        plane.helm("uninstall", stray, "-n", release_ns, "--ignore-not-found", check=False)
+        plane.helm("uninstall", stray, "-n", f"{namespace}-sys", "--ignore-not-found", check=False)
         plane.kubectl("delete", "clusterkopfpeering", stray, "--ignore-not-found")
 
 
