@@ -140,7 +140,17 @@ def _container(
     }
     if env:
         container["env"] = env
+    # KubeRay runs a Ray container's own args before its generated `ray start` ("ARGS && ulimit
+    # -n 65536; ray start ... --block"): the OOM guard, in the background.
+    container["args"] = [OOM_GUARD_ARGS]
     return container
+
+
+# worker_image/rljob_worker/oom_guard.py: a kernel OOM kill inside a Ray container (the kernel
+# picks a Ray worker first, so `ray start` lived on and the container never exited) ends the
+# container, so the kubelet reports OOMKilled and the operator with it. Seen on kind: a rank
+# killed by the kernel, the job failed as "actor died unexpectedly", no OOMKilled anywhere.
+OOM_GUARD_ARGS = "{ python -m rljob_worker.oom_guard & }"
 
 
 # Ray's memory monitor kills a task when its node nears the container's memory limit (95%), and
