@@ -519,3 +519,116 @@ def test_sglangs_running_phase_sigquit_handler_is_patched_to_the_adapters(
     )
     SignalHandler().running_phase_sigquit_handler()
     assert called == [(signal.SIGQUIT, None)] and not original_calls
+
+
+# What a scheduler left on stderr when its resume ran out of device memory, on an H100 with
+# sglang 0.5.17 (bench/results/raw/s6-sglang-h100-1.5b-reported.log): torch_memory_saver's note,
+# which a caller may recover from, then its fatal error; the scheduler exited 1, no traceback.
+TMS_NOTE = (
+    "[torch_memory_saver.cpp] cuMemCreate CUDA_ERROR_OUT_OF_MEMORY (may not be an issue e.g. "
+    "torch allocator will free cache and retry)"
+)
+TMS_FATAL = (
+    "[torch_memory_saver.cpp] cudaError error: 2 (out of memory)  file=csrc/core.cpp "
+    "func=resume line=243"
+)
+
+
+def test_a_childs_last_words_name_its_oom_or_its_error() -> None:
+    line, oom = sglang_module.child_failure_line(f"Loading shards: 100%\n{TMS_NOTE}\n{TMS_FATAL}\n")
+    assert (line, oom) == (TMS_FATAL, True)
+    assert sglang_module.child_failure_line(f"{TMS_NOTE}\n") == (None, False)
+    traceback = (
+        "Scheduler hit an exception: Traceback (most recent call last):\n"
+        '  File "scheduler.py", line 3, in run\n'
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+        "total capacity of 79.18 GiB of which 1.00 GiB is free.\n"
+    )
+    line, oom = sglang_module.child_failure_line(traceback)
+    assert oom and line is not None and line.startswith("torch.OutOfMemoryError: CUDA out of")
+    # sglang's own pools "run out of memory" too: no CUDA OOM, a smaller fraction would not help
+    for pool in (
+        "RuntimeError: alloc_req_slots runs out of memory. Please set a smaller number for "
+        "--max-running-requests.",
+        "RuntimeError: Prefill out of memory. Try to lower your batch size.",
+    ):
+        assert sglang_module.child_failure_line(pool) == (pool, False)
+    line, oom = sglang_module.child_failure_line("Traceback\nValueError: bad tag\n[done]\n")
+    assert (line, oom) == ("ValueError: bad tag", False)
+    assert sglang_module.child_failure_line("") == (None, False)
+
+
+def test_a_child_dying_of_a_cuda_oom_is_the_stages_cuda_oom_with_its_last_words() -> None:
+    """Real processes, in a process of its own (the handler kills every child of its process):
+    the engine's child inherits the adapter's stderr pipe, writes what sglang 0.5.17's scheduler
+    wrote on an H100 when its resume ran out of memory, signals SIGQUIT and exits 1 while the
+    rank waits in a resume. The wait fails as a torch.OutOfMemoryError quoting the child, the
+    stage boundary records it as that stage's CUDA OOM, and the child's output still reached
+    this process's stderr."""
+    import subprocess
+    import sys
+
+    script = f"""
+import asyncio, signal, subprocess, sys
+import torch
+from support.sglang_standin import NEWEST, SGLangEngineStandIn
+from rljob.report import Stage
+from rljob_worker.engines import sglang_engine as m
+from rljob_worker.memory import MemoryMeter, StageOOM
+
+CHILD = (
+    "import os, signal, sys, time\\n"
+    "sys.stdin.read()\\n"
+    "sys.stderr.write({TMS_NOTE!r} + '\\\\n' + {TMS_FATAL!r} + '\\\\n'); sys.stderr.flush()\\n"
+    "os.kill(os.getppid(), signal.SIGQUIT); sys.exit(1)\\n"
+)
+loop = asyncio.new_event_loop()
+
+class Scheduler(SGLangEngineStandIn):
+    def __init__(self, **kwargs):
+        super().__init__(contract=NEWEST, **kwargs)
+        signal.signal(signal.SIGQUIT, kwargs["custom_sigquit_handler"])
+        self.child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE)
+
+    def _answer(self, method, kwargs):
+        if method == "resume_memory_occupation" and "kv_cache" in kwargs["tags"]:
+            self.child.stdin.close()  # the scheduler starts resuming, and runs out of memory
+            return loop.run_until_complete(loop.create_future())
+        return super()._answer(method, kwargs)
+
+engine = m.SGLangEngine(model_path="/m", dtype="bfloat16", mem_fraction_static=0.5,
+                        engine_class=Scheduler, contract=NEWEST)
+print("stderr back:", sys.stderr.fileno(), flush=True)
+meter = MemoryMeter(rank=0, device=torch.device("cpu"))
+engine.resume(["weights"])
+try:
+    with meter.stage(Stage.WAKE_KV_CACHE, 1):
+        engine.resume(["kv_cache", "cuda_graph"])
+except StageOOM as oom:
+    print("oom:", oom.record.kind, oom.record.stage, "|", oom.record.message)
+    print("is torch oom:", isinstance(oom.__cause__ or oom.__context__, torch.OutOfMemoryError))
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, "tests"])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done
+    assert (
+        f"oom: CUDAOutOfMemory wake_kv_cache | CUDA out of memory in an sglang process: "
+        f"Engine.resume_memory_occupation: its last words: {TMS_FATAL}" in done.stdout
+    ), done
+    assert "is torch oom: True" in done.stdout, done
+    assert TMS_FATAL in done.stderr, done  # the tee passed the child's output on
+
+
+def test_shutdown_after_a_child_failed_stops_nothing_and_raises_nothing() -> None:
+    """The failure handler has stopped sglang's processes; a shutdown in the rank's `finally`
+    must not replace the stage's error with its own."""
+    engine, sgl = make_adapter()
+    sglang_module._child_failed.set()
+    try:
+        engine.shutdown()
+        engine.shutdown()
+    finally:
+        sglang_module._child_failed.clear()
+    assert "shutdown" not in sgl.names()
