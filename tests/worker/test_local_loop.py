@@ -140,6 +140,22 @@ def test_oom_on_one_rank_ends_the_run_without_hanging_or_losing_samples() -> Non
     assert status.memory is not None and status.memory.iteration == 2
 
 
+def test_a_driver_that_stops_mid_run_leaves_no_rank_running() -> None:
+    """An on_event that raises (a listener's bug) or a Ctrl-C stops the driver: every rank is
+    ended with it, none is left training (or, on GPUs, holding its device) after it returned."""
+    import multiprocessing
+
+    class ListenerBroke(RuntimeError):
+        pass
+
+    def broken(event: object) -> None:
+        raise ListenerBroke(f"on {type(event).__name__}")
+
+    with pytest.raises(ListenerBroke):
+        run_local(_spec(), RANKS, "cpu", on_event=broken, grace_seconds=5)
+    assert multiprocessing.active_children() == []
+
+
 def test_cli_runs_the_example_and_writes_status_and_timeline(tmp_path: Path) -> None:
     from rljob_worker.cli_run import main
 

@@ -103,6 +103,25 @@ def _rank_main(
             dist.destroy_process_group()
 
 
+def _end_ranks(
+    processes: list[Any], exited: set[int], run: LocalRun, grace_seconds: float, why: str
+) -> None:
+    """SIGTERM every rank still running that has not said goodbye, wait `grace_seconds` for
+    each, then SIGKILL what is left: no rank outlives the driver."""
+    for rank, process in enumerate(processes):
+        if rank not in exited and process.is_alive():
+            log.warning("ending rank %d (pid %d): %s", rank, process.pid, why)
+            run.errors.setdefault(rank, why)
+            process.terminate()
+    for rank, process in enumerate(processes):
+        process.join(timeout=grace_seconds)
+        if process.is_alive():
+            log.warning("killing rank %d (pid %d): alive %.0f s after SIGTERM", rank,
+                        process.pid, grace_seconds)  # fmt: skip
+            process.kill()
+            process.join(timeout=10)
+
+
 def run_local(
     spec: RLJobSpec,
     ranks: int,
@@ -156,37 +175,42 @@ def run_local(
     run = LocalRun(world_size=ranks, device=device)
     exited: set[int] = set()
     deadline: float | None = None
-    while len(exited) < ranks:
-        try:
-            event = events.get(timeout=0.5)
-        except queue.Empty:
-            dead = [p for r, p in enumerate(processes) if r not in exited and not p.is_alive()]
-            if dead and deadline is None:
-                # A rank died without saying goodbye (killed, segfault): the rest may hang.
-                for p in dead:
-                    rank = processes.index(p)
-                    run.errors[rank] = f"rank {rank} exited with code {p.exitcode} without a report"
-                    exited.add(rank)
-                deadline = time.monotonic() + grace_seconds
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            continue
-        if isinstance(event, _Exit):
-            exited.add(event.rank)
-            if event.error is not None:
-                run.errors[event.rank] = event.error
-            if (event.error is not None or run.ooms) and deadline is None:
-                deadline = time.monotonic() + grace_seconds
-            continue
-        run.add(event)
-        if on_event is not None:
-            on_event(event)
-    for rank, process in enumerate(processes):
-        if rank not in exited and process.is_alive():
-            log.warning("ending rank %d (pid %d): another rank failed", rank, process.pid)
-            run.errors.setdefault(rank, "ended by the driver after another rank failed")
-            process.terminate()
-        process.join(timeout=grace_seconds)
+    try:
+        while len(exited) < ranks:
+            try:
+                event = events.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for r, p in enumerate(processes) if r not in exited and not p.is_alive()]
+                if dead and deadline is None:
+                    # A rank died without saying goodbye (killed, segfault): the rest may hang.
+                    for p in dead:
+                        rank = processes.index(p)
+                        run.errors[rank] = (
+                            f"rank {rank} exited with code {p.exitcode} without a report"
+                        )
+                        exited.add(rank)
+                    deadline = time.monotonic() + grace_seconds
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                continue
+            if isinstance(event, _Exit):
+                exited.add(event.rank)
+                if event.error is not None:
+                    run.errors[event.rank] = event.error
+                if (event.error is not None or run.ooms) and deadline is None:
+                    deadline = time.monotonic() + grace_seconds
+                continue
+            run.add(event)
+            if on_event is not None:
+                on_event(event)
+    except BaseException:
+        # Interrupted (Ctrl-C) or an on_event that raised: no rank may outlive the driver (one
+        # waiting in a collective would hold its GPU, and exit would wait on it).
+        _end_ranks(processes, exited, run, grace_seconds, "ended by the driver: it stopped")
+        raise
+    _end_ranks(
+        processes, exited, run, grace_seconds, "ended by the driver after another rank failed"
+    )
     # Events a rank sent before it was ended are still in the queue: keep them.
     while True:
         try:
