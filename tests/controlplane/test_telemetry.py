@@ -404,6 +404,24 @@ def test_operator_restart_loses_no_memory_or_oom_field(
     assert {k: after.get(k) for k in fields} == before
 
 
+def test_a_new_driver_keeps_the_cuda_ooms_an_earlier_one_wrote(
+    plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    """An OOM retry's attempt 2 (or a resumed job) runs a new driver under the same field
+    manager: its first apply, with no OOMs of its own yet, must not delete attempt 1's."""
+    token = create_job(admin, plane, namespace, "again")
+    first = StatusPublisher.from_env_or_kubeconfig(namespace, "again", str(token))
+    first.publish(synthetic_status(0, [cuda_oom(0), cuda_oom(1)]), [])
+    wait_for("two CUDA OOMs", lambda: status_of(admin, namespace, "again").get("oomTotal") == 2)
+    second = StatusPublisher.from_env_or_kubeconfig(namespace, "again", str(token))
+    second.publish(synthetic_status(0, []), [])
+    second.publish(synthetic_status(1, [cuda_oom(5)]), [])
+    status = status_of(admin, namespace, "again")
+    assert status["oomCounts"] == {"CUDAOutOfMemory": 3}
+    assert [e["iteration"] for e in status["oomEvents"]] == [0, 1, 5]
+    assert wait_for("oomTotal 3", lambda: status_of(admin, namespace, "again").get("oomTotal") == 3)
+
+
 def test_operator_and_job_writes_interleaved_100_times_lose_nothing(
     plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
 ) -> None:

@@ -3,7 +3,7 @@ own), the bounded memory history, the OOM Event text and the IterationCompleted 
 
 from __future__ import annotations
 
-from rljob.api import MAX_MEMORY_HISTORY, MemoryPoint, RLJobStatus
+from rljob.api import MAX_MEMORY_HISTORY, MemoryPoint, OOMEvent, RLJobStatus
 from rljob.report import MemorySummary, OOMRecord, Stage, StageMemory
 from rljob_worker.publish import (
     RateLimit,
@@ -58,6 +58,25 @@ def test_driver_writes_only_its_own_fields_and_only_cuda_ooms() -> None:
     assert fields["memoryHistory"] == [
         {"iteration": 2, "peakBytes": {"train": 100, "rollout": 900}}
     ]
+
+
+def test_an_earlier_drivers_cuda_ooms_stay_before_this_ones() -> None:
+    """Attempt 2's driver (or a resumed job's) starts with no OOMs of its own; what the earlier
+    driver wrote stays in its apply, or server-side apply would delete it (same manager)."""
+    held = [OOMEvent.model_validate(CUDA.model_copy(update={"time": "2026-05-09T09:00:00Z"}))]
+    assert driver_fields(RLJobStatus(), [], held, 4) == {
+        "oomEvents": [held[0].model_dump(by_alias=True, exclude_none=True, mode="json")],
+        "oomCounts": {"CUDAOutOfMemory": 4},
+    }
+    own = RLJobStatus.model_validate(
+        {"oomEvents": [CUDA.model_dump(by_alias=True)], "oomCounts": {"CUDAOutOfMemory": 1}}
+    )
+    fields = driver_fields(own, [], held, 4)
+    assert [e["time"] for e in fields["oomEvents"]] == ["2026-05-09T09:00:00Z", CUDA.time]
+    assert fields["oomCounts"] == {"CUDAOutOfMemory": 5}
+    # the same entry held and reported again (a driver that loaded what it wrote) is one entry
+    again = driver_fields(own, [], [OOMEvent.model_validate(CUDA)], 1)
+    assert len(again["oomEvents"]) == 1
 
 
 def test_before_any_iteration_nothing_is_claimed() -> None:

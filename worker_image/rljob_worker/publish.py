@@ -59,10 +59,26 @@ def history_with(history: list[MemoryPoint], memory: MemorySummary | None) -> li
     return sorted([*kept, point], key=lambda p: p.iteration)[-MAX_MEMORY_HISTORY:]
 
 
-def driver_fields(status: RLJobStatus, history: list[MemoryPoint]) -> dict[str, Any]:
+def driver_fields(
+    status: RLJobStatus,
+    history: list[MemoryPoint],
+    held: Sequence[OOMEvent] = (),
+    held_count: int = 0,
+) -> dict[str, Any]:
     """The status fields the driver owns, camelCase, for server-side apply. Only CUDA OOMs:
-    OOMKilled entries and count are the operator's (each writer owns its entries by `id`)."""
-    cuda = [OOMEvent.model_validate(o) for o in status.oom_events if o.kind == CUDA_OOM]
+    OOMKilled entries and count are the operator's (each writer owns its entries by `id`).
+
+    `held` and `held_count` are the CUDA OOM entries and count an earlier driver of this job
+    wrote (an earlier attempt, a resumed job): they stay, with this driver's after them. Under
+    server-side apply the field manager is the same, so what one apply leaves out is deleted."""
+    from rljob_worker.driver import MAX_OOM_EVENTS
+
+    own = [OOMEvent.model_validate(o) for o in status.oom_events if o.kind == CUDA_OOM]
+    ids = {o.id for o in own}
+    cuda = sorted(
+        [*(o for o in held if o.kind == CUDA_OOM and o.id not in ids), *own],
+        key=lambda o: (o.time, o.rank or 0),
+    )[-MAX_OOM_EVENTS:]
     fields: dict[str, Any] = {
         "iteration": status.iteration,
         "rewardMean": status.reward_mean,
@@ -71,7 +87,7 @@ def driver_fields(status: RLJobStatus, history: list[MemoryPoint]) -> dict[str, 
         "memoryHistory": [p.model_dump(by_alias=True, mode="json") for p in history] or None,
         "oomEvents": [o.model_dump(by_alias=True, exclude_none=True, mode="json") for o in cuda],
     }
-    count = int(status.oom_counts.get(CUDA_OOM, 0))
+    count = held_count + int(status.oom_counts.get(CUDA_OOM, 0))
     if count:
         fields["oomCounts"] = {CUDA_OOM: count}
     return {key: value for key, value in fields.items() if value is not None}
@@ -132,6 +148,8 @@ class StatusPublisher:
         self.iteration_events = RateLimit(iteration_event_seconds)
         self._uid: str | None = None
         self._history: list[MemoryPoint] | None = None
+        self._held_ooms: list[OOMEvent] = []
+        self._held_oom_count = 0
         self._announced: int | None = None
         # status.plan: rank 0's memory plan (rljob/plan.py), set once it arrives.
         self.plan: PlanStatus | None = None
@@ -152,14 +170,21 @@ class StatusPublisher:
         return cls(config.new_client_from_config(config_file=kubeconfig), namespace, name, **kwargs)
 
     def _load(self) -> None:
-        """The RLJob's uid (Events point at it) and the history written before (a restarted
-        driver goes on with it)."""
+        """The RLJob's uid (Events point at it), and the memory history and CUDA OOMs written
+        before (by an earlier attempt's driver, or before a resume): this driver goes on with
+        them."""
         rljob: Any = self.custom.get_namespaced_custom_object(
             GROUP, VERSION, self.namespace, PLURAL, self.name
         )
         self._uid = str(rljob["metadata"]["uid"])
-        held = (rljob.get("status") or {}).get("memoryHistory") or []
-        self._history = [MemoryPoint.model_validate(p) for p in held]
+        status = rljob.get("status") or {}
+        self._history = [MemoryPoint.model_validate(p) for p in status.get("memoryHistory") or []]
+        self._held_ooms = [
+            OOMEvent.model_validate(o)
+            for o in status.get("oomEvents") or []
+            if o.get("kind") == CUDA_OOM
+        ]
+        self._held_oom_count = int((status.get("oomCounts") or {}).get(CUDA_OOM, 0))
 
     def publish(self, status: RLJobStatus, new_ooms: Sequence[OOMRecord] = ()) -> None:
         """Apply the driver-owned fields of `status`; a Warning Event per new CUDA OOM, and a
@@ -169,17 +194,15 @@ class StatusPublisher:
             self._load()
         assert self._history is not None
         self._history = history_with(self._history, status.memory)
+        fields = driver_fields(status, self._history, self._held_ooms, self._held_oom_count)
+        if self.plan is not None:
+            fields["plan"] = self.plan.model_dump(by_alias=True, mode="json")
         body = {
             "apiVersion": API_VERSION,
             "kind": KIND,
             "metadata": {"name": self.name, "namespace": self.namespace},
-            "status": driver_fields(status, self._history),
+            "status": fields,
         }
-        if self.plan is not None:
-            body["status"] = {
-                **driver_fields(status, self._history),
-                "plan": self.plan.model_dump(by_alias=True, mode="json"),
-            }
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, self.namespace, PLURAL, self.name, body,
             field_manager=FIELD_MANAGER, force=True, _content_type=APPLY,
