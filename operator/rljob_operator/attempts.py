@@ -97,11 +97,26 @@ def ended(rayjob: Mapping[str, Any]) -> str:
     """RUNNING (not ended, pending included), SUCCEEDED or FAILED, as status.py reads KubeRay."""
     rj = rayjob.get("status") or {}
     job_status, deployment = rj.get("jobStatus", ""), rj.get("jobDeploymentStatus", "")
-    if job_status == "SUCCEEDED" or (deployment == "Complete" and job_status != "FAILED"):
+    # KubeRay 1.6 marks a job stopped through Ray (`ray job stop`) Complete too: not a success.
+    if job_status == "SUCCEEDED" or (deployment == "Complete" and job_status not in ENDED_BADLY):
         return SUCCEEDED
     if job_status in ("FAILED", "STOPPED") or deployment in ("Failed", "ValidationFailed"):
         return FAILED
     return RUNNING
+
+
+ENDED_BADLY = ("FAILED", "STOPPED")
+
+
+def finished(job: str, status: Mapping[str, Any]) -> bool:
+    """Whether `status` records the current attempt's RayJob as ended, the RLJob Succeeded or
+    Failed by it: that outcome stands. Neither the RayJob's deletion afterwards (by a user, or by
+    KubeRay run with DELETE_RAYJOB_CR_AFTER_JOB_FINISHES) nor the operator's resume may turn it
+    back into a pending job, or apply the RayJob again and so run the job a second time."""
+    mirrored = status.get("rayJob") or {}
+    if not mirrored or mirrored.get("name") != current_ray_job(job, status):
+        return False
+    return status.get("phase") in ("Succeeded", "Failed") and ended({"status": mirrored}) != RUNNING
 
 
 def _seconds(text: str) -> datetime.datetime | None:

@@ -153,9 +153,12 @@ def ordered(causes: list[Cause]) -> list[Cause]:
     return sorted(causes, key=lambda c: (c.rank, c.source, c.container, c.reason))
 
 
-def event_name(job: str, key: str) -> str:
-    """A stable Event name per job and cause key, so a cause is one Event whose count grows."""
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+def event_name(job: str, uid: str, key: str) -> str:
+    """A stable Event name per job and cause key, so a cause is one Event whose count grows.
+    The RLJob's uid is in it: a job deleted and applied again under the same name (its image
+    fixed, say) gets Events of its own, not updates to the old object's, which `kubectl
+    describe` (matching the uid) would not show."""
+    digest = hashlib.sha256(f"{uid}/{key}".encode()).hexdigest()[:12]
     return f"{job}.cause.{digest}"
 
 

@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import kopf
 import yaml
@@ -27,6 +27,7 @@ from urllib3.exceptions import HTTPError
 from rljob.api import (
     GROUP,
     JOB_CONFIG_FILE,
+    KIND,
     PLURAL,
     VERSION,
     AttemptKnobs,
@@ -190,6 +191,8 @@ class Observing:
         about = self.rayjob["metadata"]["name"] if self.rayjob is not None else self.rayjob_name
         if about is not None and about != attempts.current_ray_job(meta["name"], current):
             return None  # an earlier attempt's RayJob: its outcome is recorded already
+        if self.rayjob is None and attempts.finished(meta["name"], current):
+            return None  # the current attempt's RayJob ended, then went: the outcome stands
         rayjob, step = self.rayjob, attempts.Step(None)
         if spec is not None and not problems:
             run_spec = status.applied_after_update(spec, self.applied)
@@ -305,7 +308,11 @@ def _announce_causes(rljob: dict[str, Any], logger: logging.Logger | kopf.Logger
         message = cause.line + (f" ({news.count} objects)" if news.count > 1 else "")
         try:
             kube.post_aggregated_event(
-                rljob, causes.event_name(name, cause.key), cause.reason, message, news.count
+                rljob,
+                causes.event_name(name, rljob["metadata"]["uid"], cause.key),
+                cause.reason,
+                message,
+                news.count,
             )
         except (ApiException, HTTPError) as exc:
             logger.warning(f"RLJob {namespace}/{name}: Event for {cause.reason} not posted: {exc}")
@@ -356,11 +363,15 @@ def reconcile(
             # saw it): its RayJob and job config are the ones to apply.
             fresh = kube.get_rljob(namespace, name) or dict(body)
             attempt = attempts.current(name, run_spec, fresh.get("status") or {})
+            # A job whose current RayJob has ended is not applied again (it would run again if
+            # that RayJob was deleted since); it is read, for a decision still to make on it.
+            done = attempts.finished(name, fresh.get("status") or {})
             stored = _apply_children(
-                owner, spec, run_spec, retry, logger, rayjob=start, attempt=attempt
+                owner, spec, run_spec, retry, logger, rayjob=start and not done, attempt=attempt
             )
             APPLIED.remember(namespace, name, stored["ConfigMap"], run_spec)
-            observing = Observing(spec, run_spec, stored.get("RayJob"), reconciled=True)
+            ended = kube.get_rayjob(namespace, attempt.ray_job) if done else stored.get("RayJob")
+            observing = Observing(spec, run_spec, ended, reconciled=True)
             _write(namespace, name, observing, logger)
         logger.info(f"reconciled RLJob {namespace}/{name}")
     except (ApiException, HTTPError) as exc:
@@ -382,20 +393,65 @@ def _apply_children(
         if child["kind"] == "RayJob" and not rayjob:
             continue
         try:
-            stored[child["kind"]] = kube.apply(child)
+            taken = _held_by_another(child, owner, retry) if child["kind"] == "RayJob" else None
+            if taken is None:
+                stored[child["kind"]] = kube.apply(child)
         except (ApiException, HTTPError) as exc:
-            failure = kube.apply_failure(child, exc, retry)
-            where = f"RLJob {owner.namespace}/{owner.name}"
-            try:
-                observing = Observing(spec, run_spec, stored.get("RayJob"), apply_failure=failure)
-                _write(owner.namespace, owner.name, observing, logger)
-            except (ApiException, HTTPError) as status_exc:
-                logger.warning(f"{where}: status not updated: {status_exc}")
-            if failure.refused:
-                raise kopf.PermanentError(f"{where}: {failure.text}") from exc
-            delay = failure.retry_in_seconds
-            raise kopf.TemporaryError(f"{where}: {failure.text}", delay=delay) from exc
+            _failed(
+                owner, spec, run_spec, stored, kube.apply_failure(child, exc, retry), logger, exc
+            )
+        if taken is not None:
+            _failed(owner, spec, run_spec, stored, taken, logger)
     return stored
+
+
+def _held_by_another(
+    child: Mapping[str, Any], owner: render.Owner, retry: int
+) -> status.ApplyFailure | None:
+    """Why the RayJob `child` must not be applied: one of its name exists and is not this
+    RLJob's, e.g. RLJob `exp`'s attempt 2 (`exp-a2`) and an RLJob named `exp-a2`. Server-side
+    apply with force would take over one with no owner, and the apiserver refuses one another
+    RLJob controls with a message that names neither job ("Only one reference can have
+    Controller set to true"). Refused for good, saying whose it is; retried only while an
+    earlier RLJob of this very name, deleted, still has its RayJob being garbage-collected."""
+    name = str(child["metadata"]["name"])
+    existing = kube.get_rayjob(owner.namespace, name)
+    if existing is None:
+        return None
+    refs = existing.get("metadata", {}).get("ownerReferences") or []
+    if any(ref.get("uid") == owner.uid for ref in refs):
+        return None
+    jobs = [ref for ref in refs if ref.get("kind") == KIND]
+    if jobs and all(ref.get("name") == owner.name for ref in jobs):
+        message = "it still belongs to an earlier RLJob of this name, which is being deleted"
+        return status.ApplyFailure(
+            "RayJob", name, message, retry_in_seconds=kube.retry_delay(retry)
+        )
+    holder = ", ".join(f"{ref.get('kind')} {ref.get('name')}" for ref in refs) or "no owner"
+    message = (
+        f"a RayJob of that name exists and belongs to {holder}, not to RLJob {owner.name}; "
+        "rename one of the two jobs (an OOM retry's attempt N runs as RayJob NAME-aN)"
+    )
+    return status.ApplyFailure("RayJob", name, message, refused_by="the operator")
+
+
+def _failed(
+    owner: render.Owner, spec: RLJobSpec, run_spec: RLJobSpec, stored: dict[str, dict[str, Any]],
+    failure: status.ApplyFailure, logger: kopf.Logger | logging.Logger,
+    cause: BaseException | None = None,
+) -> NoReturn:  # fmt: skip
+    """Status says why a child was not applied; then kopf's error: permanent when refused for
+    good, else a retry after the failure's backoff."""
+    where = f"RLJob {owner.namespace}/{owner.name}"
+    try:
+        observing = Observing(spec, run_spec, stored.get("RayJob"), apply_failure=failure)
+        _write(owner.namespace, owner.name, observing, logger)
+    except (ApiException, HTTPError) as status_exc:
+        logger.warning(f"{where}: status not updated: {status_exc}")
+    if failure.refused:
+        raise kopf.PermanentError(f"{where}: {failure.text}") from cause
+    delay = failure.retry_in_seconds
+    raise kopf.TemporaryError(f"{where}: {failure.text}", delay=delay) from cause
 
 
 @kopf.on.event("ray.io", "v1", "rayjobs", labels=RAYJOB_LABELS)
@@ -465,8 +521,15 @@ async def startup_deadline(
 ) -> None:
     """A job whose Ray job is not running by spec.startupTimeoutSeconds fails (StartupTimeout,
     with the last cause) and its RayJob is suspended: KubeRay deletes the pods (README policy).
-    Async, so the check of a job not due costs no thread; the work runs in one when due."""
+    Async, so the check of a job not due costs no thread; the work runs in one when due.
+
+    Also the OOM policy's retry whose children could not be applied (a 5xx, a quota): the RLJob
+    event that recorded it is not retried by kopf and nothing else changes, so without this
+    check the retry would wait for the startup deadline."""
     assert namespace is not None
+    current = dict(body.get("status") or {})
+    if attempts.needs_attention(dict(body.get("spec") or {}), current):
+        await asyncio.to_thread(_follow_attempt, namespace, name, logger)
     deadline = status.startup_deadline(body)
     if deadline is None or datetime.datetime.now(datetime.UTC) < deadline:
         return

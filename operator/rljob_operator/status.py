@@ -73,6 +73,7 @@ class ApplyFailure:
     name: str
     message: str  # the apiserver's own, with its HTTP status
     retry_in_seconds: float | None = None  # None: refused for good
+    refused_by: str = "the apiserver"  # or the operator (a RayJob name another job holds)
 
     @property
     def refused(self) -> bool:
@@ -86,7 +87,7 @@ class ApplyFailure:
     def text(self) -> str:
         what = f"{self.kind} {self.name}"
         if self.refused:
-            return f"the apiserver refused {what}: {self.message}"
+            return f"{self.refused_by} refused {what}: {self.message}"
         return f"applying {what} failed: {self.message}; retrying in {self.retry_in_seconds:.0f}s"
 
 
@@ -207,7 +208,10 @@ def _phase_and_reasons(obs: Observed) -> tuple[Phase, dict[str, tuple[bool, str,
         if suspended
         else (False, REASON_NOT_SUSPENDED, "")
     )
-    if job_status == "SUCCEEDED" or (deployment == "Complete" and job_status != "FAILED"):
+    # KubeRay 1.6 marks a job stopped through Ray (`ray job stop`) Complete too: not a success.
+    if job_status == "SUCCEEDED" or (
+        deployment == "Complete" and job_status not in ("FAILED", "STOPPED")
+    ):
         phase = Phase.SUCCEEDED
         conditions[SUCCEEDED] = (True, REASON_JOB_SUCCEEDED, detail or "the job succeeded")
         conditions[RUNNING] = (False, REASON_JOB_SUCCEEDED, "")

@@ -215,6 +215,42 @@ def test_single_goes_staged_then_lower_and_a_third_oom_exhausts_the_retries(
     assert rayjob_names(admin, namespace) == ["three", "three-a2", "three-a3"]
 
 
+def test_a_retry_whose_rayjob_the_apiserver_turned_away_is_applied_once_it_can(
+    plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    """Attempt 2's RayJob is refused by a quota (403, retried): status says ApplyRetrying, and
+    once the quota is gone the operator applies it by itself (its startup check every 10 s),
+    not only at the startup deadline."""
+    core = client.CoreV1Api(admin)
+    quota = client.V1ResourceQuota(
+        metadata=client.V1ObjectMeta(name="one-rayjob"),
+        spec=client.V1ResourceQuotaSpec(hard={"count/rayjobs.ray.io": "1"}),
+    )
+    core.create_namespaced_resource_quota(namespace, quota)
+
+    def counted() -> bool:
+        held = core.read_namespaced_resource_quota("one-rayjob", namespace).status
+        return bool(held is not None and held.hard)
+
+    wait_for("quota counted", counted)
+    create(admin, namespace, "stall", with_policy(1))
+    token = job_token(plane, admin, namespace, "stall")
+    fail_attempt(admin, token, namespace, "stall", "stall")
+
+    def spec_applied() -> dict[str, Any]:
+        conditions = status_of(admin, namespace, "stall").get("conditions") or []
+        return next((c for c in conditions if c["type"] == "SpecApplied"), {})
+
+    wait_for("ApplyRetrying", lambda: spec_applied().get("reason") == "ApplyRetrying", 60)
+    assert "exceeded quota" in spec_applied()["message"]
+    time.sleep(12)  # a startup check passes: still refused, still retrying
+    assert rayjob_names(admin, namespace) == ["stall"]
+    core.delete_namespaced_resource_quota("one-rayjob", namespace)
+    wait_for("RayJob stall-a2", lambda: get(admin, namespace, "rayjobs", "stall-a2"), 60)
+    wait_for("status mirrors stall-a2", lambda: mirrored(admin, namespace, "stall", "stall-a2"))
+    assert spec_applied()["status"] == "True"
+
+
 def test_no_rayjob_is_created_twice_across_operator_restarts(
     plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
 ) -> None:

@@ -8,6 +8,7 @@ test_real_kuberay_turns_the_rayjob_into_a_raycluster, where the real KubeRay ope
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -292,6 +293,65 @@ def test_restart_creates_no_duplicate_and_keeps_status(
     assert {c["type"]: c["lastTransitionTime"] for c in after["conditions"]} == {
         c["type"]: c["lastTransitionTime"] for c in before["conditions"]
     }
+
+
+def test_a_finished_jobs_rayjob_deleted_leaves_it_finished_and_not_run_again(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    """A user, or KubeRay run with DELETE_RAYJOB_CR_AFTER_JOB_FINISHES, deletes the RayJob of a
+    finished job: the RLJob stays Succeeded (no StartupTimeout, no 'never created'), and neither
+    that event nor the operator's resume applies the RayJob again (the job would run twice)."""
+    create(admin, namespace, "done", CPU_SPEC)
+    wait_for("RayJob done", lambda: get(admin, namespace, "rayjobs", "done"))
+    write_rayjob_status_as_kuberay_would(admin, namespace, "done", "SUCCEEDED", "Complete")
+    wait_for("phase Succeeded", phase_is(admin, namespace, "done", "Succeeded"))
+    before = status_of(admin, namespace, "done")
+    custom(admin).delete_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", "done")
+    wait_for("RayJob gone", lambda: get(admin, namespace, "rayjobs", "done") is None)
+    offset = len(operator.log.read_text())
+    operator.stop()
+    operator.start()
+    marker = f"reconciled RLJob {namespace}/done"
+    wait_for("operator resumed the RLJob", lambda: marker in operator.log.read_text()[offset:])
+    time.sleep(3.0)  # the DELETED event and the resume are both handled by now
+    assert get(admin, namespace, "rayjobs", "done") is None
+    after = status_of(admin, namespace, "done")
+    assert after["phase"] == "Succeeded"
+    assert after["rayJob"] == before["rayJob"]
+    assert {c["type"]: (c["status"], c["reason"]) for c in after["conditions"]} == {
+        c["type"]: (c["status"], c["reason"]) for c in before["conditions"]
+    }
+
+
+def test_a_rayjob_name_another_job_holds_is_refused_not_taken_over(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    """RLJob `exp`'s OOM retry runs as RayJob `exp-a2`, which is also the RayJob of an RLJob
+    named `exp-a2`: applying with force would take the other job's RayJob over. Played here
+    with a RayJob `held` owned by RLJob `holder`: RLJob `held` fails, saying whose it is, and
+    the RayJob stays the holder's."""
+    holder = create(admin, namespace, "holder", CPU_SPEC)
+    theirs = wait_for("RayJob holder", lambda: get(admin, namespace, "rayjobs", "holder"))
+    copy = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {
+            "name": "held",
+            "namespace": namespace,
+            "ownerReferences": theirs["metadata"]["ownerReferences"],
+        },
+        "spec": {**theirs["spec"], "suspend": True},
+    }
+    custom(admin).create_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", copy)
+    create(admin, namespace, "held", CPU_SPEC)
+    wait_for("phase Failed", phase_is(admin, namespace, "held", "Failed"))
+    failed = condition(admin, namespace, "held", "Failed")
+    assert failed["reason"] == "RayJobRefused"
+    assert "the operator refused RayJob held" in failed["message"]
+    assert "belongs to RLJob holder" in failed["message"]
+    after = get(admin, namespace, "rayjobs", "held") or {}
+    assert [r["uid"] for r in after["metadata"]["ownerReferences"]] == [holder["metadata"]["uid"]]
+    assert after["metadata"].get("labels", {}).get("rljob.dev/job") != "held"
 
 
 def test_operator_account_cannot_use_a_verb_it_was_not_granted(

@@ -104,8 +104,8 @@ def test_the_book_announces_each_cause_once_and_counts_the_objects_it_hit() -> N
         pod_causes(pod({"containerStatuses": [waiting("ErrImagePull")]}, "w-1")),
     )
     (second,) = book.unannounced("ns", "j")
-    assert second.count == 2 and event_name("j", second.cause.key) == event_name(
-        "j", first.cause.key
+    assert second.count == 2 and event_name("j", "u1", second.cause.key) == event_name(
+        "j", "u1", first.cause.key
     )
     assert book.observe("ns", "j", "pod/w-0", [])
     assert [c.source for c in book.current("ns", "j") or []] == ["pod/w-1"]
@@ -182,3 +182,12 @@ def test_the_deadline_runs_from_creation_or_resume_and_stops_once_running() -> N
     assert startup_deadline(job) == datetime.datetime(2026, 1, 1, 0, 11, tzinfo=datetime.UTC)
     job["status"]["phase"] = "Running"
     assert startup_deadline(job) is None
+
+
+def test_a_job_applied_again_under_its_name_gets_events_of_its_own() -> None:
+    """Same name, new object (new uid): a new Event, not the old object's count bumped (which
+    `kubectl describe rljob`, matching the uid, would not show)."""
+    assert event_name("j", "uid-1", "ImagePullBackOff/worker") != event_name(
+        "j", "uid-2", "ImagePullBackOff/worker"
+    )
+    assert event_name("j", "uid-1", "k").startswith("j.cause.")

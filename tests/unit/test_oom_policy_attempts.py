@@ -213,3 +213,26 @@ def test_a_retry_restarts_the_startup_clock() -> None:
     }  # fmt: skip
     deadline = status.startup_deadline(job)
     assert deadline is not None and deadline.isoformat() == "2026-11-25T10:01:00+00:00"
+
+
+def test_a_finished_attempt_stands_and_a_running_or_retried_one_does_not() -> None:
+    """status.rayJob mirrors the current attempt's RayJob as ended and the phase followed it:
+    the RayJob's deletion afterwards must not reopen the job (attempts.finished)."""
+
+    def held(phase: str, name: str, job: str, deployment: str, **more: Any) -> dict[str, Any]:
+        mirrored = {"name": name, "jobStatus": job, "jobDeploymentStatus": deployment}
+        return {"phase": phase, "rayJob": mirrored, **more}
+
+    assert attempts.finished("j", held("Succeeded", "j", "SUCCEEDED", "Complete"))
+    assert attempts.finished("j", held("Failed", "j", "FAILED", "Failed"))
+    assert attempts.finished("j", held("Failed", "j", "STOPPED", "Complete"))
+    assert not attempts.finished("j", held("Running", "j", "RUNNING", "Running"))
+    assert not attempts.finished("j", {"phase": "Pending"})
+    # attempt 2 recorded, attempt 1's RayJob still mirrored: the retry is not finished
+    retry = [{"attempt": 1, "rayJob": "j", "result": "Failed"}, {"attempt": 2, "rayJob": "j-a2"}]
+    assert not attempts.finished("j", held("Pending", "j", "FAILED", "Failed", attempts=retry))
+    done = [*retry[:1], {**retry[1], "result": "Succeeded"}]
+    assert attempts.finished("j", held("Succeeded", "j-a2", "SUCCEEDED", "Complete", attempts=done))
+    assert attempts.ended(
+        {"status": {"jobStatus": "STOPPED", "jobDeploymentStatus": "Complete"}}
+    ) == (attempts.FAILED)

@@ -62,6 +62,8 @@ def by_type(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
         ),
         (rayjob("FAILED", "Failed"), "Failed", {"Created", FAILED, SPEC_APPLIED}),
         (rayjob("STOPPED", "Failed"), "Failed", {"Created", FAILED, SPEC_APPLIED}),
+        # KubeRay 1.6 follows a stopped Ray job to Complete (`ray job logs --follow` exits 0)
+        (rayjob("STOPPED", "Complete"), "Failed", {"Created", FAILED, SPEC_APPLIED}),
         (rayjob("", "ValidationFailed"), "Failed", {"Created", FAILED, SPEC_APPLIED}),
         (rayjob("", "Suspended"), "Suspended", {"Created", SUSPENDED, SPEC_APPLIED}),
         (rayjob("RUNNING", "Suspending"), "Suspended", {"Created", SUSPENDED, SPEC_APPLIED}),
