@@ -387,7 +387,9 @@ def parts(
         context += NCCL_BUFFER_BYTES
         unsharded = shape.root_parameters + FSDP_UNSHARDED_LAYERS * shape.layer_parameters
         fsdp = unsharded * (dtype + GRAD_BYTES)
-    requests = spec.data.train_batch_size // max(world, 1) * spec.algorithm.group_size
+    # The rollout's requests on one GPU: a rank's own, times the TP group (its leader sends the
+    # group's batches to the one engine, whose every TP GPU holds the whole batch's logits).
+    requests = spec.data.train_batch_size // max(world, 1) * spec.algorithm.group_size * tp
     return Parts(
         context=context,
         # fp32 masters (and the reference's) as torch's allocator holds them, whole segments:

@@ -451,3 +451,19 @@ def test_describe_shows_predicted_beside_measured() -> None:
     text = console.export_text()
     assert "predicted" in text and "plan error" in text
     assert "│ 78.83 GiB │      -0.0% │" in text  # predicted, and its error against measured
+
+
+def test_a_tp_groups_rollout_workspace_holds_the_whole_groups_batch() -> None:
+    """With TP the group's leader sends every rank's requests to the one engine, and each of
+    its GPUs holds the logits of that whole batch: the workspace grows with the TP size."""
+
+    def sglang_spec(tp: int) -> RLJobSpec:
+        return bench_spec(
+            rollout={"engine": "sglang", "wakeUp": "staged", "memFractionStatic": 0.9,
+                     "tensorParallelSize": tp},
+            resources={"gpusPerWorker": 2},
+        )  # fmt: skip
+
+    one, two = (parts(sglang_spec(tp), SHAPE_3B, H100) for tp in (1, 2))
+    assert sglang_spec(1).world_size == sglang_spec(2).world_size == 2
+    assert two.rollout_workspace == 2 * one.rollout_workspace
