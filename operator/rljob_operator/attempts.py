@@ -93,19 +93,21 @@ def current_ray_job(job: str, status: Mapping[str, Any]) -> str:
     return str(last.get("rayJob") or rayjob_name(job, int(last["attempt"])))
 
 
+# Ray job statuses that end a job without success, whatever KubeRay's deployment status says.
+ENDED_BADLY = ("FAILED", "STOPPED")
+
+
 def ended(rayjob: Mapping[str, Any]) -> str:
-    """RUNNING (not ended, pending included), SUCCEEDED or FAILED, as status.py reads KubeRay."""
+    """RUNNING (not ended, pending included), SUCCEEDED or FAILED: how a RayJob's status reads
+    (status.py's phase and the OOM policy's attempt results both come from here)."""
     rj = rayjob.get("status") or {}
     job_status, deployment = rj.get("jobStatus", ""), rj.get("jobDeploymentStatus", "")
     # KubeRay 1.6 marks a job stopped through Ray (`ray job stop`) Complete too: not a success.
     if job_status == "SUCCEEDED" or (deployment == "Complete" and job_status not in ENDED_BADLY):
         return SUCCEEDED
-    if job_status in ("FAILED", "STOPPED") or deployment in ("Failed", "ValidationFailed"):
+    if job_status in ENDED_BADLY or deployment in ("Failed", "ValidationFailed"):
         return FAILED
     return RUNNING
-
-
-ENDED_BADLY = ("FAILED", "STOPPED")
 
 
 def finished(job: str, status: Mapping[str, Any]) -> bool:
@@ -116,7 +118,7 @@ def finished(job: str, status: Mapping[str, Any]) -> bool:
     mirrored = status.get("rayJob") or {}
     if not mirrored or mirrored.get("name") != current_ray_job(job, status):
         return False
-    return status.get("phase") in ("Succeeded", "Failed") and ended({"status": mirrored}) != RUNNING
+    return status.get("phase") in (SUCCEEDED, FAILED) and ended({"status": mirrored}) != RUNNING
 
 
 def _seconds(text: str) -> datetime.datetime | None:

@@ -361,11 +361,11 @@ def reconcile(
             start = admit(run_spec).start
             # The OOM policy's current attempt, from status as stored now (not as the event
             # saw it): its RayJob and job config are the ones to apply.
-            fresh = kube.get_rljob(namespace, name) or dict(body)
-            attempt = attempts.current(name, run_spec, fresh.get("status") or {})
+            held = (kube.get_rljob(namespace, name) or dict(body)).get("status") or {}
+            attempt = attempts.current(name, run_spec, held)
             # A job whose current RayJob has ended is not applied again (it would run again if
             # that RayJob was deleted since); it is read, for a decision still to make on it.
-            done = attempts.finished(name, fresh.get("status") or {})
+            done = attempts.finished(name, held)
             stored = _apply_children(
                 owner, spec, run_spec, retry, logger, rayjob=start and not done, attempt=attempt
             )

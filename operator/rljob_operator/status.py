@@ -21,6 +21,7 @@ from rljob.oom_policy import (
     REASON_RETRIES_EXHAUSTED,
     admit,
 )
+from rljob_operator import attempts
 from rljob_operator.causes import Cause
 from rljob_operator.oom import KIND as KILLED
 from rljob_operator.oom import KilledPart
@@ -208,16 +209,14 @@ def _phase_and_reasons(obs: Observed) -> tuple[Phase, dict[str, tuple[bool, str,
         if suspended
         else (False, REASON_NOT_SUSPENDED, "")
     )
-    # KubeRay 1.6 marks a job stopped through Ray (`ray job stop`) Complete too: not a success.
-    if job_status == "SUCCEEDED" or (
-        deployment == "Complete" and job_status not in ("FAILED", "STOPPED")
-    ):
+    outcome = attempts.ended(obs.rayjob)
+    if outcome == attempts.SUCCEEDED:
         phase = Phase.SUCCEEDED
         conditions[SUCCEEDED] = (True, REASON_JOB_SUCCEEDED, detail or "the job succeeded")
         conditions[RUNNING] = (False, REASON_JOB_SUCCEEDED, "")
         conditions[FAILED] = (False, REASON_JOB_SUCCEEDED, "")
         return phase, conditions
-    if job_status in ("FAILED", "STOPPED") or deployment in ("Failed", "ValidationFailed"):
+    if outcome == attempts.FAILED:
         reason = REASON_JOB_STOPPED if job_status == "STOPPED" else REASON_JOB_FAILED
         message = detail or f"jobStatus {job_status or '-'}, jobDeploymentStatus {deployment}"
         conditions[FAILED] = (True, reason, message)

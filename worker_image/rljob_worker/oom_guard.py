@@ -10,11 +10,10 @@ memory.oom_control) and, when it grows, says so on the container's log and kills
 of that cgroup (its cgroup.procs, nested cgroups included), so `ray start --block` ends and the
 container with it. It never signals a process outside that cgroup (a pod with hostPID cannot
 take the node's processes with it), and it guards only a cgroup it sits in itself, so on a
-host, or in a privileged container that sees the host's root cgroup, it stays off; the
-container runtime,
-which saw the cgroup's OOM event,
-reports the container as OOMKilled, and the operator takes it from there (pod, container,
-limit). render.py starts it in the background before KubeRay's `ray start`.
+host, or in a privileged container that sees the host's root cgroup, it stays off. The
+container runtime, which saw the cgroup's OOM event, reports the container as OOMKilled, and
+the operator takes it from there (pod, container, limit). render.py starts it in the
+background before KubeRay's `ray start`.
 
     python -m rljob_worker.oom_guard     # watch until an OOM kill, then end the container
 """

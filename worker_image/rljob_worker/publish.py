@@ -71,14 +71,11 @@ def driver_fields(
     `held` and `held_count` are the CUDA OOM entries and count an earlier driver of this job
     wrote (an earlier attempt, a resumed job): they stay, with this driver's after them. Under
     server-side apply the field manager is the same, so what one apply leaves out is deleted."""
-    from rljob_worker.driver import MAX_OOM_EVENTS
+    from rljob_worker.driver import newest_ooms
 
     own = [OOMEvent.model_validate(o) for o in status.oom_events if o.kind == CUDA_OOM]
     ids = {o.id for o in own}
-    cuda = sorted(
-        [*(o for o in held if o.kind == CUDA_OOM and o.id not in ids), *own],
-        key=lambda o: (o.time, o.rank or 0),
-    )[-MAX_OOM_EVENTS:]
+    cuda = newest_ooms([*(o for o in held if o.kind == CUDA_OOM and o.id not in ids), *own])
     fields: dict[str, Any] = {
         "iteration": status.iteration,
         "rewardMean": status.reward_mean,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import TypeVar
 
 from rljob.api import OOMEvent, RLJobStatus
 from rljob.report import IterationReport, OOMRecord, StageSample, summarize
@@ -15,6 +16,14 @@ from rljob_worker.loop import RankIteration
 
 # status.oomEvents keeps the latest few; status.oomCounts counts them all.
 MAX_OOM_EVENTS = 10
+
+
+_Record = TypeVar("_Record", bound=OOMRecord)
+
+
+def newest_ooms(ooms: Iterable[_Record]) -> list[_Record]:
+    """The OOM entries status keeps: the last MAX_OOM_EVENTS by time (then rank)."""
+    return sorted(ooms, key=lambda o: (o.time, o.rank or 0))[-MAX_OOM_EVENTS:]
 
 
 def iteration_reports(
@@ -53,12 +62,11 @@ def driver_status(
         ranks_done.setdefault(item.iteration, set()).add(item.rank)
     finished = [r for r in reports if len(ranks_done.get(r.iteration, ())) == world_size]
     last = finished[-1] if finished else None
-    ordered = sorted(ooms, key=lambda o: (o.time, o.rank or 0))
     return RLJobStatus(
         iteration=last.iteration if last else None,
         reward_mean=last.reward_mean if last else None,
         kl_mean=next((r.kl_mean for r in reversed(finished) if r.kl_mean is not None), None),
         memory=summarize(reports[-1]) if reports else None,
-        oom_events=[OOMEvent.model_validate(o) for o in ordered[-MAX_OOM_EVENTS:]],
-        oom_counts=dict(Counter(o.kind for o in ordered)),
+        oom_events=[OOMEvent.model_validate(o) for o in newest_ooms(ooms)],
+        oom_counts=dict(Counter(o.kind for o in ooms)),
     )

@@ -32,6 +32,7 @@ from rljob_worker.engines.base import (
     TAG_WEIGHTS,
     SamplingParams,
 )
+from rljob_worker.memory import LIBRARY_OOM_MARKERS
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,8 @@ _child_failed = threading.Event()
 # What a child's stderr says when it died of a CUDA OOM: torch's OutOfMemoryError, the CUDA
 # runtime's and driver's errors (torch_memory_saver resuming a region: "cudaError error: 2 (out of
 # memory) ... func=resume", seen on an H100 with sglang 0.5.17, where the scheduler then exits 1
-# with no Python traceback), cuBLAS's failed workspace. Not a bare "out of memory": sglang says
+# with no Python traceback), and the CUDA libraries' failed workspaces the stage boundary counts
+# as OOMs in this process (memory.LIBRARY_OOM_MARKERS). Not a bare "out of memory": sglang says
 # that of its own pools too ("alloc_req_slots runs out of memory", "Prefill out of memory"),
 # which a smaller memFractionStatic would make worse.
 CHILD_OOM_MARKERS = (
@@ -232,7 +234,7 @@ CHILD_OOM_MARKERS = (
     "OutOfMemoryError",
     "CUDA_ERROR_OUT_OF_MEMORY",
     "cudaErrorMemoryAllocation",
-    "CUBLAS_STATUS_ALLOC_FAILED",
+    *LIBRARY_OOM_MARKERS,
 )
 # torch_memory_saver's note on a cuMemCreate that the caller may still recover from: not a death.
 CHILD_BENIGN_MARKERS = ("may not be an issue",)
@@ -272,8 +274,8 @@ class _ChildStderr:
         finally:
             sys.stderr.flush()
             os.dup2(out_fd, 2)
-            os.close(write_fd)
-            self._inherited = False  # from now on only the children hold it: EOF when they are gone
+            os.close(write_fd)  # from now on only the children hold it: EOF when they are gone
+            self._inherited = False
 
     def _pump(self, read_fd: int, out_fd: int) -> None:
         try:
