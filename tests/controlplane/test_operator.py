@@ -130,6 +130,13 @@ def test_create_makes_owned_children_with_the_rendered_shape(
     workers = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     assert workers["rayStartParams"]["num-cpus"] == "2"
     assert rayjob["metadata"]["ownerReferences"][0]["uid"] == uid
+    # The Role and RoleBinding are applied after the RayJob (handlers.AFTER_RAYJOB); Created is
+    # written once every child is, so the children are read after it.
+    created = wait_for(
+        "Created=True",
+        lambda: condition(admin, namespace, "shape", "Created").get("status") == "True",
+    )
+    assert created
     core, rbac = client.CoreV1Api(admin), client.RbacAuthorizationV1Api(admin)
     for child in (
         core.read_namespaced_config_map("shape-job-config", namespace),
@@ -139,11 +146,6 @@ def test_create_makes_owned_children_with_the_rendered_shape(
     ):
         assert child.metadata is not None and child.metadata.owner_references
         assert child.metadata.owner_references[0].uid == uid
-    created = wait_for(
-        "Created=True",
-        lambda: condition(admin, namespace, "shape", "Created").get("status") == "True",
-    )
-    assert created
     assert status_of(admin, namespace, "shape")["observedGeneration"] == 1
 
 
