@@ -162,17 +162,45 @@ def event_name(job: str, uid: str, key: str) -> str:
     return f"{job}.cause.{digest}"
 
 
+# The Event of a cause lists, in this annotation, the sources its count has counted (the newest
+# SOURCES_KEPT of them), so an operator that restarts, or a new leader, counts on from the Event
+# instead of from zero: kopf lists every pod again at start, and the pods already counted are not
+# counted twice. A source older than the SOURCES_KEPT newest that is still failing after a
+# restart is counted again (a job with over 128 failing pods of one cause).
+SOURCES_ANNOTATION = "rljob.dev/counted-sources"
+SOURCES_KEPT = 128
+
+
 @dataclass(frozen=True)
 class Announcement:
-    """An Event to post or update: the cause (its first source) and how many sources hit it."""
+    """An Event to post or update: the cause (its first source) and the sources that this
+    process has seen hit it (all of them, oldest first)."""
 
     cause: Cause
-    count: int
+    sources: tuple[str, ...]
+
+
+def counted(
+    previous: list[str] | None, previous_count: int, sources: tuple[str, ...]
+) -> tuple[int, list[str]] | None:
+    """An Event's count and counted sources after `sources` hit its cause; None when it has
+    counted every one of them already (nothing to write). `previous` is None for no Event yet."""
+    if previous is None:
+        return len(sources), list(sources)[-SOURCES_KEPT:]
+    fresh = [s for s in sources if s not in previous]
+    if not fresh:
+        return None
+    return previous_count + len(fresh), (previous + fresh)[-SOURCES_KEPT:]
+
+
+def event_message(line: str, count: int) -> str:
+    return line + (f" ({count} objects)" if count > 1 else "")
 
 
 class CauseBook:
     """Per job, the live causes of each source object, as its latest event showed them; and
-    which (cause key, source) pairs were already announced by an Event in this process.
+    which (cause key, source) pairs were already announced by an Event in this process (the
+    Event itself keeps which it counted across processes: SOURCES_ANNOTATION).
 
     Level-triggered: each pod or RayCluster event replaces its source's causes, and kopf lists
     every pod and RayCluster again when the operator starts, so a restart rebuilds the book.
@@ -182,7 +210,7 @@ class CauseBook:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live: dict[tuple[str, str], dict[str, list[Cause]]] = {}
-        self._announced: dict[tuple[str, str], dict[str, set[str]]] = {}
+        self._announced: dict[tuple[str, str], dict[str, list[str]]] = {}
 
     def observe(self, namespace: str, job: str, source: str, causes: list[Cause]) -> bool:
         """Record a source's causes now; True when they changed."""
@@ -206,16 +234,23 @@ class CauseBook:
         """Causes with a source not yet counted in their Event; marks them counted."""
         with self._lock:
             announced = self._announced.setdefault((namespace, job), {})
-            out: list[Announcement] = []
-            live = [c for causes in self._live.get((namespace, job), {}).values() for c in causes]
-            for cause in ordered(live):
-                sources = announced.setdefault(cause.key, set())
+            out: dict[str, Announcement] = {}
+            live = ordered([c for causes in self._live.get((namespace, job), {}).values()
+                            for c in causes])  # fmt: skip
+            for cause in live:
+                sources = announced.setdefault(cause.key, [])
                 if cause.source not in sources:
-                    sources.add(cause.source)
-                    out = [a for a in out if a.cause.key != cause.key]
-                    first = next(c for c in ordered(live) if c.key == cause.key)
-                    out.append(Announcement(first, len(sources)))
-            return out
+                    sources.append(cause.source)
+                    first = next(c for c in live if c.key == cause.key)
+                    out[cause.key] = Announcement(first, tuple(sources))
+            return list(out.values())
+
+    def retract(self, namespace: str, job: str, news: Announcement) -> None:
+        """An Announcement whose Event was not written: its new sources count as unannounced
+        again, so the job's next event tries again."""
+        with self._lock:
+            sources = self._announced.get((namespace, job), {}).get(news.cause.key, [])
+            sources[:] = [s for s in sources if s not in news.sources]
 
     def forget(self, namespace: str, job: str) -> None:
         with self._lock:

@@ -305,18 +305,20 @@ def _announce_causes(rljob: dict[str, Any], logger: logging.Logger | kopf.Logger
     namespace, name = rljob["metadata"]["namespace"], rljob["metadata"]["name"]
     for news in CAUSES.unannounced(namespace, name):
         cause = news.cause
-        message = cause.line + (f" ({news.count} objects)" if news.count > 1 else "")
         try:
-            kube.post_aggregated_event(
+            count = kube.post_cause_event(
                 rljob,
                 causes.event_name(name, rljob["metadata"]["uid"], cause.key),
                 cause.reason,
-                message,
-                news.count,
+                cause.line,
+                news.sources,
             )
         except (ApiException, HTTPError) as exc:
             logger.warning(f"RLJob {namespace}/{name}: Event for {cause.reason} not posted: {exc}")
-        logger.warning(f"RLJob {namespace}/{name}: {message}")
+            CAUSES.retract(namespace, name, news)  # the job's next event tries again
+            count = len(news.sources)
+        if count is not None:  # None: an earlier process counted these already
+            logger.warning(f"RLJob {namespace}/{name}: {causes.event_message(cause.line, count)}")
 
 
 # Applied after the RayJob: its pods reference the ServiceAccount (admission refuses a pod whose

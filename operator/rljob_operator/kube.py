@@ -19,6 +19,7 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from rljob.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from rljob_operator import causes
 from rljob_operator.status import ApplyFailure
 
 FIELD_MANAGER = "rljob-operator"
@@ -172,32 +173,53 @@ def apply_failure(child: Mapping[str, Any], exc: Exception, retry: int) -> Apply
     return ApplyFailure(kind, name, message, retry_in_seconds=retry_delay(retry))
 
 
-def post_aggregated_event(
-    rljob: Mapping[str, Any], name: str, reason: str, message: str, count: int
-) -> None:
-    """A Warning Event on the RLJob under a stable `name`: created the first time, then its
-    count, message and lastTimestamp updated (the kubelet's way of aggregating repeats)."""
+def post_cause_event(
+    rljob: Mapping[str, Any], name: str, reason: str, line: str, sources: tuple[str, ...]
+) -> int | None:
+    """A Warning Event on the RLJob under a stable `name`, counting the objects a cause hit:
+    created the first time; then, for sources it has not counted yet (causes.counted), its
+    count, message and lastTimestamp updated (the kubelet's way of aggregating repeats). The
+    count it wrote, or None where the Event had counted every source already."""
     meta = rljob["metadata"]
+    namespace = meta["namespace"]
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    count, listed = causes.counted(None, 0, sources) or (0, [])
     body: Any = {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"name": name, "namespace": meta["namespace"]},
+        "metadata": {"name": name, "namespace": namespace,
+                     "annotations": {causes.SOURCES_ANNOTATION: json.dumps(listed)}},
         "involvedObject": {
             "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
-            "namespace": meta["namespace"], "uid": meta["uid"],
+            "namespace": namespace, "uid": meta["uid"],
         },
-        "reason": reason, "message": message, "type": "Warning", "count": count,
-        "firstTimestamp": now, "lastTimestamp": now,
+        "reason": reason, "message": causes.event_message(line, count), "type": "Warning",
+        "count": count, "firstTimestamp": now, "lastTimestamp": now,
         "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
     }  # fmt: skip
     try:
-        _core().create_namespaced_event(meta["namespace"], body, _preload_content=False)
+        _core().create_namespaced_event(namespace, body, _preload_content=False)
+        return count
     except ApiException as exc:
         if exc.status != 409:
             raise
-        update = {"count": count, "message": message, "lastTimestamp": now}
-        _core().patch_namespaced_event(name, meta["namespace"], update, _preload_content=False)
+    stored = _json(_core().read_namespaced_event(name, namespace, _preload_content=False))
+    try:
+        previous = list(json.loads(stored["metadata"]["annotations"][causes.SOURCES_ANNOTATION]))
+    except (KeyError, TypeError, ValueError):
+        previous = []  # an Event from before the annotation: count on from its count
+    merged = causes.counted(previous, int(stored.get("count") or 1), sources)
+    if merged is None:
+        return None
+    count, listed = merged
+    update = {
+        # resourceVersion: a write that raced this one is a 409 (kopf retries the handler)
+        "metadata": {"resourceVersion": stored["metadata"]["resourceVersion"],
+                     "annotations": {causes.SOURCES_ANNOTATION: json.dumps(listed)}},
+        "count": count, "message": causes.event_message(line, count), "lastTimestamp": now,
+    }  # fmt: skip
+    _core().patch_namespaced_event(name, namespace, update, _preload_content=False)
+    return count
 
 
 def _api_message(exc: ApiException) -> str:

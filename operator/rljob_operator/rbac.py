@@ -57,7 +57,12 @@ OPERATOR_RULES: tuple[Rule, ...] = (
         "server-side apply the worker's job config",
     ),
     Rule(("",), ("pods",), ("get", "list", "watch"), "see OOMKilled containers of the job"),
-    Rule(("",), ("events",), ("create", "patch"), "Events on RLJobs (kopf posts core/v1)"),
+    Rule(
+        ("",),
+        ("events",),
+        ("get", "create", "patch"),
+        "Events on RLJobs (kopf posts core/v1); a cause's Event is read to count on",
+    ),
     Rule(("events.k8s.io",), ("events",), ("create", "patch"), "Events through events/v1"),
     Rule(("",), ("serviceaccounts",), ("get", "create", "patch"), "per-job ServiceAccount"),
     Rule(

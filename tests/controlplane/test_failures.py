@@ -11,6 +11,7 @@ KubeRay is real where a test takes the `kuberay` fixture.
 from __future__ import annotations
 
 import io
+import time
 from contextlib import redirect_stdout
 from typing import Any
 
@@ -213,3 +214,45 @@ def test_the_startup_deadline_fails_the_job_with_its_last_cause_and_suspends_it(
     assert code == 0
     first = out.getvalue().splitlines()[0]
     assert first.startswith("Failed") and "StartupTimeout" in first, out.getvalue()
+
+
+def test_a_causes_event_counts_on_across_an_operator_restart(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    """The Event of a cause counts the pods it hit, and a restarted operator (which lists every
+    pod again) neither counts a pod twice nor starts again from the pods still there."""
+    create(admin, namespace, "recount", CPU_SPEC)
+    wait_for("RayJob recount", lambda: get(admin, namespace, "rayjobs", "recount"))
+    core = client.CoreV1Api(admin)
+
+    def failing_worker(pod: str) -> None:
+        body: Any = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod, "labels": {"rljob.dev/job": "recount"}},
+            "spec": {"containers": [{"name": "ray-worker", "image": "ghcr.io/rljob/none:0"}]},
+        }  # fmt: skip
+        core.create_namespaced_pod(namespace, body)
+        write_pod_waiting_as_kubelet_would(core, namespace, pod, "ErrImagePull", "not found")
+
+    def pull_event() -> Any:
+        found = [e for e in warning_events(admin, namespace, "recount")
+                 if e.reason == "ImagePullBackOff"]  # fmt: skip
+        assert len(found) <= 1, [e.message for e in found]
+        return found[0] if found else None
+
+    failing_worker("recount-w-0")
+    failing_worker("recount-w-1")
+    wait_for("the Event counts 2", lambda: (e := pull_event()) is not None and e.count == 2)
+    # KubeRay replaces a worker pod: w-0 goes (counted, no longer listed at the next start).
+    core.delete_namespaced_pod("recount-w-0", namespace, grace_period_seconds=0)
+    wait_for("w-0 gone", lambda: "recount-w-0" not in job_pods(admin, namespace, "recount"))
+    offset = len(operator.log.read_text())
+    operator.stop()
+    operator.start()
+    marker = f"reconciled RLJob {namespace}/recount"
+    wait_for("operator resumed the RLJob", lambda: marker in operator.log.read_text()[offset:])
+    time.sleep(3.0)  # the pods listed at start are handled by now
+    assert pull_event().count == 2  # w-1 again: counted already (the old code wrote 1 here)
+    failing_worker("recount-w-2")
+    event = wait_for("the Event counts 3", lambda: (e := pull_event()).count == 3 and e)
+    assert "(3 objects)" in event.message

@@ -9,7 +9,16 @@ from typing import Any
 import pytest
 
 from rljob.api import RLJobSpec
-from rljob_operator.causes import CauseBook, event_name, ordered, pod_causes, raycluster_causes
+from rljob_operator.causes import (
+    SOURCES_KEPT,
+    CauseBook,
+    counted,
+    event_message,
+    event_name,
+    ordered,
+    pod_causes,
+    raycluster_causes,
+)
 from rljob_operator.status import ApplyFailure, Observed, compute, startup_deadline, timed_out
 
 T0 = "2026-01-01T00:00:00Z"
@@ -93,7 +102,7 @@ def test_the_book_announces_each_cause_once_and_counts_the_objects_it_hit() -> N
     assert book.observe("ns", "j", "pod/w-0", pull)
     assert not book.observe("ns", "j", "pod/w-0", pull)  # the same again: no change
     (first,) = book.unannounced("ns", "j")
-    assert (first.cause.reason, first.count) == ("ImagePullBackOff", 1)
+    assert (first.cause.reason, first.sources) == ("ImagePullBackOff", ("pod/w-0",))
     again = pod_causes(pod({"containerStatuses": [waiting("ImagePullBackOff")]}, "w-0"))
     book.observe("ns", "j", "pod/w-0", again)
     assert book.unannounced("ns", "j") == []  # the kubelet's flapping is one cause
@@ -104,9 +113,9 @@ def test_the_book_announces_each_cause_once_and_counts_the_objects_it_hit() -> N
         pod_causes(pod({"containerStatuses": [waiting("ErrImagePull")]}, "w-1")),
     )
     (second,) = book.unannounced("ns", "j")
-    assert second.count == 2 and event_name("j", "u1", second.cause.key) == event_name(
-        "j", "u1", first.cause.key
-    )
+    assert second.sources == ("pod/w-0", "pod/w-1") and event_name(
+        "j", "u1", second.cause.key
+    ) == event_name("j", "u1", first.cause.key)
     assert book.observe("ns", "j", "pod/w-0", [])
     assert [c.source for c in book.current("ns", "j") or []] == ["pod/w-1"]
     book.forget("ns", "j")
@@ -191,3 +200,33 @@ def test_a_job_applied_again_under_its_name_gets_events_of_its_own() -> None:
         "j", "uid-2", "ImagePullBackOff/worker"
     )
     assert event_name("j", "uid-1", "k").startswith("j.cause.")
+
+
+def test_a_retracted_announcement_is_announced_again() -> None:
+    book = CauseBook()
+    book.observe(
+        "ns",
+        "j",
+        "pod/w-0",
+        pod_causes(pod({"containerStatuses": [waiting("ErrImagePull")]}, "w-0")),
+    )
+    (news,) = book.unannounced("ns", "j")
+    book.retract("ns", "j", news)  # the Event was not written (apiserver trouble)
+    assert book.unannounced("ns", "j") == [news]
+    assert book.unannounced("ns", "j") == []
+
+
+def test_an_events_count_goes_on_from_the_sources_it_counted() -> None:
+    assert counted(None, 0, ("pod/a", "pod/b")) == (2, ["pod/a", "pod/b"])
+    # A restarted operator sees pod/a and pod/b again: counted already, nothing to write.
+    assert counted(["pod/a", "pod/b"], 2, ("pod/b", "pod/a")) is None
+    # Then pod/c: the count goes on from the Event's, not from this process's two.
+    assert counted(["pod/a", "pod/b"], 2, ("pod/a", "pod/b", "pod/c")) == (
+        3, ["pod/a", "pod/b", "pod/c"])  # fmt: skip
+    # An Event from before the annotation keeps its count and counts every source as new.
+    assert counted([], 5, ("pod/a",)) == (6, ["pod/a"])
+    many = tuple(f"pod/w-{i}" for i in range(SOURCES_KEPT + 10))
+    count, listed = counted(None, 0, many) or (0, [])
+    assert count == SOURCES_KEPT + 10 and listed == list(many[-SOURCES_KEPT:])
+    assert event_message("pull failed", 1) == "pull failed"
+    assert event_message("pull failed", 3) == "pull failed (3 objects)"
