@@ -28,6 +28,7 @@ from rljob_worker.driver.failure import position_at_failure
 from rljob_worker.driver.local import LocalRun, run_local
 from rljob_worker.driver.ray_driver import RayRun, rank_actor_name, run_ray
 from rljob_worker.driver.ray_main import _parser, main
+from rljob_worker.loop import RankIteration
 from rljob_worker.memory import OOMInjection
 from rljob_worker.model import resolve_model_path
 from rljob_worker.stages import stage_order
@@ -158,11 +159,13 @@ def test_killing_one_actor_mid_stage_ends_the_job_naming_rank_node_and_stage_wit
     killed_at: list[float] = []
 
     def kill_rank_1_as_it_starts_training_iteration_2(event: object) -> None:
-        # Rank 1's last stage of iteration 1 just ended: it is now starting iteration 2's
-        # `train`, the longest stage (collectives with rank 0 inside).
+        # Rank 1 just reported iteration 1 done (after its last stage's sample): it is now
+        # starting iteration 2's `train`, the longest stage (collectives with rank 0 inside).
+        # Not on the sleep stage's sample: the kill then raced the rank's iteration report,
+        # and a lost report made status.iteration 0 (CI, 9645290).
         if (
-            isinstance(event, StageSample)
-            and (event.rank, event.iteration, event.stage) == (1, 1, Stage.SLEEP)
+            isinstance(event, RankIteration)
+            and (event.rank, event.iteration) == (1, 1)
             and not killed_at
         ):
             ray.kill(ray.get_actor(rank_actor_name(job, 1)), no_restart=True)
