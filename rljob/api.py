@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -899,6 +900,18 @@ class MemoryPoint(_Spec):
 MAX_MEMORY_HISTORY = 100
 
 
+def history_with(history: list[MemoryPoint], memory: MemorySummary | None) -> list[MemoryPoint]:
+    """`history` with the latest iteration's memory (replacing a point of the same iteration),
+    the last MAX_MEMORY_HISTORY iterations kept."""
+    if memory is None:
+        return history
+    point = MemoryPoint(
+        iteration=memory.iteration, peak_bytes={str(s.name): s.peak_bytes for s in memory.stages}
+    )
+    kept = [p for p in history if p.iteration != point.iteration]
+    return sorted([*kept, point], key=lambda p: p.iteration)[-MAX_MEMORY_HISTORY:]
+
+
 class RLJobStatus(_Spec):
     """Observed state. One writer per field: the operator owns phase, conditions, rayJob,
     attempts and OOMKilled entries; the job's driver owns iteration, memory and CUDA OOMs."""
@@ -1001,7 +1014,8 @@ _SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def parse_manifest(doc: dict[str, Any]) -> tuple[str, RLJobSpec]:
-    """Validate an RLJob manifest (as `kubectl apply` would take it); return (name, spec)."""
+    """Validate an RLJob manifest (as `kubectl apply` would take it, the name's CEL rules
+    included); return (name, spec)."""
     if doc.get("apiVersion") != API_VERSION or doc.get("kind") != KIND:
         raise ValueError(
             f"expected apiVersion {API_VERSION} and kind {KIND}, got "
@@ -1010,4 +1024,25 @@ def parse_manifest(doc: dict[str, Any]) -> tuple[str, RLJobSpec]:
     name = str((doc.get("metadata") or {}).get("name") or "")
     if not name:
         raise ValueError("metadata.name is required")
+    problems = name_problems(name)
+    if problems:
+        raise ValueError("; ".join(f"{field}: {message}" for field, message in problems))
     return name, RLJobSpec.model_validate(doc.get("spec") or {})
+
+
+def load_manifest(path: Path) -> tuple[str, RLJobSpec]:
+    """The one RLJob of a YAML file (other documents, a Namespace say, are skipped), validated
+    as parse_manifest does. Every problem, the file's included, is an OSError or a ValueError
+    (pydantic's ValidationError is one) whose text names the file or the field."""
+    try:
+        docs = [d for d in yaml.load_all(path.read_text(), Loader=_SafeLoader) if d]
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not valid YAML: {error}") from error
+    if not all(isinstance(d, dict) for d in docs):
+        raise ValueError(f"{path}: every YAML document must be a mapping (a Kubernetes object)")
+    rljobs = [d for d in docs if d.get("kind") == KIND]
+    if len(rljobs) == 1:
+        return parse_manifest(rljobs[0])
+    if not rljobs and len(docs) == 1:
+        return parse_manifest(docs[0])  # says which apiVersion/kind it has instead
+    raise ValueError(f"{path}: expected exactly one RLJob document, found {len(rljobs)}")

@@ -9,6 +9,7 @@ Reads the RLJob with the kubernetes client and the same kubeconfig/context kubec
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     errors = Console(stderr=True)
     from kubernetes.client.exceptions import ApiException
+    from kubernetes.config import ConfigException
+    from urllib3.exceptions import HTTPError
 
     try:
         status = _read_status(args.name, args.namespace, args.kubeconfig)
@@ -194,7 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     except ApiException as exc:
         errors.print(f"kubectl rljob: RLJob {args.name}: HTTP {exc.status} {exc.reason}")
         return 1
-    except ValueError as exc:
+    except ConfigException as exc:
+        where = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        errors.print(f"kubectl rljob: no usable kubeconfig at {where}: {exc}")
+        return 1
+    except HTTPError as exc:  # no answer from the apiserver (urllib3 retried already)
+        errors.print(f"kubectl rljob: the apiserver did not answer: {exc}")
+        return 1
+    except (OSError, ValueError) as exc:  # the plot's file, a status that does not parse
         errors.print(f"kubectl rljob: {exc}")
         return 1
     return 0

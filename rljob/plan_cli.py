@@ -8,20 +8,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-import yaml
-
-from rljob.api import _quantity, parse_manifest
+from rljob.api import _quantity, load_manifest
 from rljob.plan import GiB, MemoryPlan, plan, shape_for
+
+# A GPU's memory, not a host's: the largest GPUs have a few hundred GiB.
+MAX_GPU_BYTES = 16 * 2**40
 
 
 def parse_bytes(text: str) -> int:
-    """'85017493504', '80Gi', '80G' (a Kubernetes quantity) -> bytes."""
+    """'85017493504', '80Gi', '80G' (a Kubernetes quantity) -> bytes, of one GPU."""
     try:
-        return int(_quantity(text.strip()))
+        value = int(_quantity(text.strip()))
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte count or quantity") from error
+    if not 0 < value <= MAX_GPU_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: one GPU's memory is more than 0 and at most 16Ti"
+        )
+    return value
 
 
 def local_gpu_bytes() -> int | None:
@@ -79,7 +86,11 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
-    name, spec = parse_manifest(yaml.safe_load(args.manifest.read_text()))
+    try:
+        name, spec = load_manifest(args.manifest)
+    except (OSError, ValueError) as error:  # pydantic's ValidationError is a ValueError
+        print(f"rljob plan: {error}", file=sys.stderr)
+        return 2
     shape = shape_for(spec)
     if shape is None:
         parser.error(

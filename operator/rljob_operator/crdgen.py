@@ -214,8 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = crd_yaml()
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
+        try:
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as error:
+            print(f"rljob crd: {error}", file=sys.stderr)
+            return 2
     else:
         sys.stdout.write(text)
     return 0

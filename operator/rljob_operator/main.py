@@ -214,7 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
-    load_kube_config()
+    try:
+        load_kube_config()
+    except config.ConfigException as error:
+        print(
+            f"rljob operator: no cluster to run against: not in a pod, and no usable kubeconfig "
+            f"({error}); set KUBECONFIG to a cluster's kubeconfig",
+            file=sys.stderr,
+        )
+        return 2
     problem = kuberay_problem()
     if problem:
         log.error(problem)

@@ -3,12 +3,11 @@ own), the bounded memory history, the OOM Event text and the IterationCompleted 
 
 from __future__ import annotations
 
-from rljob.api import MAX_MEMORY_HISTORY, MemoryPoint, OOMEvent, RLJobStatus
+from rljob.api import MAX_MEMORY_HISTORY, MemoryPoint, OOMEvent, RLJobStatus, history_with
 from rljob.report import MemorySummary, OOMRecord, Stage, StageMemory
 from rljob_worker.publish import (
     RateLimit,
     driver_fields,
-    history_with,
     iteration_message,
     oom_message,
 )

@@ -167,6 +167,12 @@ def test_cli_runs_the_example_and_writes_status_and_timeline(tmp_path: Path) -> 
     assert status["phase"] == "Succeeded"
     assert status["iteration"] == iterations.algorithm.iterations
     assert [s["name"] for s in status["memory"]["stages"]] == [str(s) for s in STAGE_ORDER]
+    # The history `kubectl rljob plot` draws, as the driver keeps it in the cluster.
+    history = status["memoryHistory"]
+    assert [p["iteration"] for p in history] == list(range(status["iteration"] + 1))
+    assert history[-1]["peakBytes"] == {
+        s["name"]: s["peakBytes"] for s in status["memory"]["stages"]
+    }
     assert (out / "status.yaml").read_text().startswith("status:")
     png = (out / "memory-timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

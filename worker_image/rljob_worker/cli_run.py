@@ -18,11 +18,29 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from rljob.api import Attempt, AttemptKnobs, Phase, RLJobSpec, RLJobStatus, parse_manifest
-from rljob.report import STAGE_ORDER, IterationReport, MemorySummary, Stage, StageSample
+from rljob.api import (
+    Attempt,
+    AttemptKnobs,
+    Phase,
+    RLJobSpec,
+    RLJobStatus,
+    history_with,
+    load_manifest,
+)
+from rljob.report import STAGE_ORDER, IterationReport, MemorySummary, Stage, StageSample, summarize
 
 # Stage colours of the timeline; one per canonical stage, in order.
 STAGE_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("manifest", type=Path, help="RLJob YAML, as for kubectl apply")
     parser.add_argument("--out", type=Path, help="output directory (default ./out/<job name>)")
-    parser.add_argument("--ranks", type=int, help="processes (default: the spec's world size)")
+    parser.add_argument(
+        "--ranks", type=_positive, help="processes (default: the spec's world size)"
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument(
         "--verify-weights",
@@ -54,14 +74,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(path: Path) -> tuple[str, RLJobSpec]:
-    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    rljobs = [d for d in docs if d.get("kind") == "RLJob"]
-    if len(rljobs) != 1:
-        raise ValueError(f"{path}: expected exactly one RLJob document, found {len(rljobs)}")
-    return parse_manifest(rljobs[0])
-
-
 def _device(choice: str, spec: RLJobSpec) -> str:
     import torch
 
@@ -70,6 +82,29 @@ def _device(choice: str, spec: RLJobSpec) -> str:
     if choice == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible")
     return choice
+
+
+def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
+    """What the rank processes would fail on, checked before any starts (each would print its
+    own traceback, a minute later): the engine's device, the split of prompts over ranks, the
+    data file's rows."""
+    from rljob.api import EngineName
+    from rljob_worker.loop import prompts_per_rank
+    from rljob_worker.task import make_task
+
+    if spec.rollout.engine == EngineName.SGLANG and device != "cuda":
+        raise ValueError(
+            f"spec.rollout.engine sglang needs a CUDA GPU, and this run is on {device} "
+            "(engine: torch runs the same stages on the CPU)"
+        )
+    tp = spec.rollout.tensor_parallel_size
+    if ranks % tp:
+        raise ValueError(
+            f"{ranks} ranks do not split into tensor-parallel groups of {tp} "
+            "(spec.rollout.tensorParallelSize)"
+        )
+    prompts_per_rank(spec, ranks)
+    make_task(spec.data.source, spec.algorithm.seed)  # a missing or malformed JSONL file
 
 
 def _bytes(n: int) -> str:
@@ -254,15 +289,16 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
     try:
-        name, spec = _load(args.manifest)
+        name, spec = load_manifest(args.manifest)
         device = _device(args.device, spec)
         from rljob_worker.memory import OOMInjection
 
         inject = OOMInjection.from_env(args.inject_oom) if args.inject_oom else None
+        ranks = args.ranks or spec.world_size
+        _preflight(spec, ranks, device)
     except (OSError, ValueError) as error:  # pydantic's ValidationError is a ValueError
         console.print(f"[red]rljob run: {escape(str(error))}[/red]")
         return 2
-    ranks = args.ranks or spec.world_size
     out = args.out or Path("out") / name
     console.print(
         f"RLJob [bold]{name}[/bold]: {ranks} rank(s) on {device}, engine {spec.rollout.engine}, "
@@ -322,6 +358,10 @@ def main(argv: list[str]) -> int:
         console.print(f"[yellow]{decision.reason}: {escape(decision.message)}[/yellow]")
         knobs = decision.knobs
     status = run.status()
+    # The history the driver keeps in the cluster (kubectl rljob plot draws it), from every
+    # iteration's reports: worst rank per stage.
+    for report in run.reports:
+        status.memory_history = history_with(status.memory_history, summarize(report))
     # Locally this command is the operator too, so it also sets the phase and the attempts.
     status.phase = Phase.SUCCEEDED if run.ok else Phase.FAILED
     if len(attempts) > 1 or spec.oom_policy.max_retries:

@@ -23,15 +23,15 @@ from rljob.api import (
     API_VERSION,
     GROUP,
     KIND,
-    MAX_MEMORY_HISTORY,
     PLURAL,
     VERSION,
     MemoryPoint,
     OOMEvent,
     PlanStatus,
     RLJobStatus,
+    history_with,
 )
-from rljob.report import MemorySummary, OOMRecord
+from rljob.report import OOMRecord
 
 FIELD_MANAGER = "rljob-job"
 APPLY = "application/apply-patch+yaml"
@@ -45,18 +45,6 @@ log = logging.getLogger(__name__)
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def history_with(history: list[MemoryPoint], memory: MemorySummary | None) -> list[MemoryPoint]:
-    """`history` with the latest iteration's memory (replacing a point of the same iteration),
-    the last MAX_MEMORY_HISTORY iterations kept."""
-    if memory is None:
-        return history
-    point = MemoryPoint(
-        iteration=memory.iteration, peak_bytes={str(s.name): s.peak_bytes for s in memory.stages}
-    )
-    kept = [p for p in history if p.iteration != point.iteration]
-    return sorted([*kept, point], key=lambda p: p.iteration)[-MAX_MEMORY_HISTORY:]
 
 
 def driver_fields(

@@ -1,0 +1,128 @@
+"""A user's mistakes at the command line get one line naming the file, field or flag, and an
+exit status of their own, before anything starts: `rljob plan`, `rljob run`, `rljob crd`,
+`rljob operator` and `kubectl rljob` (none prints a traceback for bad input)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rljob.plan_cli import main as plan_main
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "examples" / "tiny-local.yaml"
+
+
+def tiny(tmp_path: Path, edit: Any = None, name: str = "job.yaml") -> Path:
+    doc = yaml.safe_load(TINY.read_text())
+    if edit is not None:
+        edit(doc)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_plan_says_what_is_wrong_with_the_manifest_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def typo(doc: dict[str, Any]) -> None:
+        doc["spec"]["rollout"]["memFractionStatc"] = 0.8
+
+    def bad_name(doc: dict[str, Any]) -> None:
+        doc["metadata"]["name"] = "Tiny_Local"
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("spec: [unclosed\n")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    cases = [
+        (tiny(tmp_path, typo, "typo.yaml"), "memFractionStatc"),
+        (tiny(tmp_path, bad_name, "name.yaml"), "DNS-1035"),
+        (broken, "not valid YAML"),
+        (empty, "found 0"),
+        (tmp_path / "missing.yaml", "No such file"),
+        (tmp_path, "Is a directory"),
+    ]
+    for path, words in cases:
+        assert plan_main([str(path), "--gpu-memory", "80Gi"]) == 2, path
+        err = capsys.readouterr().err
+        assert err.startswith("rljob plan: ") and words in err, err
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "99999999999999999999999"])
+def test_plan_refuses_a_gpu_memory_no_gpu_has(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        plan_main([str(TINY), "--gpu-memory", value])
+    assert exit_.value.code == 2
+    assert "more than 0 and at most 16Ti" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example", ["one-gpu-grpo.yaml", "multi-node-tp.yaml"])
+def test_the_hugging_face_examples_plan_as_shipped_and_fit(
+    example: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert plan_main([str(REPO / "examples" / example)]) == 0
+    assert "(the spec's) at memFractionStatic" in capsys.readouterr().out
+
+
+def run_main(argv: list[str]) -> int:
+    from rljob_worker.cli_run import main
+
+    return main(argv)
+
+
+def test_run_refuses_before_any_rank_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def sglang(doc: dict[str, Any]) -> None:  # a GPU job, run here with --device cpu
+        doc["spec"]["rollout"]["engine"] = "sglang"
+        doc["spec"]["resources"]["gpusPerWorker"] = 1
+
+    def missing_data(doc: dict[str, Any]) -> None:
+        doc["spec"]["data"]["source"] = str(tmp_path / "nowhere.jsonl")
+
+    def long_name(doc: dict[str, Any]) -> None:
+        doc["metadata"]["name"] = "x" * 62
+
+    out = tmp_path / "out"
+    cases = [
+        ([str(tiny(tmp_path, sglang, "s.yaml")), "--device", "cpu"], "needs a CUDA GPU"),
+        ([str(TINY), "--ranks", "3"], "must be a multiple of the 3 ranks"),
+        ([str(tiny(tmp_path, missing_data, "d.yaml"))], "nowhere.jsonl"),
+        ([str(tiny(tmp_path, long_name, "n.yaml"))], "at most 47 characters"),
+    ]
+    for argv, words in cases:
+        assert run_main([*argv, "--out", str(out)]) == 2, argv
+        err = capsys.readouterr().err
+        assert words in " ".join(err.split()), err  # rich wraps long lines
+        assert not out.exists()  # nothing ran, nothing written
+    with pytest.raises(SystemExit) as exit_:
+        run_main([str(TINY), "--ranks", "0"])
+    assert exit_.value.code == 2
+
+
+def test_crd_operator_and_kubectl_rljob_name_the_file_or_the_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rljob import kubectl_plugin
+    from rljob_operator import crdgen
+    from rljob_operator import main as operator_main
+
+    assert crdgen.main(["--out", str(tmp_path / "no" / "crd.yaml")]) == 2
+    assert "rljob crd: " in capsys.readouterr().err
+    missing = str(tmp_path / "kubeconfig")
+    monkeypatch.setenv("KUBECONFIG", missing)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert operator_main.main(["--standalone"]) == 2
+    assert "no usable kubeconfig" in capsys.readouterr().err
+    assert kubectl_plugin.main(["describe", "job"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"no usable kubeconfig at {missing}" in err and "Traceback" not in err
