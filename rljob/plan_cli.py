@@ -42,10 +42,18 @@ def local_gpu_bytes() -> int | None:
     return int(torch.cuda.mem_get_info()[1])
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 10**8 else f"{n / 1e6:.3f} M"
+
+
+def _fraction(x: float) -> str:
+    return f"{x:.2f}" if round(x, 2) == x else f"{x:g}"
+
+
 def table(name: str, memory_plan: MemoryPlan) -> str:
     capacity = memory_plan.capacity_bytes
     lines = [
-        f"RLJob {name}: {memory_plan.shape.parameters / 1e9:.3f} B params, "
+        f"RLJob {name}: {_count(memory_plan.shape.parameters)} params, "
         f"{memory_plan.world_size} rank(s), GPU {capacity / GiB:.2f} GiB ({capacity} bytes); "
         f"per rank (rank 0, the largest shard), steady iteration",
     ]
@@ -53,7 +61,7 @@ def table(name: str, memory_plan: MemoryPlan) -> str:
         chosen = " (the spec's)" if mode == memory_plan.requested else ""
         lines += [
             "",
-            f"wakeUp {mode}{chosen} at memFractionStatic {m.mem_fraction_static:.2f}: "
+            f"wakeUp {mode}{chosen} at memFractionStatic {_fraction(m.mem_fraction_static)}: "
             f"{'fits' if m.fits else 'DOES NOT FIT: ' + m.misfit_text()}; KV pool "
             f"{m.parts.kv_tokens} tokens; offload optimizer {m.offload_optimizer}, "
             f"params {m.offload_params}",

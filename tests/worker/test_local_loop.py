@@ -225,5 +225,6 @@ def test_cli_without_retries_fails_on_the_oom_and_records_no_second_attempt(
     assert main([*argv, "--inject-oom", "wake_weights@rank=1@iteration=1"]) == 1
     status = json.loads((out / "status.json").read_text())
     assert status["phase"] == "Failed"
+    assert status["cause"] == "CUDAOutOfMemory in stage wake_weights (rank 1, iteration 1)"
     assert status.get("attempts", []) == []
     assert status["oomCounts"] == {"CUDAOutOfMemory": 1}

@@ -107,6 +107,19 @@ def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
     make_task(spec.data.source, spec.algorithm.seed)  # a missing or malformed JSONL file
 
 
+def _cause(run: Any) -> str | None:
+    """status.cause of a failed run, one line: the first OOM, else the first rank's error."""
+    from rljob_worker.driver.failure import headline
+
+    if run.ooms:
+        oom = min(run.ooms, key=lambda o: o.time)
+        return f"CUDAOutOfMemory in stage {oom.stage} (rank {oom.rank}, iteration {oom.iteration})"
+    if run.errors:
+        rank, error = min(run.errors.items())
+        return f"rank {rank} failed: {headline(error)}"[:512]
+    return None
+
+
 def _bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -364,6 +377,7 @@ def main(argv: list[str]) -> int:
         status.memory_history = history_with(status.memory_history, summarize(report))
     # Locally this command is the operator too, so it also sets the phase and the attempts.
     status.phase = Phase.SUCCEEDED if run.ok else Phase.FAILED
+    status.cause = _cause(run)
     if len(attempts) > 1 or spec.oom_policy.max_retries:
         status.attempts = attempts
     reports = run.reports
