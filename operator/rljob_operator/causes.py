@@ -165,16 +165,18 @@ def event_name(job: str, uid: str, key: str) -> str:
 # The Event of a cause lists, in this annotation, the sources its count has counted (the newest
 # SOURCES_KEPT of them), so an operator that restarts, or a new leader, counts on from the Event
 # instead of from zero: kopf lists every pod again at start, and the pods already counted are not
-# counted twice. A source older than the SOURCES_KEPT newest that is still failing after a
-# restart is counted again (a job with over 128 failing pods of one cause).
+# counted twice. Within one process each source is announced once (CauseBook); across a restart,
+# a source older than the SOURCES_KEPT newest that is still failing is counted again (a job with
+# over 128 failing pods of one cause).
 SOURCES_ANNOTATION = "rljob.dev/counted-sources"
 SOURCES_KEPT = 128
 
 
 @dataclass(frozen=True)
 class Announcement:
-    """An Event to post or update: the cause (its first source) and the sources that this
-    process has seen hit it (all of them, oldest first)."""
+    """An Event to post or update: the cause (its first source) and the sources that hit it
+    since this process last announced it (each source is announced once per process; the
+    Event's annotation says which an earlier process counted)."""
 
     cause: Cause
     sources: tuple[str, ...]
@@ -234,19 +236,21 @@ class CauseBook:
         """Causes with a source not yet counted in their Event; marks them counted."""
         with self._lock:
             announced = self._announced.setdefault((namespace, job), {})
-            out: dict[str, Announcement] = {}
+            fresh: dict[str, list[str]] = {}
             live = ordered([c for causes in self._live.get((namespace, job), {}).values()
                             for c in causes])  # fmt: skip
             for cause in live:
                 sources = announced.setdefault(cause.key, [])
                 if cause.source not in sources:
                     sources.append(cause.source)
-                    first = next(c for c in live if c.key == cause.key)
-                    out[cause.key] = Announcement(first, tuple(sources))
-            return list(out.values())
+                    fresh.setdefault(cause.key, []).append(cause.source)
+            return [
+                Announcement(next(c for c in live if c.key == key), tuple(new))
+                for key, new in fresh.items()
+            ]
 
     def retract(self, namespace: str, job: str, news: Announcement) -> None:
-        """An Announcement whose Event was not written: its new sources count as unannounced
+        """An Announcement whose Event was not written: its sources count as unannounced
         again, so the job's next event tries again."""
         with self._lock:
             sources = self._announced.get((namespace, job), {}).get(news.cause.key, [])

@@ -177,9 +177,10 @@ def post_cause_event(
     rljob: Mapping[str, Any], name: str, reason: str, line: str, sources: tuple[str, ...]
 ) -> int | None:
     """A Warning Event on the RLJob under a stable `name`, counting the objects a cause hit:
-    created the first time; then, for sources it has not counted yet (causes.counted), its
-    count, message and lastTimestamp updated (the kubelet's way of aggregating repeats). The
-    count it wrote, or None where the Event had counted every source already."""
+    created the first time; then, for `sources` (new to this process) it has not counted yet
+    (causes.counted), its count, message and lastTimestamp updated (the kubelet's way of
+    aggregating repeats). The count it wrote, or None where the Event had counted every source
+    already."""
     meta = rljob["metadata"]
     namespace = meta["namespace"]
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -213,7 +214,8 @@ def post_cause_event(
         return None
     count, listed = merged
     update = {
-        # resourceVersion: a write that raced this one is a 409 (kopf retries the handler)
+        # resourceVersion: a write that raced this one is a 409, and the caller retracts the
+        # announcement, so the job's next event tries again
         "metadata": {"resourceVersion": stored["metadata"]["resourceVersion"],
                      "annotations": {causes.SOURCES_ANNOTATION: json.dumps(listed)}},
         "count": count, "message": causes.event_message(line, count), "lastTimestamp": now,

@@ -113,9 +113,9 @@ def test_the_book_announces_each_cause_once_and_counts_the_objects_it_hit() -> N
         pod_causes(pod({"containerStatuses": [waiting("ErrImagePull")]}, "w-1")),
     )
     (second,) = book.unannounced("ns", "j")
-    assert second.sources == ("pod/w-0", "pod/w-1") and event_name(
-        "j", "u1", second.cause.key
-    ) == event_name("j", "u1", first.cause.key)
+    assert second.sources == ("pod/w-1",) and event_name("j", "u1", second.cause.key) == event_name(
+        "j", "u1", first.cause.key
+    )
     assert book.observe("ns", "j", "pod/w-0", [])
     assert [c.source for c in book.current("ns", "j") or []] == ["pod/w-1"]
     book.forget("ns", "j")
@@ -228,5 +228,7 @@ def test_an_events_count_goes_on_from_the_sources_it_counted() -> None:
     many = tuple(f"pod/w-{i}" for i in range(SOURCES_KEPT + 10))
     count, listed = counted(None, 0, many) or (0, [])
     assert count == SOURCES_KEPT + 10 and listed == list(many[-SOURCES_KEPT:])
+    # A process passes each source once (CauseBook): past SOURCES_KEPT a new one still adds 1.
+    assert counted(listed, count, ("pod/new",)) == (count + 1, [*listed[1:], "pod/new"])
     assert event_message("pull failed", 1) == "pull failed"
     assert event_message("pull failed", 3) == "pull failed (3 objects)"

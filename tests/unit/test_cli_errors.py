@@ -118,11 +118,15 @@ def test_crd_operator_and_kubectl_rljob_name_the_file_or_the_config(
 
     assert crdgen.main(["--out", str(tmp_path / "no" / "crd.yaml")]) == 2
     assert "rljob crd: " in capsys.readouterr().err
+    from kubernetes.config import kube_config
+
     missing = str(tmp_path / "kubeconfig")
-    monkeypatch.setenv("KUBECONFIG", missing)
+    # The client reads $KUBECONFIG once, at import: its default path is what load_kube_config
+    # uses, so that is what is pointed at the missing file (and not in a pod).
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", missing)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert operator_main.main(["--standalone"]) == 2
     assert "no usable kubeconfig" in capsys.readouterr().err
-    assert kubectl_plugin.main(["describe", "job"]) == 1
+    assert kubectl_plugin.main(["--kubeconfig", missing, "describe", "job"]) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert f"no usable kubeconfig at {missing}" in err and "Traceback" not in err
