@@ -86,9 +86,10 @@ def _device(choice: str, spec: RLJobSpec) -> str:
 
 def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
     """What the rank processes would fail on, checked before any starts (each would print its
-    own traceback, a minute later): the engine's device, the split of prompts over ranks, the
-    data file's rows."""
+    own traceback, a minute later): the engine's device, the split of prompts over ranks and
+    of ranks into tensor-parallel groups (all on this one machine), the data file's rows."""
     from rljob.api import EngineName
+    from rljob_worker.engines.tensor_parallel import tensor_parallel_layout
     from rljob_worker.loop import prompts_per_rank
     from rljob_worker.task import make_task
 
@@ -97,12 +98,7 @@ def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
             f"spec.rollout.engine sglang needs a CUDA GPU, and this run is on {device} "
             "(engine: torch runs the same stages on the CPU)"
         )
-    tp = spec.rollout.tensor_parallel_size
-    if ranks % tp:
-        raise ValueError(
-            f"{ranks} ranks do not split into tensor-parallel groups of {tp} "
-            "(spec.rollout.tensorParallelSize)"
-        )
+    tensor_parallel_layout(0, ["local"] * ranks, spec.rollout.tensor_parallel_size)
     prompts_per_rank(spec, ranks)
     make_task(spec.data.source, spec.algorithm.seed)  # a missing or malformed JSONL file
 
@@ -371,16 +367,16 @@ def main(argv: list[str]) -> int:
         console.print(f"[yellow]{decision.reason}: {escape(decision.message)}[/yellow]")
         knobs = decision.knobs
     status = run.status()
+    reports = run.reports
     # The history the driver keeps in the cluster (kubectl rljob plot draws it), from every
     # iteration's reports: worst rank per stage.
-    for report in run.reports:
+    for report in reports:
         status.memory_history = history_with(status.memory_history, summarize(report))
     # Locally this command is the operator too, so it also sets the phase and the attempts.
     status.phase = Phase.SUCCEEDED if run.ok else Phase.FAILED
     status.cause = _cause(run)
     if len(attempts) > 1 or spec.oom_policy.max_retries:
         status.attempts = attempts
-    reports = run.reports
     write_outputs(out, name, status, reports)
     if status.memory is not None:
         Console().print(memory_table(status.memory, reports))
