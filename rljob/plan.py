@@ -43,8 +43,12 @@ TRAIN_RESIDUAL_BYTES = 375_390_208
 # The torch engine's tensors outside its memory-saver regions, allocated at its first wake
 # (offload_train end minus offload_optimizer end minus the engine weights' reserved bytes:
 # 278798336 in c4 and c5, less the 254 MiB its weight region reserves beyond the tensors at 3B,
-# see reserved_bytes).
-ENGINE_OUTSIDE_REGIONS_BYTES = 278_798_336 - 266_338_304
+# see reserved_bytes), plus what the torch engine's runs on the current tree hold beyond c4's
+# baseline at both offload ends: 164-194 MiB at 0.5B and 1.5B on an H100 (r2, 2026-11-25) and
+# 158-188 MiB on an H200 (v1), not broken down; sglang's runs on the same tree show none (r3,
+# and bench/results/raw/oom-retry-sglang-1.5b-h100). Taken at its highest (r2, 1.5B), as the
+# constants take the higher of two machines: c4 over c5.
+ENGINE_OUTSIDE_REGIONS_BYTES = 278_798_336 - 266_338_304 + 203_382_784
 # Per rank when world > 1: NCCL's buffers and streams (and the H200's larger context): c9's
 # offload_optimizer end minus half the params minus the one-rank baseline.
 NCCL_BUFFER_BYTES = 1_296_023_552

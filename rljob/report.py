@@ -88,6 +88,18 @@ class OOMRecord(_Model):
     limit_bytes: int | None = None
     message: str = ""
 
+    def request_text(self) -> str:
+        """ "requested N bytes with M free", leaving out what the OOM's message did not say (an
+        sglang process's OOM names neither)."""
+        parts = (
+            [f"requested {self.requested_bytes} bytes"] if self.requested_bytes is not None else []
+        )
+        if self.free_bytes is not None:
+            parts.append(
+                f"with {self.free_bytes} free" if parts else f"{self.free_bytes} bytes free"
+            )
+        return " ".join(parts) or "no size given"
+
 
 class IterationReport(_Model):
     """Everything the ranks reported for one iteration."""

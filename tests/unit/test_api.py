@@ -23,6 +23,7 @@ from rljob.api import (
 )
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
+BENCH_PLANS = sorted((Path(__file__).parents[2] / "bench" / "plans").glob("*.yaml"))
 
 
 def test_empty_spec_gets_defaults_that_run() -> None:
@@ -53,6 +54,13 @@ def test_every_example_validates(path: Path) -> None:
     name, spec = parse_manifest(yaml.safe_load(path.read_text()))
     assert name == path.stem
     assert spec.world_size >= 1
+
+
+@pytest.mark.parametrize("path", BENCH_PLANS, ids=lambda p: p.name)
+def test_every_bench_manifest_validates(path: Path) -> None:
+    """The manifests the GPU checks ran (bench/plans/) are valid RLJobs as they are stored."""
+    name, spec = parse_manifest(yaml.safe_load(path.read_text()))
+    assert name and spec.world_size >= 1
 
 
 def test_tiny_local_example_is_cpu_torch_staged_with_two_ranks() -> None:

@@ -3,6 +3,8 @@ own), the bounded memory history, the OOM Event text and the IterationCompleted 
 
 from __future__ import annotations
 
+import pytest
+
 from rljob.api import MAX_MEMORY_HISTORY, MemoryPoint, OOMEvent, RLJobStatus, history_with
 from rljob.report import MemorySummary, OOMRecord, Stage, StageMemory
 from rljob_worker.publish import (
@@ -96,6 +98,21 @@ def test_oom_event_names_stage_rank_and_bytes() -> None:
     text = oom_message(CUDA)
     for part in ("stage wake_kv_cache", "rank 3", "iteration 1", "node gpu-7", str(2 << 30)):
         assert part in text
+
+
+@pytest.mark.parametrize(
+    ("requested", "free", "expected"),
+    [
+        (2 << 30, 1 << 20, f"requested {2 << 30} bytes with {1 << 20} free."),
+        (None, 1 << 20, f"): {1 << 20} bytes free."),  # an sglang child's OOM names no size
+        (None, None, "): no size given."),
+    ],
+)
+def test_oom_event_says_only_the_sizes_the_oom_gave(
+    requested: int | None, free: int | None, expected: str
+) -> None:
+    text = oom_message(CUDA.model_copy(update={"requested_bytes": requested, "free_bytes": free}))
+    assert expected in text and "None" not in text
 
 
 def test_iteration_event_names_the_worst_stage_with_capacity_and_device() -> None:

@@ -218,6 +218,11 @@ def test_cublas_allocation_failure_is_recorded_as_an_oom_of_its_stage() -> None:
         machine.run_iteration(1)
     assert caught.value.record.stage == Stage.TRAIN
     assert caught.value.record.kind == "CUDAOutOfMemory"
+    # cuBLAS names no size: the message says what is known, not "requested None bytes".
+    record = caught.value.record
+    assert record.requested_bytes is None and record.free_bytes is not None
+    assert f"(iteration 1, rank 0): {record.free_bytes} bytes free. " in str(caught.value)
+    assert "None" not in str(caught.value)
 
 
 def test_other_runtime_errors_are_not_taken_for_an_oom() -> None:

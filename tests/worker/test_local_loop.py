@@ -209,6 +209,10 @@ def test_cli_retries_an_oom_with_the_policys_knobs_and_records_both_attempts(
         "attempt": 2, "memFractionStatic": 0.85, "wakeUp": "staged", "result": "Succeeded",
         "rayJob": "", "message": "",
     }  # fmt: skip
+    # Attempt 1's OOM stays in status, as the cluster's status keeps every attempt's.
+    assert status["oomCounts"] == {"CUDAOutOfMemory": 1}
+    [oom] = status["oomEvents"]
+    assert (oom["stage"], oom["rank"], oom["iteration"]) == ("wake_weights", 1, 1)
     # The completed attempt's own iterations and stages: staged order.
     assert status["iteration"] == 2
     assert [s["name"] for s in status["memory"]["stages"]] == [str(s) for s in STAGE_ORDER]

@@ -27,7 +27,15 @@ from rljob.api import (
     history_with,
     load_manifest,
 )
-from rljob.report import STAGE_ORDER, IterationReport, MemorySummary, Stage, StageSample, summarize
+from rljob.report import (
+    STAGE_ORDER,
+    IterationReport,
+    MemorySummary,
+    OOMRecord,
+    Stage,
+    StageSample,
+    summarize,
+)
 
 # Stage colours of the timeline; one per canonical stage, in order.
 STAGE_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
@@ -337,6 +345,7 @@ def main(argv: list[str]) -> int:
     # first attempt only, so a policy can be tried on the CPU.
     knobs = first_knobs(spec)
     attempts: list[Attempt] = []
+    earlier_ooms: list[OOMRecord] = []  # the OOMs of the attempts before the last
     while True:
         number = len(attempts) + 1
         run = _attempt(
@@ -366,7 +375,8 @@ def main(argv: list[str]) -> int:
             break
         console.print(f"[yellow]{decision.reason}: {escape(decision.message)}[/yellow]")
         knobs = decision.knobs
-    status = run.status()
+        earlier_ooms.extend(run.ooms)
+    status = run.status(earlier_ooms)
     reports = run.reports
     # The history the driver keeps in the cluster (kubectl rljob plot draws it), from every
     # iteration's reports: worst rank per stage.
@@ -389,10 +399,10 @@ def main(argv: list[str]) -> int:
         console.print(
             f"[red]rank {rank} iteration {iteration}: engine weights differ: {names}[/red]"
         )
-    for oom in run.ooms:
+    for oom in [*earlier_ooms, *run.ooms]:
         console.print(
             f"[red]CUDA OOM in stage {oom.stage} (iteration {oom.iteration}, rank {oom.rank}): "
-            f"requested {oom.requested_bytes} bytes, {oom.free_bytes} free[/red]"
+            f"{oom.request_text()}[/red]"
         )
     for rank, failure in sorted(run.errors.items()):
         console.print(f"[red]rank {rank} failed:[/red]\n{escape(failure.rstrip())}")

@@ -35,8 +35,7 @@ class StageOOM(RuntimeError):
     def __init__(self, record: OOMRecord) -> None:
         super().__init__(
             f"CUDA out of memory in stage {record.stage} (iteration {record.iteration}, rank "
-            f"{record.rank}): requested {record.requested_bytes} bytes with {record.free_bytes} "
-            f"free. Lower spec.rollout.memFractionStatic, use wakeUp: staged, or shrink "
+            f"{record.rank}): {record.request_text()}. Lower spec.rollout.memFractionStatic, use wakeUp: staged, or shrink "
             f"batch sizes. Cause: {record.message}"
         )
         self.record = record

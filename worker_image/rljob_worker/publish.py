@@ -83,7 +83,7 @@ def oom_message(oom: OOMRecord) -> str:
     return (
         f"CUDA out of memory in stage {oom.stage} (rank {oom.rank}, iteration {oom.iteration}"
         + (f", node {oom.node}" if oom.node else "")
-        + f"): requested {oom.requested_bytes} bytes, {oom.free_bytes} free. {oom.message}"
+        + f"): {oom.request_text()}. {oom.message}"
     )[:1024]
 
 

@@ -13,7 +13,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,8 +55,12 @@ class LocalRun:
     def reports(self) -> list[IterationReport]:
         return iteration_reports(self.samples, self.iterations)
 
-    def status(self) -> RLJobStatus:
-        return driver_status(self.reports, self.iterations, self.ooms, self.world_size)
+    def status(self, earlier_ooms: Sequence[OOMRecord] = ()) -> RLJobStatus:
+        """The driver's status fields; `earlier_ooms` (earlier attempts' OOMs, when `rljob run`
+        retries) stay in oomEvents and oomCounts, as the cluster's status keeps them."""
+        return driver_status(
+            self.reports, self.iterations, [*earlier_ooms, *self.ooms], self.world_size
+        )
 
     def add(self, event: RankEvent) -> None:
         if isinstance(event, StageSample):
