@@ -808,6 +808,11 @@ class Attempt(_Spec):
     oom_stage: Stage | None = None
     oom_rank: int | None = None
     message: str = Field(default="", max_length=1024)
+    started_at: str | None = Field(
+        default=None,
+        description="RFC 3339: when this attempt's RayJob was created. Its OOMs are the ones "
+        "after it; one that arrives after the attempt was recorded Failed is still decided on.",
+    )
 
 
 class PlannedStage(_Spec):

@@ -6,6 +6,7 @@ Each subcommand imports its side lazily, so `rljob operator` never imports torch
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -69,8 +70,25 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 }
 
 
+def quiet_on_closed_pipe(command: Callable[[], int]) -> int:
+    """Run a command whose output may go to a reader that stops early (`rljob plan x | head`):
+    a closed pipe ends it quietly with 141 (128 + SIGPIPE, what a shell reports for a program the
+    signal stopped), not with a traceback; stdout then points at /dev/null, so the interpreter's
+    own flush at exit does not raise the same error again."""
+    try:
+        code = command()
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    return quiet_on_closed_pipe(lambda: _dispatch(sys.argv[1:] if argv is None else argv))
+
+
+def _dispatch(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
         return 0 if args else 2

@@ -186,6 +186,9 @@ def advance(
     name = str(last.get("rayJob") or rayjob_name(job, number))
     if rayjob is None or rayjob.get("metadata", {}).get("name") != name:
         return Step(attempts)
+    created = rayjob.get("metadata", {}).get("creationTimestamp")
+    if created:
+        last["startedAt"] = str(created)
     result = ended(rayjob)
     for key in ("oomStage", "oomRank"):
         last.pop(key, None)
@@ -229,8 +232,11 @@ def needs_attention(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
     """From an RLJob event's body alone (no reads): whether the policy may have work to do.
 
     The current attempt's RayJob is not the one status mirrors (a retry recorded, its children
-    not applied yet), or it failed without an OOM seen yet while status holds OOM entries (the
-    driver's write came after KubeRay's)."""
+    not applied yet), or it failed without an OOM seen while status now holds an OOM of that
+    attempt, one after its start (the driver's write came after KubeRay's). Once decided, the
+    attempt's result is the OOM's, so this turns false: an earlier attempt's OOM does not keep
+    a job that later failed otherwise wanting attention. An entry written before startedAt
+    existed counts any OOM, as before."""
     attempts = list(status.get("attempts") or [])
     if not attempts:
         return False
@@ -238,9 +244,15 @@ def needs_attention(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
     mirrored = (status.get("rayJob") or {}).get("name")
     if int(last.get("attempt") or 1) > 1 and mirrored != last.get("rayJob"):
         return True
-    oom_entries = any(e.get("kind") in OOM_RESULTS for e in status.get("oomEvents") or [])
-    return (
-        int(((spec.get("oomPolicy") or {}).get("maxRetries")) or 0) > 0
-        and last.get("result") == FAILED
-        and oom_entries
-    )
+    if int(((spec.get("oomPolicy") or {}).get("maxRetries")) or 0) <= 0:
+        return False
+    if last.get("result") != FAILED:
+        return False
+    started = _seconds(str(last.get("startedAt") or ""))
+    for event in status.get("oomEvents") or []:
+        when = _seconds(str(event.get("time") or ""))
+        if event.get("kind") in OOM_RESULTS and (
+            started is None or (when is not None and when > started)
+        ):
+            return True
+    return False

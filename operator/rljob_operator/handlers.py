@@ -517,7 +517,13 @@ def _may_time_out(status: Mapping[str, Any], **_: Any) -> bool:
     return status.get("phase") in (None, "Pending", "Starting")
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=STARTUP_CHECK_SECONDS, when=_may_time_out)
+def _checked(spec: Mapping[str, Any], status: Mapping[str, Any], **_: Any) -> bool:
+    """The timer's jobs: those not running yet, and those the OOM policy still owes a step
+    (attempts.needs_attention, bounded: it turns false once the step is recorded)."""
+    return _may_time_out(status) or attempts.needs_attention(spec, status)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=STARTUP_CHECK_SECONDS, when=_checked)
 async def startup_deadline(
     body: kopf.Body, name: str, namespace: str | None, uid: str, logger: kopf.Logger, **_: Any
 ) -> None:
@@ -525,14 +531,15 @@ async def startup_deadline(
     with the last cause) and its RayJob is suspended: KubeRay deletes the pods (README policy).
     Async, so the check of a job not due costs no thread; the work runs in one when due.
 
-    Also the OOM policy's retry whose children could not be applied (a 5xx, a quota): the RLJob
-    event that recorded it is not retried by kopf and nothing else changes, so without this
-    check the retry would wait for the startup deadline."""
+    Also the OOM policy's step that an RLJob event could not take (a 5xx, a quota, a read that
+    failed): applying a recorded retry's children, or deciding on a failed attempt whose OOM
+    record came after KubeRay's failure (the job is Failed then, so not timed out). kopf does
+    not retry the event, and nothing else may change, so this check takes the step again."""
     assert namespace is not None
     current = dict(body.get("status") or {})
     if attempts.needs_attention(dict(body.get("spec") or {}), current):
         await asyncio.to_thread(_follow_attempt, namespace, name, logger)
-    deadline = status.startup_deadline(body)
+    deadline = status.startup_deadline(body)  # None unless the job is not running yet
     if deadline is None or datetime.datetime.now(datetime.UTC) < deadline:
         return
     owner = render.Owner(name=name, namespace=namespace, uid=uid)
@@ -599,7 +606,8 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
     children of a retry recorded in status.attempts whose RayJob does not exist yet, or decide
     on a failed attempt whose OOM record arrived after KubeRay's failure. Everything is read
     again under the job's lock, so a stale event does nothing; a failure here is logged, and
-    the next change of the RLJob (or the operator's resume) tries again."""
+    the timer (startup_deadline, every STARTUP_CHECK_SECONDS while needs_attention holds), the
+    next change of the RLJob or the operator's resume tries again."""
     try:
         with _job_lock(namespace, name):
             rljob = kube.get_rljob(namespace, name)

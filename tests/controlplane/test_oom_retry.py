@@ -13,6 +13,7 @@ injection (`run_driver_with_injected_oom`, test_telemetry's DRIVER) or `publish_
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -24,9 +25,16 @@ from typing import Any
 
 import test_operator
 from kubernetes import client
-from rljob_helpers import Operator, wait_for
+from rljob_helpers import Operator, api_client, wait_for
 from test_failures import reasons
-from test_operator import create, get, ray_items, status_of, write_rayjob_status_as_kuberay_would
+from test_operator import (
+    ROLE,
+    create,
+    get,
+    ray_items,
+    status_of,
+    write_rayjob_status_as_kuberay_would,
+)
 from test_telemetry import DRIVER, job_pod, write_pod_status_as_kubelet_would
 
 from rljob.api import JOB_CONFIG_FILE, JobConfig, RLJobSpec, RLJobStatus
@@ -249,6 +257,69 @@ def test_a_retry_whose_rayjob_the_apiserver_turned_away_is_applied_once_it_can(
     wait_for("RayJob stall-a2", lambda: get(admin, namespace, "rayjobs", "stall-a2"), 60)
     wait_for("status mirrors stall-a2", lambda: mirrored(admin, namespace, "stall", "stall-a2"))
     assert spec_applied()["status"] == "True"
+
+
+def test_a_late_oom_whose_step_failed_at_its_event_is_taken_by_the_operator_itself(
+    plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    """KubeRay fails attempt 1 first (Failed, no OOM seen yet); the driver's OOM record comes
+    later, and the operator's reads at that event fail (403: its RayJob `get` is revoked for
+    the moment). Nothing about the job changes after that, yet once the operator can read
+    again it decides by itself (its check every 10 s while the policy owes a step) and starts
+    attempt 2. Before, such a job stayed Failed with its OOM undecided until some other
+    change of the RLJob or an operator restart."""
+    create(admin, namespace, "tardy", with_policy(1))
+    token = job_token(plane, admin, namespace, "tardy")
+    rayjob = wait_for("RayJob tardy", lambda: get(admin, namespace, "rayjobs", "tardy"))
+    write_rayjob_status_as_kuberay_would(admin, namespace, "tardy", "FAILED", "Failed")
+
+    def first() -> dict[str, Any]:
+        return dict((status_of(admin, namespace, "tardy").get("attempts") or [{}])[0])
+
+    wait_for("attempt 1 Failed", lambda: first().get("result") == "Failed")
+    assert status_of(admin, namespace, "tardy")["phase"] == "Failed"
+    assert first()["startedAt"] == rayjob["metadata"]["creationTimestamp"]
+
+    rbac = client.RbacAuthorizationV1Api(admin)
+    role = rbac.read_cluster_role(ROLE)
+    kept = copy.deepcopy(role.rules)
+    for rule in role.rules or []:
+        if "rayjobs" in (rule.resources or []):
+            rule.verbs = [v for v in rule.verbs if v != "get"]
+    rbac.replace_cluster_role(ROLE, role)
+    as_operator = client.CustomObjectsApi(api_client(operator.kubeconfig))
+
+    def refused() -> bool:
+        try:
+            as_operator.get_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", "tardy")
+        except client.ApiException as exc:
+            return exc.status == 403
+        return False
+
+    try:
+        wait_for("the operator's RayJob get refused", refused)
+        seen = operator.log.stat().st_size
+        publish_oom_as_driver_would(token, namespace, "tardy", rayjob, Stage.WAKE_KV_CACHE)
+        wait_for(
+            "the event's step failing",
+            lambda: (
+                f"{namespace}/tardy: OOM policy attempt not advanced yet"
+                in operator.log.read_bytes()[seen:].decode(errors="replace")
+            ),
+        )
+        # The events that write brings (the derived oomTotal, its own echo) settle while the
+        # reads still fail: after this nothing about the job changes any more.
+        time.sleep(5)
+        assert first()["result"] == "Failed"
+        assert get(admin, namespace, "rayjobs", "tardy-a2") is None
+    finally:
+        role = rbac.read_cluster_role(ROLE)
+        role.rules = kept
+        rbac.replace_cluster_role(ROLE, role)
+    wait_for("RayJob tardy-a2", lambda: get(admin, namespace, "rayjobs", "tardy-a2"), 60)
+    decided = first()
+    assert (decided["result"], decided["oomStage"]) == ("CUDAOutOfMemory", "wake_kv_cache")
+    assert "attempt 2 runs with" in decided["message"]
 
 
 def test_no_rayjob_is_created_twice_across_operator_restarts(

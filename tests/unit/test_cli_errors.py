@@ -130,3 +130,47 @@ def test_crd_operator_and_kubectl_rljob_name_the_file_or_the_config(
     assert kubectl_plugin.main(["--kubeconfig", missing, "describe", "job"]) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert f"no usable kubeconfig at {missing}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("entry", "inner"), [("rljob.cli", "_dispatch"), ("rljob.kubectl_plugin", "_main")]
+)
+def test_a_reader_that_stops_early_ends_the_command_quietly(entry: str, inner: str) -> None:
+    """`rljob plan x | head`: the pipe closes while the command still writes. Both console
+    scripts end with 141 (128 + SIGPIPE) and no traceback; before, Python's BrokenPipeError."""
+    import subprocess
+    import sys
+
+    # The console script's main() around a command that writes 2 MB, far past a pipe's buffer.
+    code = (
+        f"import sys, {entry} as m\n"
+        "def chatty(*args):\n"
+        "    for _ in range(2000):\n"
+        "        print('x' * 1000)\n"
+        "    return 0\n"
+        f"m.{inner} = chatty\n"
+        "sys.exit(m.main([]))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(10) == b"x" * 10
+    proc.stdout.close()  # the reader stops, as head does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_rljob_crd_into_a_closed_pipe_exits_141_without_a_traceback() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rljob.cli", "crd"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # closed before the command writes a byte
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err

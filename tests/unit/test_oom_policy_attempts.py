@@ -52,7 +52,7 @@ def test_first_observation_records_attempt_one_running() -> None:
     step = attempts.advance("j", spec(), {}, rayjob("j", "RUNNING", "Running"))
     assert step.attempts == [
         {"attempt": 1, "rayJob": "j", "memFractionStatic": 0.85, "wakeUp": "staged",
-         "result": "Running", "message": ""}
+         "result": "Running", "message": "", "startedAt": CREATED_AT}
     ]  # fmt: skip
     assert step.retry is None and step.stop is None
 
@@ -151,6 +151,32 @@ def test_new_retries_and_needs_attention() -> None:
     assert attempts.needs_attention(policy, {"attempts": failed, "oomEvents": oom})
     assert not attempts.needs_attention(policy, {"attempts": failed})
     assert not attempts.needs_attention({}, {"oomEvents": oom})
+
+
+def test_a_late_oom_wants_attention_until_decided_and_an_earlier_attempts_never() -> None:
+    """Bounded: the operator's timer takes the policy's step while this holds, so it must turn
+    false once the step is recorded, and stay false for a job whose earlier attempt OOMed and
+    whose last one failed otherwise (before startedAt it stayed true for good)."""
+    policy = {"oomPolicy": {"maxRetries": 2}}
+    first = {"attempt": 1, "rayJob": "j", "memFractionStatic": 0.85, "wakeUp": "staged",
+             "result": "CUDAOutOfMemory", "message": "m", "startedAt": CREATED_AT}  # fmt: skip
+    second = {"attempt": 2, "rayJob": "j-a2", "memFractionStatic": 0.8, "wakeUp": "staged",
+              "result": "Failed", "message": "", "startedAt": "2026-11-25T10:05:00Z"}  # fmt: skip
+    earlier = [cuda("2026-11-25T10:01:00Z")]  # attempt 1's OOM
+    mirrored = {"name": "j-a2"}
+    quiet = {"attempts": [first, second], "oomEvents": earlier, "rayJob": mirrored}
+    assert not attempts.needs_attention(policy, quiet)
+    # Attempt 2's own OOM, recorded after its failure: attention, until the decision is in.
+    late = {**quiet, "oomEvents": [*earlier, cuda("2026-11-25T10:06:00Z", "rollout")]}
+    assert attempts.needs_attention(policy, late)
+    step = attempts.advance("j", spec(), late, {**rayjob("j-a2"), "metadata": {
+        "name": "j-a2", "creationTimestamp": "2026-11-25T10:05:00Z"}})  # fmt: skip
+    assert step.attempts is not None and step.attempts[1]["result"] == "CUDAOutOfMemory"
+    decided = {**late, "attempts": step.attempts[:2]}
+    assert not attempts.needs_attention(policy, decided)
+    # An OOM in the second its RayJob was created is the previous attempt's (outcome's rule).
+    same_second = {**quiet, "oomEvents": [cuda("2026-11-25T10:05:00Z")]}
+    assert not attempts.needs_attention(policy, same_second)
 
 
 def _observed(step: attempts.Step, rj: dict[str, Any] | None) -> status.Observed:
