@@ -84,8 +84,17 @@ def quiet_on_closed_pipe(command: Callable[[], int]) -> int:
         return 141
 
 
+# The commands whose output is for reading or piping (`rljob plan x | head`). Not run, driver
+# or operator: there a BrokenPipeError may come from another pipe (the ranks' queues, Ray) and
+# must surface with its traceback.
+PIPED = ("plan", "crd", "version")
+
+
 def main(argv: list[str] | None = None) -> int:
-    return quiet_on_closed_pipe(lambda: _dispatch(sys.argv[1:] if argv is None else argv))
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] not in PIPED and args[0] not in ("-h", "--help", "help"):
+        return _dispatch(args)
+    return quiet_on_closed_pipe(lambda: _dispatch(args))
 
 
 def _dispatch(args: list[str]) -> int:

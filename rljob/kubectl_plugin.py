@@ -180,12 +180,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The kubectl-rljob console script; returns the exit code."""
-    from rljob.cli import quiet_on_closed_pipe
-
-    return quiet_on_closed_pipe(lambda: _main(argv))
-
-
-def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     console = Console()
     errors = Console(stderr=True)

@@ -228,31 +228,52 @@ def new_retries(
     ]
 
 
-def needs_attention(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
-    """From an RLJob event's body alone (no reads): whether the policy may have work to do.
-
-    The current attempt's RayJob is not the one status mirrors (a retry recorded, its children
-    not applied yet), or it failed without an OOM seen while status now holds an OOM of that
-    attempt, one after its start (the driver's write came after KubeRay's). Once decided, the
-    attempt's result is the OOM's, so this turns false: an earlier attempt's OOM does not keep
-    a job that later failed otherwise wanting attention. An entry written before startedAt
-    existed counts any OOM, as before."""
+def retry_unapplied(status: Mapping[str, Any]) -> bool:
+    """From the body alone: a retry is recorded whose RayJob status does not mirror yet (its
+    children not applied, or not seen yet)."""
     attempts = list(status.get("attempts") or [])
     if not attempts:
         return False
     last = attempts[-1]
     mirrored = (status.get("rayJob") or {}).get("name")
-    if int(last.get("attempt") or 1) > 1 and mirrored != last.get("rayJob"):
-        return True
-    if int(((spec.get("oomPolicy") or {}).get("maxRetries")) or 0) <= 0:
+    return int(last.get("attempt") or 1) > 1 and mirrored != last.get("rayJob")
+
+
+def late_oom_undecided(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+    """From the body alone: the current attempt was recorded Failed without an OOM, and status
+    now holds an OOM of that attempt, one strictly after its startedAt in whole seconds (the
+    rule outcome() decides by): the driver's write came after KubeRay's. Once decided, the
+    attempt's result is the OOM's and this turns false; an earlier attempt's OOM never makes
+    it true. An entry written before startedAt existed is not looked at again."""
+    attempts = list(status.get("attempts") or [])
+    if not attempts or int(((spec.get("oomPolicy") or {}).get("maxRetries")) or 0) <= 0:
         return False
-    if last.get("result") != FAILED:
-        return False
+    last = attempts[-1]
     started = _seconds(str(last.get("startedAt") or ""))
+    if last.get("result") != FAILED or started is None:
+        return False
     for event in status.get("oomEvents") or []:
         when = _seconds(str(event.get("time") or ""))
-        if event.get("kind") in OOM_RESULTS and (
-            started is None or (when is not None and when > started)
-        ):
+        if event.get("kind") in OOM_RESULTS and when is not None and when > started:
             return True
     return False
+
+
+def needs_attention(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+    """From an RLJob event's body alone (no reads): whether the policy may have work to do."""
+    return retry_unapplied(status) or late_oom_undecided(spec, status)
+
+
+def mirrored_rayjob(job: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The current attempt's RayJob as status mirrors it, for deciding on a late OOM after the
+    RayJob itself went (KubeRay deletes a finished one with DELETE_RAYJOB_CR_AFTER_JOB_FINISHES
+    and ttlSecondsAfterFinished 0): its name, status and creation (the attempt's startedAt).
+    None unless status records that attempt as finished and knows when it started."""
+    attempts = list(status.get("attempts") or [])
+    if not attempts or not finished(job, status) or not attempts[-1].get("startedAt"):
+        return None
+    mirrored = dict(status.get("rayJob") or {})
+    return {
+        "metadata": {"name": mirrored["name"], "creationTimestamp": attempts[-1]["startedAt"]},
+        "status": {k: mirrored[k] for k in ("jobStatus", "jobDeploymentStatus") if k in mirrored},
+    }

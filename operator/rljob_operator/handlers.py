@@ -518,9 +518,10 @@ def _may_time_out(status: Mapping[str, Any], **_: Any) -> bool:
 
 
 def _checked(spec: Mapping[str, Any], status: Mapping[str, Any], **_: Any) -> bool:
-    """The timer's jobs: those not running yet, and those the OOM policy still owes a step
-    (attempts.needs_attention, bounded: it turns false once the step is recorded)."""
-    return _may_time_out(status) or attempts.needs_attention(spec, status)
+    """The timer's jobs: those not running yet (a recorded retry among them: Pending), and a
+    Failed one whose late OOM the policy has not decided on (attempts.late_oom_undecided,
+    bounded: false once the decision is recorded)."""
+    return _may_time_out(status) or attempts.late_oom_undecided(spec, status)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=STARTUP_CHECK_SECONDS, when=_checked)
@@ -606,8 +607,8 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
     children of a retry recorded in status.attempts whose RayJob does not exist yet, or decide
     on a failed attempt whose OOM record arrived after KubeRay's failure. Everything is read
     again under the job's lock, so a stale event does nothing; a failure here is logged, and
-    the timer (startup_deadline, every STARTUP_CHECK_SECONDS while needs_attention holds), the
-    next change of the RLJob or the operator's resume tries again."""
+    the timer (startup_deadline, every STARTUP_CHECK_SECONDS while the job is Pending or its
+    late OOM is undecided), the next change of the RLJob or the operator's resume tries again."""
     try:
         with _job_lock(namespace, name):
             rljob = kube.get_rljob(namespace, name)
@@ -621,7 +622,14 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
             current = dict(rljob.get("status") or {})
             attempt = attempts.current(name, run_spec, current)
             rayjob = kube.get_rayjob(namespace, attempt.ray_job)
-            if rayjob is None and attempt.number > 1:
+            if rayjob is None and attempts.finished(name, current):
+                # The attempt ended and its RayJob went: a late OOM is decided from what status
+                # mirrors of it; the attempt is never applied (run) again.
+                rayjob = attempts.mirrored_rayjob(name, current)
+                if rayjob is None:
+                    return
+                observing = Observing(spec, applied, rayjob)
+            elif rayjob is None and attempt.number > 1:
                 if status.timed_out(current):
                     run_spec = run_spec.model_copy(update={"suspend": True})
                 meta = rljob["metadata"]

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -259,6 +260,25 @@ def test_a_retry_whose_rayjob_the_apiserver_turned_away_is_applied_once_it_can(
     assert spec_applied()["status"] == "True"
 
 
+def failed_without_oom(
+    plane: Any, admin: client.ApiClient, namespace: str, name: str
+) -> tuple[Path, dict[str, Any], Callable[[], dict[str, Any]]]:
+    """Attempt 1 of a job with maxRetries 1, failed by KubeRay before any OOM record (Failed):
+    the job's token, its RayJob, and a reader of status.attempts[0]."""
+    create(admin, namespace, name, with_policy(1))
+    token = job_token(plane, admin, namespace, name)
+    rayjob = wait_for(f"RayJob {name}", lambda: get(admin, namespace, "rayjobs", name))
+    write_rayjob_status_as_kuberay_would(admin, namespace, name, "FAILED", "Failed")
+
+    def first() -> dict[str, Any]:
+        return dict((status_of(admin, namespace, name).get("attempts") or [{}])[0])
+
+    wait_for("attempt 1 Failed", lambda: first().get("result") == "Failed")
+    assert status_of(admin, namespace, name)["phase"] == "Failed"
+    assert first()["startedAt"] == rayjob["metadata"]["creationTimestamp"]
+    return token, rayjob, first
+
+
 def test_a_late_oom_whose_step_failed_at_its_event_is_taken_by_the_operator_itself(
     plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
 ) -> None:
@@ -268,17 +288,7 @@ def test_a_late_oom_whose_step_failed_at_its_event_is_taken_by_the_operator_itse
     again it decides by itself (its check every 10 s while the policy owes a step) and starts
     attempt 2. Before, such a job stayed Failed with its OOM undecided until some other
     change of the RLJob or an operator restart."""
-    create(admin, namespace, "tardy", with_policy(1))
-    token = job_token(plane, admin, namespace, "tardy")
-    rayjob = wait_for("RayJob tardy", lambda: get(admin, namespace, "rayjobs", "tardy"))
-    write_rayjob_status_as_kuberay_would(admin, namespace, "tardy", "FAILED", "Failed")
-
-    def first() -> dict[str, Any]:
-        return dict((status_of(admin, namespace, "tardy").get("attempts") or [{}])[0])
-
-    wait_for("attempt 1 Failed", lambda: first().get("result") == "Failed")
-    assert status_of(admin, namespace, "tardy")["phase"] == "Failed"
-    assert first()["startedAt"] == rayjob["metadata"]["creationTimestamp"]
+    token, rayjob, first = failed_without_oom(plane, admin, namespace, "tardy")
 
     rbac = client.RbacAuthorizationV1Api(admin)
     role = rbac.read_cluster_role(ROLE)
@@ -320,6 +330,26 @@ def test_a_late_oom_whose_step_failed_at_its_event_is_taken_by_the_operator_itse
     decided = first()
     assert (decided["result"], decided["oomStage"]) == ("CUDAOutOfMemory", "wake_kv_cache")
     assert "attempt 2 runs with" in decided["message"]
+
+
+def test_a_late_oom_after_kuberay_deleted_the_failed_rayjob_is_decided_from_the_mirror(
+    plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    """KubeRay fails attempt 1 and deletes its RayJob (DELETE_RAYJOB_CR_AFTER_JOB_FINISHES,
+    the operator's ttlSecondsAfterFinished 0); then the driver's OOM record lands. The policy
+    decides from status's mirror of the RayJob (name, status, startedAt): attempt 2 starts, and
+    the failed attempt's RayJob is not applied (run) again. Before, nothing happened: the
+    Failed job kept its OOM undecided."""
+    token, rayjob, first = failed_without_oom(plane, admin, namespace, "gone")
+    client.CustomObjectsApi(admin).delete_namespaced_custom_object(
+        "ray.io", "v1", namespace, "rayjobs", "gone"
+    )
+    wait_for("RayJob gone deleted", lambda: get(admin, namespace, "rayjobs", "gone") is None)
+    publish_oom_as_driver_would(token, namespace, "gone", rayjob, Stage.WAKE_KV_CACHE)
+    wait_for("RayJob gone-a2", lambda: get(admin, namespace, "rayjobs", "gone-a2"), 60)
+    assert first()["result"] == "CUDAOutOfMemory"
+    time.sleep(2)
+    assert get(admin, namespace, "rayjobs", "gone") is None  # attempt 1 is not run again
 
 
 def test_no_rayjob_is_created_twice_across_operator_restarts(

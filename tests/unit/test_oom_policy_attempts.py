@@ -146,11 +146,36 @@ def test_new_retries_and_needs_attention() -> None:
     assert attempts.needs_attention(policy, {"attempts": two, "rayJob": {"name": "j"}})
     assert not attempts.needs_attention(policy, {"attempts": two, "rayJob": {"name": "j-a2"}})
     # A failure decided before the OOM record arrived.
-    failed = [{"attempt": 1, "rayJob": "j", "result": "Failed"}]
+    failed = [{"attempt": 1, "rayJob": "j", "result": "Failed", "startedAt": CREATED_AT}]
     oom = [cuda("2026-11-25T10:00:07Z")]
     assert attempts.needs_attention(policy, {"attempts": failed, "oomEvents": oom})
     assert not attempts.needs_attention(policy, {"attempts": failed})
     assert not attempts.needs_attention({}, {"oomEvents": oom})
+    # An entry from before startedAt existed is not looked at again (no polling for good).
+    unknown = [{"attempt": 1, "rayJob": "j", "result": "Failed"}]
+    assert not attempts.needs_attention(policy, {"attempts": unknown, "oomEvents": oom})
+
+
+def test_a_finished_attempts_rayjob_is_stood_in_for_by_its_mirror() -> None:
+    """KubeRay may delete a finished RayJob before the driver's OOM lands: the decision is made
+    from status's mirror (name, status, startedAt), never by applying the attempt again."""
+    failed = [{"attempt": 1, "rayJob": "j", "memFractionStatic": 0.85, "wakeUp": "staged",
+               "result": "Failed", "message": "", "startedAt": CREATED_AT}]  # fmt: skip
+    mirror = {"name": "j", "jobStatus": "FAILED", "jobDeploymentStatus": "Failed"}
+    current = {"phase": "Failed", "attempts": failed, "rayJob": mirror,
+               "oomEvents": [cuda("2026-11-25T10:00:07Z")]}  # fmt: skip
+    stand_in = attempts.mirrored_rayjob("j", current)
+    assert stand_in == {
+        "metadata": {"name": "j", "creationTimestamp": CREATED_AT},
+        "status": {"jobStatus": "FAILED", "jobDeploymentStatus": "Failed"},
+    }
+    step = attempts.advance("j", spec(), current, stand_in)
+    assert step.attempts is not None and step.attempts[0]["result"] == "CUDAOutOfMemory"
+    assert step.retry is not None and step.retry.ray_job == "j-a2"
+    # Not finished (still running, or no startedAt): no stand-in.
+    assert attempts.mirrored_rayjob("j", {**current, "phase": "Running"}) is None
+    no_start = [{k: v for k, v in failed[0].items() if k != "startedAt"}]
+    assert attempts.mirrored_rayjob("j", {**current, "attempts": no_start}) is None
 
 
 def test_a_late_oom_wants_attention_until_decided_and_an_earlier_attempts_never() -> None:

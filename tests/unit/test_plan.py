@@ -451,7 +451,7 @@ def test_describe_shows_predicted_beside_measured() -> None:
     text = console.export_text()
     assert "predicted" in text and "plan error" in text
     # Predicted, and its error against measured (the plan takes the current tree's baseline,
-    # 194 MiB above c6's: plan.ENGINE_OUTSIDE_REGIONS_BYTES).
+    # 194 MiB above c4's, where c6 sat: plan.ENGINE_OUTSIDE_REGIONS_BYTES).
     assert "│ 79.02 GiB │      +0.2% │" in text
 
 

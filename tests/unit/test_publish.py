@@ -3,6 +3,8 @@ own), the bounded memory history, the OOM Event text and the IterationCompleted 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from rljob.api import MAX_MEMORY_HISTORY, MemoryPoint, OOMEvent, RLJobStatus, history_with
@@ -129,3 +131,42 @@ def test_iteration_events_are_rate_limited() -> None:
         now[0] = float(second)
         fired.append(limit())
     assert [s for s, f in zip(range(0, 200, 10), fired, strict=True) if f] == [0, 60, 120, 180]
+
+
+class _AppliedStatus:
+    """Stand-in for the apiserver's status subresource under one field manager's server-side
+    apply (the driver's): each apply replaces the fields that manager applied before."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, object] = {}
+        self.owned: set[str] = set()
+
+    def get_namespaced_custom_object(self, *_: object) -> dict[str, object]:
+        return {"metadata": {"uid": "uid-1"}, "status": copy.deepcopy(self.status)}
+
+    def patch_namespaced_custom_object_status(self, *args: object, **_: object) -> None:
+        fields = dict(args[5]["status"])  # type: ignore[index]
+        for gone in self.owned - set(fields):
+            self.status.pop(gone, None)
+        self.status.update(copy.deepcopy(fields))
+        self.owned = set(fields)
+
+
+def test_rljob_run_publish_keeps_the_first_attempts_oom_in_the_second() -> None:
+    """`rljob run --publish` runs every attempt through one publisher: the second attempt starts
+    from what status holds (next_attempt), so its apply keeps attempt 1's OOM entry and count."""
+    from kubernetes import client
+
+    from rljob_worker.publish import StatusPublisher
+
+    publisher = StatusPublisher(client.ApiClient(), "ns", "job")
+    applied = _AppliedStatus()
+    publisher.custom = applied  # type: ignore[assignment]
+    publisher.event = lambda *_args, **_kw: None  # type: ignore[method-assign]
+    first = RLJobStatus(iteration=0, oom_events=[CUDA], oom_counts={"CUDAOutOfMemory": 1})  # type: ignore[list-item]
+    publisher.publish(first, [CUDA])
+    assert applied.status["oomCounts"] == {"CUDAOutOfMemory": 1}
+    publisher.next_attempt()  # without it: oomEvents [], no oomCounts
+    publisher.publish(RLJobStatus(iteration=1), [])
+    assert applied.status["oomCounts"] == {"CUDAOutOfMemory": 1}
+    assert [e["stage"] for e in applied.status["oomEvents"]] == ["wake_kv_cache"]  # type: ignore[attr-defined]

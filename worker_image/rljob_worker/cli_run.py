@@ -376,6 +376,8 @@ def main(argv: list[str]) -> int:
         console.print(f"[yellow]{decision.reason}: {escape(decision.message)}[/yellow]")
         knobs = decision.knobs
         earlier_ooms.extend(run.ooms)
+        if publisher is not None:
+            publisher.next_attempt()
     status = run.status(earlier_ooms)
     reports = run.reports
     # The history the driver keeps in the cluster (kubectl rljob plot draws it), from every

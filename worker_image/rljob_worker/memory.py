@@ -35,8 +35,8 @@ class StageOOM(RuntimeError):
     def __init__(self, record: OOMRecord) -> None:
         super().__init__(
             f"CUDA out of memory in stage {record.stage} (iteration {record.iteration}, rank "
-            f"{record.rank}): {record.request_text()}. Lower spec.rollout.memFractionStatic, use wakeUp: staged, or shrink "
-            f"batch sizes. Cause: {record.message}"
+            f"{record.rank}): {record.request_text()}. Lower spec.rollout.memFractionStatic, "
+            f"use wakeUp: staged, or shrink batch sizes. Cause: {record.message}"
         )
         self.record = record
 

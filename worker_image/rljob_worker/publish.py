@@ -171,6 +171,14 @@ class StatusPublisher:
         ]
         self._held_oom_count = int((status.get("oomCounts") or {}).get(CUDA_OOM, 0))
 
+    def next_attempt(self) -> None:
+        """A new attempt of `rljob run --publish` (locally it is the operator too): its driver
+        starts from what status holds now, the earlier attempts' OOMs and history included, as
+        a new RayJob's driver does in the cluster. Without this the second attempt's apply,
+        under the same field manager, would drop the first one's OOM entries and count."""
+        self._history = None
+        self._announced = None
+
     def publish(self, status: RLJobStatus, new_ooms: Sequence[OOMRecord] = ()) -> None:
         """Apply the driver-owned fields of `status`; a Warning Event per new CUDA OOM, and a
         rate-limited Normal IterationCompleted when the iteration moved. Raises ApiException
