@@ -87,18 +87,19 @@ def quiet_on_closed_pipe(command: Callable[[], int]) -> int:
 # The commands whose output is for reading or piping (`rljob plan x | head`). Not run, driver
 # or operator: there a BrokenPipeError may come from another pipe (the ranks' queues, Ray) and
 # must surface with its traceback.
-PIPED = ("plan", "crd", "version")
+HELP = ("-h", "--help", "help")
+PIPED = ("plan", "crd", "version", *HELP)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args and args[0] not in PIPED and args[0] not in ("-h", "--help", "help"):
+    if args and args[0] not in PIPED:
         return _dispatch(args)
     return quiet_on_closed_pipe(lambda: _dispatch(args))
 
 
 def _dispatch(args: list[str]) -> int:
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args or args[0] in HELP:
         print(USAGE, end="")
         return 0 if args else 2
     command = COMMANDS.get(args[0])

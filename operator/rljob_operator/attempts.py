@@ -249,14 +249,10 @@ def late_oom_undecided(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bo
     if not attempts or int(((spec.get("oomPolicy") or {}).get("maxRetries")) or 0) <= 0:
         return False
     last = attempts[-1]
-    started = _seconds(str(last.get("startedAt") or ""))
-    if last.get("result") != FAILED or started is None:
+    if last.get("result") != FAILED or _seconds(str(last.get("startedAt") or "")) is None:
         return False
-    for event in status.get("oomEvents") or []:
-        when = _seconds(str(event.get("time") or ""))
-        if event.get("kind") in OOM_RESULTS and when is not None and when > started:
-            return True
-    return False
+    started = {"metadata": {"creationTimestamp": last["startedAt"]}}
+    return outcome(started, list(status.get("oomEvents") or [])).kind != FAILED
 
 
 def needs_attention(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:

@@ -628,8 +628,7 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
                 rayjob = attempts.mirrored_rayjob(name, current)
                 if rayjob is None:
                     return
-                observing = Observing(spec, applied, rayjob)
-            elif rayjob is None and attempt.number > 1:
+            if rayjob is None and attempt.number > 1:
                 if status.timed_out(current):
                     run_spec = run_spec.model_copy(update={"suspend": True})
                 meta = rljob["metadata"]
