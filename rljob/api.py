@@ -35,7 +35,10 @@ BUILTIN_PREFIX = "builtin:"
 TINY_QWEN2 = "builtin:tiny-qwen2"
 BUILTIN_MODELS: tuple[str, ...] = (TINY_QWEN2,)
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
-BUILTIN_DATA_SOURCES: tuple[str, ...] = (BUILTIN_ARITHMETIC,)
+# One digit named in the prompt ('say 7:'), rewarded by the response's first character: what the
+# tiny builtin model learns on a CPU in a few dozen iterations (tests/worker/test_learns.py).
+BUILTIN_DIGIT = "builtin:digit"
+BUILTIN_DATA_SOURCES: tuple[str, ...] = (BUILTIN_ARITHMETIC, BUILTIN_DIGIT)
 
 # Kubernetes quantity syntax exactly (resource.Quantity's grammar: an optionally signed decimal
 # number, then one binary-SI, decimal-SI or exponent suffix). No lone dots, no repeated dots,
@@ -303,6 +306,27 @@ class AlgorithmSpec(_Spec):
     clip_ratio: float = Field(
         default=0.2, gt=0, lt=1, description="PPO clip range epsilon (verl: actor.clip_ratio)."
     )
+    ppo_epochs: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Passes over each rollout's responses (verl: actor.ppo_epochs). The PPO "
+        "ratio is against the log-probs before the first pass (docs/algorithm.md).",
+    )
+    ppo_mini_batches: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="Optimizer steps per pass: each rank's responses are split into this many "
+        "mini-batches (verl: train_batch_size / ppo_mini_batch_size). 1: one step per pass.",
+    )
+    tis_cap: float | None = Field(
+        default=None,
+        gt=0,
+        description="Truncated importance sampling: weight each token's loss by "
+        "min(p_trainer / p_engine, tisCap), correcting for the rollout engine's numerics "
+        "(verl: tis_imp_ratio_cap, e.g. 2). Unset: off.",
+    )
     iterations: int = Field(
         default=2,
         ge=1,
@@ -349,12 +373,35 @@ class WakeUp(StrEnum):
     SINGLE = "single"
 
 
-class SamplingSpec(_Spec):
-    """Sampling parameters of the rollout."""
+SAMPLING_UNTRUNCATED_RULE = CrossFieldRule(
+    cel="self.topP == 1.0 && self.topK == -1",
+    message="topP must be 1 and topK -1: the trainer's log-probs are those of the whole "
+    "softmax(logits / temperature), so a truncated sampler would make the PPO ratio and the "
+    "gradient wrong (docs/algorithm.md)",
+    field_path=".topP",
+    check=lambda s: s.top_p == 1.0 and s.top_k == -1,
+)
 
-    temperature: float = Field(default=1.0, ge=0, description="0 means greedy.")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(default=-1, ge=-1, description="-1 disables top-k.")
+
+class SamplingSpec(_Spec):
+    """Sampling parameters of the rollout: the policy trained is softmax(logits / temperature)."""
+
+    model_config = ConfigDict(json_schema_extra=_cel_rules(SAMPLING_UNTRUNCATED_RULE))
+
+    temperature: float = Field(
+        default=1.0,
+        gt=0,
+        description="Logits are divided by it when sampling and when training (log-probs).",
+    )
+    top_p: float = Field(
+        default=1.0, gt=0, le=1, description="Nucleus sampling mass; only 1 is accepted today."
+    )
+    top_k: int = Field(default=-1, ge=-1, description="Top-k; only -1 (off) is accepted today.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> SamplingSpec:
+        _check_rules(self, (SAMPLING_UNTRUNCATED_RULE,), "spec.rollout.sampling")
+        return self
 
 
 # Engines whose weights and KV cache can be released and resumed separately (by tag); staged

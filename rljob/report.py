@@ -102,11 +102,31 @@ class OOMRecord(_Model):
 
 
 class IterationReport(_Model):
-    """Everything the ranks reported for one iteration."""
+    """Everything the ranks reported for one iteration, combined over ranks.
+
+    Per-token figures (loss, KL, entropy, clip fraction, mismatch) are means over every
+    response token of every rank and every optimizer step; the training figures are those of
+    the update that preceded this iteration's rollout (none at iteration 0).
+    """
 
     iteration: int = Field(ge=0)
     reward_mean: float | None = None
     kl_mean: float | None = None
+    reward_std: float | None = None
+    reward_min: float | None = None
+    reward_max: float | None = None
+    correct_share: float | None = None
+    response_length_mean: float | None = None
+    response_length_max: int | None = None
+    truncated_share: float | None = None
+    policy_loss: float | None = None
+    entropy_mean: float | None = None
+    clip_fraction: float | None = None
+    grad_norm: float | None = None
+    learning_rate: float | None = None
+    optimizer_steps: int | None = None
+    # Mean |log p_engine - log p_trainer| over the response tokens, before the update.
+    logprob_mismatch_mean: float | None = None
     samples: list[StageSample] = Field(default_factory=list)
 
 

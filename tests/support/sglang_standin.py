@@ -137,8 +137,18 @@ class SGLangEngineStandIn:
         if method == "flush_cache":
             return SimpleNamespace(success=True, message="")
         if method == "generate":
+            # Two tokens per prompt, [len(prompt), 7], each with a log-prob (id / -10: distinct
+            # values a test can check), as (logprob, token id, text) the way sglang answers.
             return [
-                {self.contract.output_ids_key: [len(p), 7], "meta_info": {}}
+                {
+                    self.contract.output_ids_key: [len(p), 7],
+                    "meta_info": {
+                        self.contract.output_logprobs_key: [
+                            (-len(p) / 10, len(p), None),
+                            (-0.7, 7, None),
+                        ]
+                    },
+                }
                 for p in kwargs["input_ids"]
             ]
         return None

@@ -122,6 +122,8 @@ def test_staged_wake_up_calls_sglang_in_stage_order_for_two_iterations(release: 
     ]
     assert release_call == {"tags": list(ALL_TAGS)}
     assert sgl.offloaded == set(ALL_TAGS)
+    # The behaviour log-probs are asked for with every rollout (the PPO ratio's denominator).
+    assert generate["return_logprob"] is True
 
 
 def test_0_5_23_weight_update_runs_inside_one_session_per_wake_up() -> None:
@@ -198,6 +200,19 @@ def test_update_weights_with_weights_released_raises_without_calling_sglang() ->
     with pytest.raises(RuntimeError, match=r"resume\(\['weights'\]\)"):
         engine.update_weights(bucket("a"))
     assert sgl.calls[start:] == []
+
+
+@every_release
+def test_generate_with_logprobs_reads_each_tokens_logprob_from_meta_info(release: str) -> None:
+    engine, _ = make_adapter(CONTRACTS[release])
+    engine.resume([TAG_WEIGHTS])
+    engine.update_weights(bucket("a"))
+    engine.flush_cache()
+    engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])
+    # The stand-in answers [len(prompt), 7] with log-probs (-len(prompt) / 10, -0.7).
+    completions = engine.generate_with_logprobs([[1, 2, 3], [4]], SAMPLING)
+    assert [c.token_ids for c in completions] == [[3, 7], [1, 7]]
+    assert [c.logprobs for c in completions] == [[-0.3, -0.7], [-0.1, -0.7]]
 
 
 def test_generate_with_kv_cache_released_raises_without_calling_sglang() -> None:

@@ -13,16 +13,11 @@ import torch
 
 from rljob.api import WakeUp
 from rljob.report import STAGE_ORDER, Stage
+from rljob_worker.engines.base import Completion
 from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM, parse_oom_message
+from rljob_worker.rl_math import batch_advantages, group_advantages
 from rljob_worker.stages import SINGLE_ORDER, STAGED_ORDER, StageMachine, stage_order
-from rljob_worker.train import (
-    Experience,
-    NamedTensors,
-    TrainStats,
-    batch_advantages,
-    group_advantages,
-    plan_buckets,
-)
+from rljob_worker.train import Experience, NamedTensors, TrainStats, plan_buckets
 
 REAL_OOM_MESSAGE = (
     "CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 79.19 GiB "
@@ -42,7 +37,18 @@ class RecordingTrainer:
         self.log.append("train_step")
         if self.fail_with is not None:
             raise self.fail_with
-        return TrainStats(loss=0.0, kl_mean=None, grad_norm=0.0, response_tokens=1)
+        return TrainStats(
+            response_tokens=1,
+            token_steps=1,
+            policy_loss_sum=0.0,
+            kl_sum=None,
+            entropy_sum=0.0,
+            clipped_tokens=0,
+            logprob_mismatch_sum=None,
+            grad_norm=0.0,
+            learning_rate=0.0,
+            optimizer_steps=1,
+        )
 
     def offload_optimizer(self) -> None:
         self.log.append("offload_optimizer")
@@ -76,6 +82,11 @@ class RecordingEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: object) -> list[list[int]]:
         return [[1] for _ in prompts]
+
+    def generate_with_logprobs(
+        self, prompts: Sequence[Sequence[int]], sampling: object
+    ) -> list[Completion]:
+        return [Completion([1], [-0.5]) for _ in prompts]
 
     def release(self, tags: Sequence[str]) -> None:
         self._released.update(tags)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +24,8 @@ from rljob_worker.engines.base import ALL_TAGS, RolloutEngine, SamplingParams
 from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM
 from rljob_worker.model import load_tokenizer, resolve_model_path, torch_dtype
 from rljob_worker.stages import StageMachine
-from rljob_worker.task import Task, exact_match_reward, make_task
-from rljob_worker.train import Experience, NamedTensors, Trainer
+from rljob_worker.task import Task, make_task, reward_function
+from rljob_worker.train import Experience, NamedTensors, Trainer, TrainStats
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,45 @@ class WeightCheck:
 
 
 @dataclass(frozen=True)
+class RolloutStats:
+    """One rank's rollout, as figures the driver combines over ranks (iteration_reports)."""
+
+    responses: int
+    reward_mean: float
+    # Sum of squared deviations from this rank's mean: ranks combine these exactly (Chan et
+    # al.'s pairwise update), where sums of squares would cancel.
+    reward_m2: float
+    reward_min: float
+    reward_max: float
+    # Responses with the full score (reward >= 1.0, what every task gives a right answer).
+    correct: int
+    response_tokens: int
+    response_length_max: int
+    # Responses that reached data.maxResponseLength without an end-of-sequence token.
+    truncated: int
+
+
+def rollout_stats(
+    experience: Experience, max_response_length: int, eos_ids: Sequence[int]
+) -> RolloutStats:
+    rewards, responses = experience.rewards, experience.response_ids
+    mean = sum(rewards) / len(rewards)
+    return RolloutStats(
+        responses=len(rewards),
+        reward_mean=mean,
+        reward_m2=sum((r - mean) ** 2 for r in rewards),
+        reward_min=min(rewards),
+        reward_max=max(rewards),
+        correct=sum(r >= 1.0 for r in rewards),
+        response_tokens=sum(len(r) for r in responses),
+        response_length_max=max(len(r) for r in responses),
+        truncated=sum(
+            len(r) >= max_response_length and (not r or r[-1] not in eos_ids) for r in responses
+        ),
+    )
+
+
+@dataclass(frozen=True)
 class RankIteration:
     """One rank's account of one iteration (its stage samples travel separately)."""
 
@@ -82,6 +121,9 @@ class RankIteration:
     offload_params: bool | None = None
     # Rank 0, iteration 0: the memory plan on this rank's GPU, for status.plan (issue 19).
     plan: PlanStatus | None = None
+    # This iteration's rollout and (from iteration 1) policy update, as combinable figures.
+    rollout: RolloutStats | None = None
+    train: TrainStats | None = None
 
 
 RankEvent = StageSample | RankIteration | OOMRecord
@@ -167,7 +209,7 @@ class _Rollout:
             answers += [problem.answer] * group
             group_ids += [index] * group
         sampling = spec.rollout.sampling
-        responses = self.engine.generate(
+        completions = self.engine.generate_with_logprobs(
             prompt_ids,
             SamplingParams(
                 max_new_tokens=spec.data.max_response_length,
@@ -177,11 +219,13 @@ class _Rollout:
                 seed=spec.algorithm.seed * 1_000_003 + iteration * world + rank,
             ),
         )
+        responses = [c.token_ids for c in completions]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        rewards = [
-            exact_match_reward(text, answer) for text, answer in zip(texts, answers, strict=True)
-        ]
-        return Experience(prompt_ids, [list(r) for r in responses], rewards, group_ids)
+        reward = reward_function(spec.data.source)
+        rewards = [reward(text, answer) for text, answer in zip(texts, answers, strict=True)]
+        return Experience(
+            prompt_ids, responses, rewards, group_ids, [c.logprobs for c in completions]
+        )
 
 
 def run_rank(
@@ -284,6 +328,8 @@ def run_rank(
                 offload_optimizer=offload_optimizer,
                 offload_params=offload_params,
                 plan=plan_status if iteration == 0 else None,
+                rollout=rollout_stats(experience, spec.data.max_response_length, eos_ids),
+                train=outcome.train,
             )
             result.iterations.append(report)
             send(report)

@@ -1,13 +1,15 @@
-"""Prompt sources with a verifiable reward: `builtin:arithmetic` (made here) and JSONL files.
+"""Prompt sources with a verifiable reward: `builtin:arithmetic`, `builtin:digit` and JSONL files.
 
 A task yields (prompt, answer) problems; the reward is 1.0 when the response's first line equals
-the answer exactly, else a small format credit for answering with digits at all.
+the answer exactly, else a small format credit for answering with digits at all. `builtin:digit`
+scores the response's first character instead (reward_function).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -15,6 +17,7 @@ from typing import Protocol
 # The builtin names live in the shared API module, which admission checks data.source against.
 from rljob.api import BUILTIN_ARITHMETIC as BUILTIN_ARITHMETIC
 from rljob.api import BUILTIN_DATA_SOURCES, BUILTIN_PREFIX
+from rljob.api import BUILTIN_DIGIT as BUILTIN_DIGIT
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,39 @@ class ArithmeticTask:
         return problems
 
 
+class DigitTask:
+    """'say 7:' with answer '7': the task the tiny random model learns on a CPU (issue 29).
+
+    Small enough to learn in a few dozen iterations from scratch: the answer is one digit the
+    prompt names, and first_char_reward pays for the first character, so each of the ~80 tokens
+    of the builtin vocabulary that start with a digit is a partial answer the policy can find by
+    sampling (about 2.5% of a uniform policy's samples start with any one digit).
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def sample(self, count: int, salt: int) -> list[Problem]:
+        rng = random.Random(self.seed * 1_000_003 + salt)
+        digits = [str(rng.randint(0, 9)) for _ in range(count)]
+        return [Problem(f"say {d}:", d) for d in digits]
+
+
+def first_char_reward(response: str, answer: str) -> float:
+    """1.0 when the response's first non-blank character is the answer's; FORMAT_CREDIT when it
+    is another digit (a random policy finds digits ten times as often as the one digit asked
+    for, so the credit is the first step of a curriculum); else 0.0."""
+    first, expected = response.lstrip()[:1], answer.strip()[:1]
+    if first and first == expected:
+        return 1.0
+    return FORMAT_CREDIT if first.isdigit() else 0.0
+
+
+def reward_function(source: str) -> Callable[[str, str], float]:
+    """The reward of the spec's data.source: (response text, answer) -> score."""
+    return first_char_reward if source == BUILTIN_DIGIT else exact_match_reward
+
+
 class JsonlTask:
     """Rows of {"prompt": ..., "answer": ...} from a JSONL file, sampled with replacement."""
 
@@ -90,6 +126,8 @@ def make_task(source: str, seed: int) -> Task:
     """The task for the spec's data.source."""
     if source == BUILTIN_ARITHMETIC:
         return ArithmeticTask(seed)
+    if source == BUILTIN_DIGIT:
+        return DigitTask(seed)
     if source.startswith(BUILTIN_PREFIX):
         raise ValueError(
             f"unknown builtin data source {source!r}; the builtin sources are {BUILTIN_DATA_SOURCES}"

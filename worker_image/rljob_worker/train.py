@@ -1,94 +1,33 @@
-"""FSDP2 training of the policy: GRPO / PPO-style loss, AdamW, offload and weight-sync buckets.
+"""FSDP2 training of the policy: sharding, AdamW, offload and weight-sync buckets.
 
-The Trainer owns the sharded policy (and frozen reference), moves optimizer state and params
-between device and CPU on the stage machine's request, and gathers full tensors bucket by bucket.
+The Trainer owns the sharded policy (and frozen reference), runs the policy update of each train
+stage (policy_update.py; its math in rl_math.py), moves optimizer state and params between device
+and CPU on the stage machine's request, and gathers full tensors bucket by bucket.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from rljob.api import AlgorithmName, RLJobSpec
+from rljob.api import RLJobSpec
 
 # The weight sync's buckets are planned where the memory plan sizes them (one function).
 from rljob.plan import plan_buckets as plan_buckets
 from rljob_worker.model import load_causal_lm, torch_dtype
 
+# The rollout's record and the update's sums, used by the stage machine through this module.
+from rljob_worker.policy_update import Experience as Experience
+from rljob_worker.policy_update import PolicyUpdate
+from rljob_worker.policy_update import TrainStats as TrainStats
+
 NamedTensors = list[tuple[str, torch.Tensor]]
-
-
-@dataclass
-class Experience:
-    """One rank's rollout: prompts, sampled responses, rewards, and which prompt each came from."""
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    rewards: list[float]
-    group_ids: list[int]
-
-    def __len__(self) -> int:
-        return len(self.response_ids)
-
-
-@dataclass(frozen=True)
-class TrainStats:
-    loss: float
-    kl_mean: float | None
-    grad_norm: float
-    response_tokens: int
-
-
-def group_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6
-) -> torch.Tensor:
-    """GRPO: each reward minus its group's mean, over the group's std (0 for a flat group)."""
-    advantages = torch.zeros_like(rewards)
-    for group in group_ids.unique():
-        members = group_ids == group
-        group_rewards = rewards[members]
-        std = (
-            group_rewards.std(unbiased=False)
-            if group_rewards.numel() > 1
-            else rewards.new_tensor(0.0)
-        )
-        advantages[members] = (group_rewards - group_rewards.mean()) / (std + eps)
-    return advantages
-
-
-def batch_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """PPO-style without a critic: rewards normalised over the whole batch of all ranks."""
-    stats = torch.stack([rewards.sum(), (rewards**2).sum(), rewards.new_tensor(rewards.numel())])
-    if dist.is_initialized():
-        dist.all_reduce(stats)
-    total, total_sq, count = stats.tolist()
-    mean = total / count
-    std = max(total_sq / count - mean**2, 0.0) ** 0.5
-    return (rewards - mean) / (std + eps)
-
-
-def clipped_policy_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_ratio: float
-) -> torch.Tensor:
-    """Per-token PPO clipped surrogate (to minimise); advantages broadcast over tokens."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_ratio, 1 + clip_ratio) * advantages
-    return -torch.minimum(unclipped, clipped)
-
-
-def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(policy || reference): non-negative, unbiased, low variance."""
-    log_ratio = ref_logprobs - logprobs
-    return torch.exp(log_ratio) - log_ratio - 1
 
 
 def _chunk_rows(rows: int, world: int) -> int:
@@ -309,15 +248,6 @@ class _HostCopies:
         self._held = []
 
 
-def _response_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> torch.Tensor:
-    """log p(token_t | tokens_<t) for t >= 1, shape [batch, seq-1], in float32."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float()
-    return torch.gather(F.log_softmax(logits, dim=-1), 2, input_ids[:, 1:, None]).squeeze(2)
-
-
 class Trainer:
     """The sharded policy of one rank; every method is collective (all ranks call it together)."""
 
@@ -350,72 +280,15 @@ class Trainer:
 
     # -- training ----------------------------------------------------------------------------
 
-    def _batch(self, experience: Experience, rows: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        """Right-padded prompt+response ids, attention mask and a mask of response positions."""
-        sequences = [experience.prompt_ids[i] + experience.response_ids[i] for i in rows]
-        length = max(len(s) for s in sequences)
-        input_ids = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), length), dtype=torch.long)
-        response = torch.zeros((len(rows), length), dtype=torch.bool)
-        for row, i in enumerate(rows):
-            prompt, answer = len(experience.prompt_ids[i]), len(experience.response_ids[i])
-            input_ids[row, : prompt + answer] = torch.tensor(sequences[row])
-            attention[row, : prompt + answer] = 1
-            response[row, prompt : prompt + answer] = True
-        # Targets are shifted by one: position t of the log-probs predicts token t+1.
-        return input_ids.to(self.device), attention.to(self.device), response[:, 1:].to(self.device)
-
     def train_step(self, experience: Experience) -> TrainStats:
-        """One optimizer step over the rank's experience, in micro-batches."""
-        algorithm = self.spec.algorithm
-        rewards = torch.tensor(experience.rewards, dtype=torch.float32, device=self.device)
-        if algorithm.name == AlgorithmName.GRPO:
-            groups = torch.tensor(experience.group_ids, device=self.device)
-            advantages = group_advantages(rewards, groups)
-        else:
-            advantages = batch_advantages(rewards)
-        micro = self.spec.training.micro_batch_size
-        chunks = [
-            list(range(i, min(i + micro, len(experience))))
-            for i in range(0, len(experience), micro)
-        ]
-        total_tokens = max(sum(len(r) for r in experience.response_ids), 1)
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = kl_sum = 0.0
-        for rows in chunks:
-            input_ids, attention, mask = self._batch(experience, rows)
-            logprobs = _response_logprobs(self.model, input_ids, attention)
-            # One update per rollout batch: the sampling policy is the current one, so the old
-            # log-probs are today's, detached (the ratio is 1 but its gradient is the PPO one).
-            token_loss = clipped_policy_loss(
-                logprobs, logprobs.detach(), advantages[rows, None], algorithm.clip_ratio
-            )
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logprobs = _response_logprobs(self.reference, input_ids, attention)
-                token_kl = kl_to_reference(logprobs, ref_logprobs)
-                token_loss = token_loss + algorithm.kl_coef * token_kl
-                kl_sum += float((token_kl.detach() * mask).sum())
-            loss = (token_loss * mask).sum() / total_tokens
-            loss.backward()
-            loss_sum += float(loss.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.spec.training.max_grad_norm
+        """PPO epochs over mini-batches of the rank's experience (policy_update.PolicyUpdate)."""
+        update = PolicyUpdate(
+            self.spec, self.model, self.reference, self.optimizer, self.pad_id, self.device
         )
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
+        stats = update.run(experience)
         if self.reference is not None:
             _reshard(self.reference)  # forward only: its root would stay unsharded (see _reshard)
-        self.optimizer.step()
-        # Gradients are not needed until the next train stage: free them now, not at offload.
-        self.optimizer.zero_grad(set_to_none=True)
-        return TrainStats(
-            loss=loss_sum,
-            kl_mean=kl_sum / total_tokens if self.reference is not None else None,
-            grad_norm=float(grad_norm),
-            response_tokens=total_tokens,
-        )
+        return stats
 
     # -- offload -----------------------------------------------------------------------------
 

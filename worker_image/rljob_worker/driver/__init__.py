@@ -12,7 +12,8 @@ from typing import TypeVar
 
 from rljob.api import OOMEvent, RLJobStatus
 from rljob.report import IterationReport, OOMRecord, StageSample, summarize
-from rljob_worker.loop import RankIteration
+from rljob_worker.loop import RankIteration, RolloutStats
+from rljob_worker.train import TrainStats
 
 # status.oomEvents keeps the latest few; status.oomCounts counts them all.
 MAX_OOM_EVENTS = 10
@@ -43,7 +44,57 @@ def iteration_reports(
         report.reward_mean = sum(i.reward_sum for i in items) / count if count else None
         kls = [i.kl_mean for i in items if i.kl_mean is not None]
         report.kl_mean = sum(kls) / len(kls) if kls else None
+        rollouts = [i.rollout for i in items if i.rollout is not None]
+        if rollouts:
+            _add_rollout(report, rollouts)
+        trains = [i.train for i in items if i.train is not None]
+        if trains:
+            _add_train(report, trains)
     return [by_iteration[i] for i in sorted(by_iteration)]
+
+
+def combined_variance(parts: Iterable[tuple[int, float, float]]) -> tuple[int, float, float]:
+    """(count, mean, sum of squared deviations) of the union of parts given as the same triple
+    (Chan, Golub and LeVeque's pairwise update: exact, no cancellation of large sums)."""
+    count, mean, m2 = 0, 0.0, 0.0
+    for n, part_mean, part_m2 in parts:
+        if n == 0:
+            continue
+        total = count + n
+        delta = part_mean - mean
+        mean += delta * n / total
+        m2 += part_m2 + delta**2 * count * n / total
+        count = total
+    return count, mean, m2
+
+
+def _add_rollout(report: IterationReport, rollouts: list[RolloutStats]) -> None:
+    count, _, m2 = combined_variance((r.responses, r.reward_mean, r.reward_m2) for r in rollouts)
+    report.reward_std = (m2 / count) ** 0.5
+    report.reward_min = min(r.reward_min for r in rollouts)
+    report.reward_max = max(r.reward_max for r in rollouts)
+    report.correct_share = sum(r.correct for r in rollouts) / count
+    report.response_length_mean = sum(r.response_tokens for r in rollouts) / count
+    report.response_length_max = max(r.response_length_max for r in rollouts)
+    report.truncated_share = sum(r.truncated for r in rollouts) / count
+
+
+def _add_train(report: IterationReport, trains: list[TrainStats]) -> None:
+    # Token-weighted over ranks: each rank's sums over its tokens, divided by all ranks' tokens.
+    token_steps = sum(t.token_steps for t in trains) or 1
+    report.policy_loss = sum(t.policy_loss_sum for t in trains) / token_steps
+    kls = [t.kl_sum for t in trains if t.kl_sum is not None]
+    report.kl_mean = sum(kls) / token_steps if kls else None
+    report.entropy_mean = sum(t.entropy_sum for t in trains) / token_steps
+    report.clip_fraction = sum(t.clipped_tokens for t in trains) / token_steps
+    # The same on every rank (a global norm; one learning rate): any rank's.
+    report.grad_norm = trains[0].grad_norm
+    report.learning_rate = trains[0].learning_rate
+    report.optimizer_steps = trains[0].optimizer_steps
+    mismatches = [t.logprob_mismatch_sum for t in trains if t.logprob_mismatch_sum is not None]
+    if mismatches:
+        tokens = sum(t.response_tokens for t in trains) or 1
+        report.logprob_mismatch_mean = sum(mismatches) / tokens
 
 
 def driver_status(

@@ -32,6 +32,20 @@ class SamplingParams:
     seed: int | None = None
 
 
+@dataclass(frozen=True)
+class Completion:
+    """One sampled response: its token ids (without the prompt) and, per token, the log-prob
+    the engine drew it with (logits / temperature), the behaviour policy of the PPO update."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def token_ids(completions: Sequence[Completion]) -> list[list[int]]:
+    """The responses' token ids alone (what generate() returns)."""
+    return [c.token_ids for c in completions]
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A rollout engine colocated with training on one rank's GPU(s)."""
@@ -50,6 +64,12 @@ class RolloutEngine(Protocol):
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[list[int]]:
         """Sample one response (token ids, without the prompt) for each prompt."""
+        ...
+
+    def generate_with_logprobs(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[Completion]:
+        """generate(), with the log-prob of every sampled token (the rollout uses this)."""
         ...
 
     def release(self, tags: Sequence[str]) -> None:

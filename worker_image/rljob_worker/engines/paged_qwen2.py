@@ -220,10 +220,13 @@ def forward_paged(
 
 def sample_next(
     logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Next token per row of fp32 logits [B, V]: greedy at temperature 0, else top-k/top-p."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token per row of fp32 logits [B, V]: greedy at temperature 0, else top-k/top-p;
+    with the log-prob of each chosen token under the distribution it was drawn from (greedy:
+    the unscaled softmax), which the trainer compares with its own (rl_math)."""
     if sampling.temperature == 0:
-        return logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        return tokens, _chosen(torch.log_softmax(logits, dim=-1), tokens)
     logits = logits / sampling.temperature
     if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
@@ -236,4 +239,9 @@ def sample_next(
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return tokens, _chosen(torch.log_softmax(logits, dim=-1), tokens)
+
+
+def _chosen(log_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.gather(log_probs, 1, tokens[:, None]).squeeze(1)

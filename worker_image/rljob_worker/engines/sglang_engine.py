@@ -30,7 +30,9 @@ from rljob_worker.engines.base import (
     TAG_CUDA_GRAPH,
     TAG_KV_CACHE,
     TAG_WEIGHTS,
+    Completion,
     SamplingParams,
+    token_ids,
 )
 from rljob_worker.memory import LIBRARY_OOM_MARKERS
 
@@ -64,6 +66,9 @@ class SGLangContract:
     kv_capacity_key: str
     # Key of each generate() result holding the generated token ids.
     output_ids_key: str
+    # Key of each result's meta_info holding, with return_logprob, one (logprob, token id, text)
+    # per generated token: the log-prob it was sampled with.
+    output_logprobs_key: str
     # Module and function that make CUDA tensors travel to other processes by device UUID.
     tensor_reduction_patch: tuple[str, str]
     # Module, class and method that serialize a tensor into an IPC handle (ForkingPickler).
@@ -89,7 +94,7 @@ _CONTRACT_0_5_23 = SGLangContract(
     engine_module="sglang.srt.entrypoints.engine",
     engine_class="Engine",
     engine_methods={
-        "generate": ("input_ids", "sampling_params"),
+        "generate": ("input_ids", "sampling_params", "return_logprob"),
         "release_memory_occupation": ("tags",),
         "resume_memory_occupation": ("tags",),
         "begin_weight_update": (),
@@ -127,6 +132,7 @@ _CONTRACT_0_5_23 = SGLangContract(
     returns_success_attr={"flush_cache": "FlushCacheReqOutput"},
     kv_capacity_key="max_total_num_tokens",
     output_ids_key="output_ids",
+    output_logprobs_key="output_token_logprobs",
     tensor_reduction_patch=("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"),
     serializer=("sglang.srt.utils.common", "MultiprocessingSerializer", "serialize"),
     local_tensor=(
@@ -571,13 +577,18 @@ class SGLangEngine:
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[list[int]]:
         """Sample one response per prompt; needs weights, KV cache and CUDA graphs resident."""
+        return token_ids(self.generate_with_logprobs(prompts, sampling))
+
+    def generate_with_logprobs(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[Completion]:
         return self.generate_many([(prompts, sampling)])[0]
 
     def generate_many(
         self, batches: Sequence[tuple[Sequence[Sequence[int]], SamplingParams]]
-    ) -> list[list[list[int]]]:
+    ) -> list[list[Completion]]:
         """Several ranks' batches, each with its own sampling, in one sglang call (one batch for
-        the scheduler); answers come back per batch, in order."""
+        the scheduler); answers come back per batch, in order, with each token's log-prob."""
         self._require_resident(ALL_TAGS, "generate")
         if self._update_open:
             raise RuntimeError("generate() during a weight update: call flush_cache() first")
@@ -589,16 +600,27 @@ class SGLangEngine:
                 params.append(_request_params(sampling, index))
         if not input_ids:
             return [[] for _ in batches]
-        outputs = self._engine.generate(input_ids=input_ids, sampling_params=params)
+        outputs = self._engine.generate(
+            input_ids=input_ids, sampling_params=params, return_logprob=True
+        )
         # A batch answers with a list of dicts; a batch of one may come back as the dict itself.
         if isinstance(outputs, dict):
             outputs = [outputs]
-        responses = [list(out[self._contract.output_ids_key]) for out in outputs]
+        responses = [self._completion(out) for out in outputs]
         answers, start = [], 0
         for prompts, _ in batches:
             answers.append(responses[start : start + len(prompts)])
             start += len(prompts)
         return answers
+
+    def _completion(self, output: Mapping[str, Any]) -> Completion:
+        ids = list(output[self._contract.output_ids_key])
+        entries = output["meta_info"][self._contract.output_logprobs_key]
+        if len(entries) != len(ids):
+            raise SGLangEngineError(
+                f"sglang returned {len(entries)} token log-probs for {len(ids)} tokens"
+            )
+        return Completion(ids, [float(entry[0]) for entry in entries])
 
     def release(self, tags: Sequence[str]) -> None:
         """Give the memory of these tags back (their contents are lost)."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
-from rljob_worker.engines.base import SamplingParams
+from rljob_worker.engines.base import Completion, SamplingParams, token_ids
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +47,7 @@ class GroupEngine(Protocol):
 
     def generate_many(
         self, batches: Sequence[tuple[Sequence[Sequence[int]], SamplingParams]]
-    ) -> list[list[list[int]]]: ...
+    ) -> list[list[Completion]]: ...
 
     def release(self, tags: Sequence[str]) -> None: ...
 
@@ -181,6 +181,11 @@ class TensorParallelEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[list[int]]:
+        return token_ids(self.generate_with_logprobs(prompts, sampling))
+
+    def generate_with_logprobs(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[Completion]:
         """The group's batches go to the engine as one; each rank gets its own answers."""
         layout = self.layout
         mine = ([list(p) for p in prompts], sampling)
@@ -188,7 +193,7 @@ class TensorParallelEngine:
         with _peers(layout, "generate"):
             dist.gather_object(mine, batches, dst=layout.leader, group=self._group)
 
-        def answer_all() -> list[list[list[int]]]:
+        def answer_all() -> list[list[Completion]]:
             assert batches is not None and self._engine is not None
             return self._engine.generate_many(batches)
 

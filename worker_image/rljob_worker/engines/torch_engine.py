@@ -29,7 +29,9 @@ from rljob_worker.engines.base import (
     TAG_CUDA_GRAPH,
     TAG_KV_CACHE,
     TAG_WEIGHTS,
+    Completion,
     SamplingParams,
+    token_ids,
 )
 from rljob_worker.engines.paged_qwen2 import (
     NULL_BLOCK,
@@ -294,6 +296,11 @@ class TorchEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[list[int]]:
+        return token_ids(self.generate_with_logprobs(prompts, sampling))
+
+    def generate_with_logprobs(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[Completion]:
         """Sample responses in waves of requests whose reserved KV blocks fit the pool together.
 
         Each request reserves blocks for prompt + max_new_tokens when its wave starts (simpler
@@ -316,7 +323,7 @@ class TorchEngine:
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
 
-        outputs: list[list[int]] = []
+        outputs: list[Completion] = []
         for wave in self._plan_waves(prompts, sampling.max_new_tokens):
             outputs.extend(
                 self._generate_wave([list(prompts[i]) for i in wave], sampling, generator)
@@ -354,7 +361,7 @@ class TorchEngine:
 
     def _generate_wave(
         self, prompts: list[list[int]], sampling: SamplingParams, generator: torch.Generator | None
-    ) -> list[list[int]]:
+    ) -> list[Completion]:
         device, bs = self.device, self.block_size
         batch = len(prompts)
         lens = [len(p) for p in prompts]
@@ -390,12 +397,16 @@ class TorchEngine:
                 bs,
             )
             responses: list[list[int]] = [[] for _ in range(batch)]
+            logprobs: list[list[float]] = [[] for _ in range(batch)]
             active = list(range(batch))
             for step in range(sampling.max_new_tokens):
-                next_tokens = sample_next(logits, sampling, generator)
+                next_tokens, next_logprobs = sample_next(logits, sampling, generator)
                 still: list[int] = []
-                for row, token in zip(active, next_tokens.tolist(), strict=True):
+                for row, token, logprob in zip(
+                    active, next_tokens.tolist(), next_logprobs.tolist(), strict=True
+                ):
                     responses[row].append(token)
+                    logprobs[row].append(logprob)
                     if token not in self.eos_token_ids:
                         still.append(row)
                 if not still or step == sampling.max_new_tokens - 1:
@@ -419,7 +430,7 @@ class TorchEngine:
                     None,
                     bs,
                 )
-            return responses
+            return [Completion(r, lp) for r, lp in zip(responses, logprobs, strict=True)]
         finally:
             for blocks in reserved:
                 self._allocator.free(blocks)

@@ -1,0 +1,273 @@
+"""One train stage's policy update: the rollout as padded batches, the log-probs before the update,
+and PPO epochs over mini-batches with a global token-mean loss (docs/algorithm.md).
+
+Collective: every rank runs it with the same number of responses (so the same number of
+mini-batches, micro-batches and all-reduces) on its FSDP2-sharded policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from rljob.api import AlgorithmName, RLJobSpec
+from rljob_worker.rl_math import (
+    TokenLogprobs,
+    batch_advantages,
+    clipped_policy_loss,
+    global_token_count,
+    group_advantages,
+    kl_to_reference,
+    rank_loss,
+    token_logprobs,
+    truncated_importance_weights,
+)
+
+
+@dataclass
+class Experience:
+    """One rank's rollout: prompts, sampled responses, rewards, and which prompt each came from.
+
+    `logprobs` are the engine's log-probs of each response token as it sampled it (empty when
+    the engine gave none: then neither the mismatch nor the TIS correction is computed).
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rewards: list[float]
+    group_ids: list[int]
+    logprobs: list[list[float]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """One rank's sums over every optimizer step of one train stage.
+
+    Sums, not means, so that the driver's sum over ranks divided by the summed token count is
+    the global per-token mean (driver.iteration_reports). `token_steps` counts every response
+    token once per epoch; `response_tokens` once.
+    """
+
+    response_tokens: int
+    token_steps: int
+    policy_loss_sum: float
+    kl_sum: float | None
+    entropy_sum: float
+    clipped_tokens: int
+    # sum over response tokens of |logp_engine - logp_trainer| before the update (None: the
+    # engine gave no log-probs).
+    logprob_mismatch_sum: float | None
+    # Global (the same on every rank): the mean pre-clip gradient norm of the steps.
+    grad_norm: float
+    learning_rate: float
+    optimizer_steps: int
+
+    @property
+    def loss(self) -> float:
+        """Per-token surrogate loss of this rank (the PPO objective, KL not included)."""
+        return self.policy_loss_sum / max(self.token_steps, 1)
+
+    @property
+    def kl_mean(self) -> float | None:
+        return None if self.kl_sum is None else self.kl_sum / max(self.token_steps, 1)
+
+
+@dataclass(frozen=True)
+class ResponseBatch:
+    """Right-padded prompt+response rows; `mask` marks, in the shifted-by-one log-prob layout
+    [rows, length - 1], the positions whose next token is a response token."""
+
+    rows: tuple[int, ...]
+    input_ids: torch.Tensor
+    attention: torch.Tensor
+    mask: torch.Tensor
+
+
+def response_batch(
+    experience: Experience, rows: Sequence[int], pad_id: int, device: torch.device
+) -> ResponseBatch:
+    sequences = [experience.prompt_ids[i] + experience.response_ids[i] for i in rows]
+    length = max(len(s) for s in sequences)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), length), dtype=torch.long)
+    response = torch.zeros((len(rows), length), dtype=torch.bool)
+    for row, i in enumerate(rows):
+        prompt, answer = len(experience.prompt_ids[i]), len(experience.response_ids[i])
+        input_ids[row, : prompt + answer] = torch.tensor(sequences[row])
+        attention[row, : prompt + answer] = 1
+        response[row, prompt : prompt + answer] = True
+    # Targets are shifted by one: log-prob position t is the model's prediction of token t+1,
+    # so response token t+1 is scored at position t (the first response token at prompt-1).
+    return ResponseBatch(
+        tuple(rows), input_ids.to(device), attention.to(device), response[:, 1:].to(device)
+    )
+
+
+def per_row_to_mask(values: Sequence[torch.Tensor], batch: ResponseBatch) -> torch.Tensor:
+    """Per-response values (one per response token, in order) laid out like batch.mask."""
+    full = torch.zeros(batch.mask.shape, dtype=torch.float32, device=batch.mask.device)
+    full[batch.mask] = torch.cat([values[i].to(full.device) for i in batch.rows])
+    return full
+
+
+def forward_logprobs(
+    model: torch.nn.Module, batch: ResponseBatch, temperature: float
+) -> TokenLogprobs:
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention, use_cache=False)
+    return token_logprobs(logits.logits[:, :-1], batch.input_ids[:, 1:], temperature)
+
+
+def split_rows(rows: Sequence[int], parts: int) -> list[list[int]]:
+    """`rows` in `parts` consecutive runs whose sizes differ by at most one (first ones longer)."""
+    size, longer = divmod(len(rows), parts)
+    out, start = [], 0
+    for part in range(parts):
+        end = start + size + (part < longer)
+        out.append(list(rows[start:end]))
+        start = end
+    return out
+
+
+def chunks(rows: Sequence[int], size: int) -> list[list[int]]:
+    return [list(rows[i : i + size]) for i in range(0, len(rows), size)]
+
+
+class PolicyUpdate:
+    """The update of one train stage on one rank: build once per rollout, then run()."""
+
+    def __init__(
+        self,
+        spec: RLJobSpec,
+        model: torch.nn.Module,
+        reference: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        pad_id: int,
+        device: torch.device,
+    ) -> None:
+        self.spec, self.model, self.reference, self.optimizer = spec, model, reference, optimizer
+        self.pad_id, self.device = pad_id, device
+        self.temperature = spec.rollout.sampling.temperature
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def _batches(self, experience: Experience, rows: Sequence[int]) -> list[ResponseBatch]:
+        micro = self.spec.training.micro_batch_size
+        return [
+            response_batch(experience, chunk, self.pad_id, self.device)
+            for chunk in chunks(rows, micro)
+        ]
+
+    @torch.no_grad()
+    def _logprobs_of(self, model: torch.nn.Module, experience: Experience) -> list[torch.Tensor]:
+        """Each response's token log-probs under `model` as it is now (no gradient)."""
+        values: list[torch.Tensor] = []
+        for batch in self._batches(experience, range(len(experience))):
+            logprobs = forward_logprobs(model, batch, self.temperature).logprobs
+            values += [logprobs[row][batch.mask[row]] for row in range(len(batch.rows))]
+        return values
+
+    def _advantages(self, experience: Experience) -> torch.Tensor:
+        rewards = torch.tensor(experience.rewards, dtype=torch.float32, device=self.device)
+        if self.spec.algorithm.name == AlgorithmName.GRPO:
+            return group_advantages(rewards, torch.tensor(experience.group_ids, device=self.device))
+        return batch_advantages(rewards)
+
+    def run(self, experience: Experience) -> TrainStats:
+        algorithm = self.spec.algorithm
+        parts = algorithm.ppo_mini_batches
+        if parts > len(experience):
+            raise ValueError(
+                f"spec.algorithm.ppoMiniBatches={parts} is more than the {len(experience)} "
+                "responses each rank trains on per iteration; lower it or raise "
+                "data.trainBatchSize or algorithm.groupSize"
+            )
+        advantages = self._advantages(experience)
+        # The policy that sampled, as the trainer computes it: the PPO ratio's denominator, fixed
+        # for every epoch and mini-batch of this rollout (verl's old_log_prob). At the first step
+        # the ratio is exactly 1; later steps' ratios measure how far the updates moved.
+        old = self._logprobs_of(self.model, experience)
+        ref = self._logprobs_of(self.reference, experience) if self.reference is not None else None
+        engine = [torch.tensor(v) for v in experience.logprobs] if experience.logprobs else None
+        mismatch = (
+            sum(float((e.to(o.device) - o).abs().sum()) for e, o in zip(engine, old, strict=True))
+            if engine is not None
+            else None
+        )
+        tokens = sum(len(r) for r in experience.response_ids)
+        sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "tokens": 0.0}
+        norms: list[float] = []
+        self.model.train()
+        for _epoch in range(algorithm.ppo_epochs):
+            for rows in split_rows(range(len(experience)), parts):
+                batches = self._batches(experience, rows)
+                global_tokens = global_token_count(
+                    torch.stack([b.mask.sum() for b in batches]).sum()
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                for batch in batches:
+                    self._accumulate(batch, advantages, old, ref, engine, global_tokens, sums)
+                norms.append(self._step())
+        return TrainStats(
+            response_tokens=tokens,
+            token_steps=int(sums["tokens"]),
+            policy_loss_sum=sums["loss"],
+            kl_sum=sums["kl"] if ref is not None else None,
+            entropy_sum=sums["entropy"],
+            clipped_tokens=int(sums["clipped"]),
+            logprob_mismatch_sum=mismatch,
+            grad_norm=sum(norms) / len(norms),
+            learning_rate=float(self.optimizer.param_groups[0]["lr"]),
+            optimizer_steps=len(norms),
+        )
+
+    def _accumulate(
+        self,
+        batch: ResponseBatch,
+        advantages: torch.Tensor,
+        old: list[torch.Tensor],
+        ref: list[torch.Tensor] | None,
+        engine: list[torch.Tensor] | None,
+        global_tokens: int,
+        sums: dict[str, float],
+    ) -> None:
+        """Forward and backward of one micro-batch; its gradient adds to the mini-batch's."""
+        algorithm, mask = self.spec.algorithm, batch.mask
+        current = forward_logprobs(self.model, batch, self.temperature)
+        old_logprobs = per_row_to_mask(old, batch)
+        policy = clipped_policy_loss(
+            current.logprobs, old_logprobs, advantages[list(batch.rows), None], algorithm.clip_ratio
+        )
+        token_loss = policy.loss
+        if algorithm.tis_cap is not None and engine is not None:
+            weights = truncated_importance_weights(
+                old_logprobs, per_row_to_mask(engine, batch), algorithm.tis_cap
+            )
+            token_loss = token_loss * weights
+        sums["loss"] += float((token_loss.detach() * mask).sum())
+        if ref is not None:
+            token_kl = kl_to_reference(current.logprobs, per_row_to_mask(ref, batch))
+            token_loss = token_loss + algorithm.kl_coef * token_kl
+            sums["kl"] += float((token_kl.detach() * mask).sum())
+        rank_loss(token_loss, mask, global_tokens, self.world).backward()
+        sums["entropy"] += float((current.entropy * mask).sum())
+        sums["clipped"] += float((policy.clipped & mask).sum())
+        sums["tokens"] += float(mask.sum())
+
+    def _step(self) -> float:
+        """Clip the gradient, step, free the gradient; the norm before clipping (global)."""
+        from torch.distributed.tensor import DTensor
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.spec.training.max_grad_norm
+        )
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        # Gradients are not needed until the next step: free them now, not at offload.
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
