@@ -6,10 +6,10 @@ the batch's masks, the rank's share of the global token-mean, and whole updates 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
+from support.bigram import Bigram
 
 from rljob.api import RLJobSpec
 from rljob_worker.driver import combined_variance
@@ -163,19 +163,6 @@ def test_split_rows_into_near_equal_mini_batches() -> None:
 
 
 # -- whole updates of a bigram model -----------------------------------------------------------
-
-
-class Bigram(torch.nn.Module):
-    """logits of the next token = table[current token]: a policy whose update is hand-checkable."""
-
-    def __init__(self, vocab: int = 3) -> None:
-        super().__init__()
-        self.table = torch.nn.Parameter(torch.zeros(vocab, vocab))
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, use_cache: bool
-    ) -> SimpleNamespace:
-        return SimpleNamespace(logits=self.table[input_ids])
 
 
 def _spec(**algorithm: object) -> RLJobSpec:

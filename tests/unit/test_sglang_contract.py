@@ -222,6 +222,21 @@ def _dict_keys(node: ast.AST) -> Iterator[str]:
                     yield key.value
 
 
+def _assigned_meta_info_keys(node: ast.AST) -> Iterator[str]:
+    """Keys the module stores with `meta_info["key"] = ...` (how sglang fills in log-probs)."""
+    for child in ast.walk(node):
+        if isinstance(child, ast.Assign):
+            for target in child.targets:
+                if (
+                    isinstance(target, ast.Subscript)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "meta_info"
+                    and isinstance(target.slice, ast.Constant)
+                    and isinstance(target.slice.value, str)
+                ):
+                    yield target.slice.value
+
+
 def _env_readers(root: Path, name: str) -> list[Path]:
     """Modules outside sglang.srt.environ that read the switch (`envs.NAME.get()` and the like)."""
     environ = root / "sglang" / "srt" / "environ.py"
@@ -344,10 +359,11 @@ def check_contract(contract: SGLangContract, root: Path) -> list[str]:
         _dict_keys(scheduler["get_init_info"])
     ):
         problems.append(f"the scheduler's init info has no {contract.kv_capacity_key!r}")
-    if contract.output_ids_key not in set(
-        _dict_keys(tree.module("sglang.srt.managers.tokenizer_manager"))
-    ):
+    tokenizer_manager = tree.module("sglang.srt.managers.tokenizer_manager")
+    if contract.output_ids_key not in set(_dict_keys(tokenizer_manager)):
         problems.append(f"generate() results have no {contract.output_ids_key!r}")
+    if contract.output_logprobs_key not in set(_assigned_meta_info_keys(tokenizer_manager)):
+        problems.append(f"generate()'s meta_info has no {contract.output_logprobs_key!r}")
 
     patch_module, patch_function = contract.tensor_reduction_patch
     if not tree.has_module(patch_module) or not any(
@@ -550,6 +566,10 @@ Drift = Callable[[SGLangContract], dict[str, Any]]
             "sglang.srt.environ reads no boolean SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK",
         ),
         (lambda c: {"kv_capacity_key": "max_total_tokens"}, "init info has no 'max_total_tokens'"),
+        (
+            lambda c: {"output_logprobs_key": "output_logprobs"},
+            "meta_info has no 'output_logprobs'",
+        ),
         (
             lambda c: {
                 "serializer": ("sglang.srt.utils.common", "MultiprocessingSerializer", "dumps")

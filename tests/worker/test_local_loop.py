@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from support.model_cache import fresh_model_cache
 
 from rljob.api import RLJobSpec, WakeUp, parse_manifest
 from rljob.report import STAGE_ORDER, Stage
@@ -54,12 +55,7 @@ def _spec(wake_up: str = "staged", **algorithm: Any) -> RLJobSpec:
 
 @pytest.fixture(scope="module", autouse=True)
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh cache for this module, built once here so the ranks only load it."""
-    root = tmp_path_factory.mktemp("rljob-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RLJOB_CACHE_DIR", str(root))  # the rank processes inherit it
-        resolve_model_path("builtin:tiny-qwen2")
-        yield root
+    yield from fresh_model_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.model_cache import fresh_model_cache
 
 from rljob.api import RLJobSpec, parse_manifest
 from rljob.report import Stage
 from rljob_worker.driver.local import LocalRun, run_local
-from rljob_worker.model import resolve_model_path
 
 pytestmark = pytest.mark.worker
 
@@ -44,11 +44,7 @@ def _spec(**spec: Any) -> RLJobSpec:
 
 @pytest.fixture(scope="module", autouse=True)
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    root = tmp_path_factory.mktemp("rljob-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RLJOB_CACHE_DIR", str(root))
-        resolve_model_path("builtin:tiny-qwen2")
-        yield root
+    yield from fresh_model_cache(tmp_path_factory)
 
 
 def _offloads(run: LocalRun) -> set[tuple[bool | None, bool | None]]:

@@ -210,7 +210,8 @@ def plot_timeline(samples: list[StageSample], path: Path, title: str) -> None:
 
 
 class _Progress:
-    """One bar step per iteration that every rank finished, with reward, KL and stage times."""
+    """One bar step per iteration that every rank finished, with reward, KL, loss and stage
+    times."""
 
     def __init__(self, iterations: int, ranks: int) -> None:
         from tqdm import tqdm
@@ -232,12 +233,15 @@ class _Progress:
                 self._advance(event.iteration)
 
     def _advance(self, iteration: int) -> None:
-        items = self.done[iteration]
-        count = sum(i.reward_count for i in items)
-        kls = [i.kl_mean for i in items if i.kl_mean is not None]
-        postfix = {"reward": f"{sum(i.reward_sum for i in items) / max(count, 1):.3f}"}
-        if kls:
-            postfix["kl"] = f"{sum(kls) / len(kls):.2e}"
+        from rljob_worker.driver import iteration_reports
+
+        # Combined over the ranks as reports.json combines them (token-weighted KL and loss).
+        (report,) = iteration_reports((), self.done[iteration])
+        postfix = {"reward": f"{report.reward_mean or 0.0:.3f}"}
+        if report.kl_mean is not None:
+            postfix["kl"] = f"{report.kl_mean:.2e}"
+        if report.policy_loss is not None:
+            postfix["loss"] = f"{report.policy_loss:.3f}"
         postfix.update({k: f"{v:.2f}s" for k, v in self.seconds[iteration].items()})
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
