@@ -137,6 +137,20 @@ MALFORMED: list[Malformed] = [
     Malformed(
         "startup-timeout-negative", {"startupTimeoutSeconds": -5}, "spec.startupTimeoutSeconds"
     ),
+    # Issue 29: the trainer's log-probs are those of the untruncated softmax(logits / T).
+    Malformed(
+        "sampling-top-p", {"rollout": {"sampling": {"topP": 0.9}}}, "spec.rollout.sampling.topP"
+    ),
+    Malformed(
+        "sampling-top-k", {"rollout": {"sampling": {"topK": 20}}}, "spec.rollout.sampling.topP"
+    ),
+    Malformed(
+        "sampling-greedy",
+        {"rollout": {"sampling": {"temperature": 0}}},
+        "spec.rollout.sampling.temperature",
+    ),
+    Malformed("ppo-epochs-zero", {"algorithm": {"ppoEpochs": 0}}, "spec.algorithm.ppoEpochs"),
+    Malformed("tis-cap-zero", {"algorithm": {"tisCap": 0}}, "spec.algorithm.tisCap"),
     Malformed("name-starts-with-digit", {}, "metadata.name", name="1job"),
     Malformed("name-with-dots", {}, "metadata.name", name="job.v2"),
 ]

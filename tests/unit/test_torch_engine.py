@@ -19,6 +19,7 @@ from rljob_worker.engines.torch_engine import (
     TorchEngine,
     kv_pool_capacity_tokens,
 )
+from rljob_worker.rl_math import token_logprobs
 from rljob_worker.saver import PassThroughSaver, make_saver
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
@@ -128,6 +129,27 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(
 
     assert first == again
     assert first != other
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampled_logprobs_are_the_trainers_at_the_same_temperature(
+    tiny: tuple[Path, Qwen2ForCausalLM], temperature: float
+) -> None:
+    # What the trainer computes for the same tokens (rl_math.token_logprobs on transformers'
+    # logits / temperature) is what the engine reports it sampled with: the PPO ratio's and the
+    # mismatch's two sides agree up to float32 kernel differences.
+    path, model = tiny
+    engine = _engine(path)
+    sampling = SamplingParams(max_new_tokens=6, temperature=temperature, seed=3)
+    for prompt, completion in zip(
+        PROMPTS, engine.generate_with_logprobs(PROMPTS, sampling), strict=True
+    ):
+        assert len(completion.logprobs) == len(completion.token_ids)
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        expected = token_logprobs(logits, ids[0, len(prompt) :], temperature).logprobs
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
 
 
 def test_top_k_one_and_tiny_top_p_sample_the_greedy_token(
