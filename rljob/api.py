@@ -720,6 +720,17 @@ class OOMPolicySpec(_Spec):
         default=True,
         description="A job in wakeUp single retries first as staged (same fraction).",
     )
+    min_micro_batch_size: int = Field(
+        default=1,
+        ge=1,
+        description="A CUDA OOM in train or offload_optimizer (the engine is released then, so "
+        "its fraction cannot help) halves training.microBatchSize, never below this.",
+    )
+    gradient_checkpointing: bool = Field(
+        default=True,
+        description="Once training.microBatchSize is at minMicroBatchSize, a training-stage OOM "
+        "retries with gradient checkpointing on (slower, far fewer activations).",
+    )
 
 
 DEFAULT_STARTUP_TIMEOUT_SECONDS = 900
@@ -836,10 +847,26 @@ class RayJobRef(_Spec):
 
 class AttemptKnobs(_Spec):
     """The memory knobs one attempt runs with (the OOM policy changes them between attempts;
-    the spec keeps what the user wrote)."""
+    the spec keeps what the user wrote). The training knobs are None where the spec's stand."""
 
     mem_fraction_static: float = Field(gt=0, lt=1)
     wake_up: WakeUp
+    micro_batch_size: int | None = Field(default=None, ge=1)
+    gradient_checkpointing: bool | None = None
+
+    def apply(self, spec: RLJobSpec) -> RLJobSpec:
+        """`spec` as this attempt runs it: the user's, with these knobs in place."""
+        rollout = spec.rollout.model_copy(
+            update={"mem_fraction_static": self.mem_fraction_static, "wake_up": self.wake_up}
+        )
+        training: dict[str, Any] = {}
+        if self.micro_batch_size is not None:
+            training["micro_batch_size"] = self.micro_batch_size
+        if self.gradient_checkpointing is not None:
+            training["gradient_checkpointing"] = self.gradient_checkpointing
+        return spec.model_copy(
+            update={"rollout": rollout, "training": spec.training.model_copy(update=training)}
+        )
 
 
 class Attempt(_Spec):
@@ -852,13 +879,23 @@ class Attempt(_Spec):
     result: str = Field(
         default="", description="Running, Succeeded, Failed, CUDAOutOfMemory or OOMKilled."
     )
+    micro_batch_size: int | None = Field(
+        default=None, description="training.microBatchSize, where the OOM policy changed it."
+    )
+    gradient_checkpointing: bool | None = Field(
+        default=None, description="training.gradientCheckpointing, where the policy changed it."
+    )
+    changed: str | None = Field(
+        default=None,
+        max_length=512,
+        description="Which knob this attempt changed from the one before, and why.",
+    )
     oom_stage: Stage | None = None
     oom_rank: int | None = None
     message: str = Field(default="", max_length=1024)
     started_at: str | None = Field(
         default=None,
-        description="RFC 3339: when this attempt's RayJob was created. Its OOMs are the ones "
-        "after it; one that arrives after the attempt was recorded Failed is still decided on.",
+        description="RFC 3339: when this attempt's RayJob was created.",
     )
 
 
@@ -1029,6 +1066,11 @@ class JobConfig(_Spec):
 
     name: str = Field(min_length=1, description="The RLJob's name.")
     namespace: str = Field(min_length=1, description="The RLJob's namespace.")
+    uid: str | None = Field(
+        default=None,
+        description="The RLJob's uid: the driver writes the status of that object only (a job "
+        "deleted and applied again under its name is another object).",
+    )
     spec: RLJobSpec
     attempt: int = Field(default=1, ge=1, description="The OOM policy's attempt number.")
     knobs: AttemptKnobs | None = Field(
@@ -1038,15 +1080,7 @@ class JobConfig(_Spec):
     @property
     def effective_spec(self) -> RLJobSpec:
         """The spec this attempt runs: the user's, with the attempt's knobs applied."""
-        if self.knobs is None:
-            return self.spec
-        rollout = self.spec.rollout.model_copy(
-            update={
-                "mem_fraction_static": self.knobs.mem_fraction_static,
-                "wake_up": self.knobs.wake_up,
-            }
-        )
-        return self.spec.model_copy(update={"rollout": rollout})
+        return self.spec if self.knobs is None else self.knobs.apply(self.spec)
 
     def to_yaml(self) -> str:
         return yaml.dump(

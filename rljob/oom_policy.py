@@ -54,6 +54,41 @@ def first_knobs(spec: RLJobSpec) -> AttemptKnobs:
     )
 
 
+# Stages that run while the engine's weights and KV cache are released: an OOM there is the
+# training state's and activations', which no engine knob can make smaller.
+TRAINING_STAGES = (Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER)
+
+
+def knobs_text(knobs: AttemptKnobs) -> str:
+    """The knobs one attempt ran with, as the messages name them."""
+    text = f"memFractionStatic {knobs.mem_fraction_static}, wakeUp {knobs.wake_up}"
+    if knobs.micro_batch_size is not None:
+        text += f", microBatchSize {knobs.micro_batch_size}"
+    if knobs.gradient_checkpointing is not None:
+        text += f", gradientCheckpointing {str(knobs.gradient_checkpointing).lower()}"
+    return text
+
+
+def changed_text(before: AttemptKnobs, after: AttemptKnobs, spec: RLJobSpec) -> str:
+    """Which knobs `after` changes from `before`: 'rollout.wakeUp single -> staged'."""
+    old, new = before.apply(spec), after.apply(spec)
+    pairs = (
+        ("rollout.wakeUp", old.rollout.wake_up, new.rollout.wake_up),
+        (
+            "rollout.memFractionStatic",
+            old.rollout.mem_fraction_static,
+            new.rollout.mem_fraction_static,
+        ),
+        ("training.microBatchSize", old.training.micro_batch_size, new.training.micro_batch_size),
+        (
+            "training.gradientCheckpointing",
+            str(old.training.gradient_checkpointing).lower(),
+            str(new.training.gradient_checkpointing).lower(),
+        ),
+    )
+    return ", ".join(f"{name} {a} -> {b}" for name, a, b in pairs if a != b)
+
+
 def rayjob_name(job: str, attempt: int) -> str:
     """Attempt 1 keeps the RLJob's name; later ones get '-aN', the name cut to stay within
     KubeRay's 47 characters."""
@@ -61,6 +96,39 @@ def rayjob_name(job: str, attempt: int) -> str:
         return job
     suffix = f"-a{attempt}"
     return job[: MAX_NAME_LENGTH - len(suffix)].rstrip("-") + suffix
+
+
+def _engine_candidates(spec: RLJobSpec, knobs: AttemptKnobs) -> list[AttemptKnobs]:
+    """An engine-stage OOM: wakeUp single becomes staged first (switchToStaged), then
+    memFractionStatic drops by fractionStep, never below minFraction."""
+    policy = spec.oom_policy
+    candidates: list[AttemptKnobs] = []
+    if knobs.wake_up is WakeUp.SINGLE and policy.switch_to_staged:
+        candidates.append(knobs.model_copy(update={"wake_up": WakeUp.STAGED}))
+    wake_up = WakeUp.STAGED if candidates else knobs.wake_up
+    fraction = Decimal(str(knobs.mem_fraction_static))
+    step, floor = Decimal(str(policy.fraction_step)), Decimal(str(policy.min_fraction))
+    while (fraction := fraction - step) >= floor and fraction > 0:
+        candidates.append(
+            knobs.model_copy(update={"mem_fraction_static": float(fraction), "wake_up": wake_up})
+        )
+    return candidates
+
+
+def _training_candidates(spec: RLJobSpec, knobs: AttemptKnobs) -> list[AttemptKnobs]:
+    """A training-stage OOM: microBatchSize halves down to minMicroBatchSize (the gradient is
+    the same: the step accumulates over micro-batches), then gradient checkpointing goes on."""
+    policy = spec.oom_policy
+    training = knobs.apply(spec).training
+    candidates: list[AttemptKnobs] = []
+    micro = training.micro_batch_size
+    while micro > policy.min_micro_batch_size:
+        micro = max(micro // 2, policy.min_micro_batch_size)
+        candidates.append(knobs.model_copy(update={"micro_batch_size": micro}))
+    if policy.gradient_checkpointing and not training.gradient_checkpointing:
+        last = candidates[-1] if candidates else knobs
+        candidates.append(last.model_copy(update={"gradient_checkpointing": True}))
+    return candidates
 
 
 def next_attempt(
@@ -72,10 +140,11 @@ def next_attempt(
 ) -> Decision:
     """After attempt number `attempts_made` (run with `knobs`) ended in `outcome`.
 
-    A CUDA OOM retries while spec.oomPolicy.maxRetries allows: wakeUp single becomes staged
-    first (switchToStaged), else memFractionStatic drops by fractionStep, never below
-    minFraction, and past values `fits` says will not fit (None: no plan, no veto). A container
-    OOMKilled (host memory) is never retried: lowering the GPU fraction does not help it.
+    A CUDA OOM retries while spec.oomPolicy.maxRetries allows, changing the knob that can help
+    the stage that failed: in train or offload_optimizer (TRAINING_STAGES, the engine released)
+    a smaller micro-batch, then gradient checkpointing; in an engine stage staged wake-up, then
+    a lower memFractionStatic, past values `fits` says will not fit (None: no plan, no veto). A
+    container OOMKilled (host memory) is never retried: no GPU knob helps it.
     """
     policy = spec.oom_policy
     if outcome.kind == "OOMKilled":
@@ -88,52 +157,43 @@ def next_attempt(
             REASON_HOST_OOM,
             f"container OOMKilled (host memory) in pod {outcome.pod or '?'}: the pod memory "
             f"limit is {limit} bytes (spec.resources.memory={spec.resources.memory}); raise it "
-            "(the OOM policy lowers GPU memory only, so this is not retried)",
+            "(the OOM policy changes GPU memory knobs only, so this is not retried)",
         )
     if outcome.kind != "CUDAOutOfMemory":
         return Decision(False, None, None, "")
     where = (
         f"stage {outcome.stage or '?'}, rank {outcome.rank if outcome.rank is not None else '?'}"
     )
+    failed = f"CUDA OOM in {where} on attempt {attempts_made} ({knobs_text(knobs)})"
     retries_used = attempts_made - 1
     if retries_used >= policy.max_retries:
         return Decision(
             False,
             None,
             REASON_RETRIES_EXHAUSTED,
-            f"CUDA OOM in {where} on attempt {attempts_made} "
-            f"(memFractionStatic {knobs.mem_fraction_static}, wakeUp {knobs.wake_up}); "
-            f"{retries_used} of spec.oomPolicy.maxRetries={policy.max_retries} retries used",
+            f"{failed}; {retries_used} of spec.oomPolicy.maxRetries={policy.max_retries} "
+            "retries used",
         )
-    candidates: list[AttemptKnobs] = []
-    if knobs.wake_up is WakeUp.SINGLE and policy.switch_to_staged:
-        candidates.append(
-            AttemptKnobs(mem_fraction_static=knobs.mem_fraction_static, wake_up=WakeUp.STAGED)
-        )
-    wake_up = WakeUp.STAGED if candidates else knobs.wake_up
-    fraction = Decimal(str(knobs.mem_fraction_static))
-    step, floor = Decimal(str(policy.fraction_step)), Decimal(str(policy.min_fraction))
-    while (fraction := fraction - step) >= floor and fraction > 0:
-        candidates.append(AttemptKnobs(mem_fraction_static=float(fraction), wake_up=wake_up))
+    training = outcome.stage in TRAINING_STAGES
+    candidates = _training_candidates(spec, knobs) if training else _engine_candidates(spec, knobs)
     for candidate in candidates:
-        if fits(candidate) is not False:
+        if training or fits(candidate) is not False:
             return Decision(
                 True,
                 candidate,
                 REASON_OOM_RETRY,
-                f"CUDA OOM in {where} on attempt {attempts_made} (memFractionStatic "
-                f"{knobs.mem_fraction_static}, wakeUp {knobs.wake_up}); attempt "
-                f"{attempts_made + 1} runs with memFractionStatic "
-                f"{candidate.mem_fraction_static}, wakeUp {candidate.wake_up}",
+                f"{failed}; attempt {attempts_made + 1} runs with "
+                f"{changed_text(knobs, candidate, spec)}",
             )
-    return Decision(
-        False,
-        None,
-        REASON_RETRIES_EXHAUSTED,
-        f"CUDA OOM in {where} on attempt {attempts_made}; no knobs left: memFractionStatic "
-        f"would go below spec.oomPolicy.minFraction={policy.min_fraction} or to a value the "
-        "memory plan says will not fit",
+    left = (
+        f"training.microBatchSize is at spec.oomPolicy.minMicroBatchSize="
+        f"{policy.min_micro_batch_size} and gradient checkpointing is on or not allowed "
+        "(the engine is released in this stage, so its memory knobs cannot help)"
+        if training
+        else f"memFractionStatic would go below spec.oomPolicy.minFraction={policy.min_fraction} "
+        "or to a value the memory plan says will not fit"
     )
+    return Decision(False, None, REASON_RETRIES_EXHAUSTED, f"{failed}; no knobs left: {left}")
 
 
 # -- admission by plan -----------------------------------------------------------------------
@@ -150,21 +210,41 @@ class Admission:
     plan: ModePlan | None = None
 
 
-def plan_for_knobs(spec: RLJobSpec, knobs: AttemptKnobs | None = None) -> ModePlan | None:
+def plan_for_knobs(
+    spec: RLJobSpec, knobs: AttemptKnobs | None = None, capacity_bytes: int | None = None
+) -> ModePlan | None:
     """The operator's plan: builtin models or spec.model.shape (it reads no files), on GPUs of
-    spec.memoryPlan.gpuMemory; None where either is missing or the job runs on CPU."""
-    gpu_memory = spec.memory_plan.gpu_memory
-    if spec.resources.gpus_per_worker == 0 or gpu_memory is None:
+    `capacity_bytes` (what the ranks measured on the card they got) or else
+    spec.memoryPlan.gpuMemory; None where neither is known, or the job runs on CPU."""
+    if capacity_bytes is None and spec.memory_plan.gpu_memory is not None:
+        capacity_bytes = int(_quantity(spec.memory_plan.gpu_memory))
+    if spec.resources.gpus_per_worker == 0 or not capacity_bytes:
         return None
     shape = shape_for(spec, read_config=False)
     if shape is None:
         return None
     if knobs is not None:
-        rollout = spec.rollout.model_copy(
-            update={"mem_fraction_static": knobs.mem_fraction_static, "wake_up": knobs.wake_up}
-        )
-        spec = spec.model_copy(update={"rollout": rollout})
-    return mode_plan(spec, shape, int(_quantity(gpu_memory)))
+        spec = knobs.apply(spec)
+    return mode_plan(spec, shape, capacity_bytes)
+
+
+# A spec's gpuMemory this far from the card the ranks measured is said so (status, Event).
+CAPACITY_TOLERANCE = 0.01
+
+
+def capacity_note(spec: RLJobSpec, capacity_bytes: int | None) -> str:
+    """'' unless the ranks reported a card whose capacity differs from spec.memoryPlan.gpuMemory
+    by more than CAPACITY_TOLERANCE: then what the retry was planned on, and by how much."""
+    if capacity_bytes is None or spec.memory_plan.gpu_memory is None:
+        return ""
+    declared = int(_quantity(spec.memory_plan.gpu_memory))
+    apart = abs(capacity_bytes - declared) / max(declared, 1)
+    if apart <= CAPACITY_TOLERANCE:
+        return ""
+    return (
+        f" (planned on the card the ranks measured, {capacity_bytes} bytes; "
+        f"spec.memoryPlan.gpuMemory={spec.memory_plan.gpu_memory} is {apart:.0%} off)"
+    )
 
 
 def admit(spec: RLJobSpec, knobs: AttemptKnobs | None = None) -> Admission:

@@ -87,6 +87,12 @@ class OOMRecord(_Model):
     free_bytes: int | None = None
     limit_bytes: int | None = None
     message: str = ""
+    attempt: int | None = Field(
+        default=None,
+        ge=1,
+        description="The OOM policy's attempt it happened in (the driver's JobConfig.attempt, "
+        "or the pod's attempt label): the policy matches OOMs to attempts by this number.",
+    )
 
     def request_text(self) -> str:
         """ "requested N bytes with M free", leaving out what the OOM's message did not say (an

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from rljob.api import Attempt, AttemptKnobs, RLJobSpec
-from rljob.oom_policy import Decision, Outcome, first_knobs, next_attempt, rayjob_name
+from rljob.oom_policy import (
+    Decision,
+    Outcome,
+    changed_text,
+    first_knobs,
+    next_attempt,
+    rayjob_name,
+)
 
 RUNNING: Final = "Running"
 SUCCEEDED: Final = "Succeeded"
@@ -54,13 +61,18 @@ def policy_on(spec: RLJobSpec, status: Mapping[str, Any]) -> bool:
     return spec.oom_policy.max_retries > 0 or bool(status.get("attempts"))
 
 
-def entry(job: str, number: int, knobs: AttemptKnobs, result: str = RUNNING) -> dict[str, Any]:
+def entry(
+    job: str, number: int, knobs: AttemptKnobs, result: str = RUNNING, changed: str = ""
+) -> dict[str, Any]:
     """A status.attempts entry (camelCase, as stored)."""
     attempt = Attempt(
         attempt=number,
         ray_job=rayjob_name(job, number),
         mem_fraction_static=knobs.mem_fraction_static,
         wake_up=knobs.wake_up,
+        micro_batch_size=knobs.micro_batch_size,
+        gradient_checkpointing=knobs.gradient_checkpointing,
+        changed=changed or None,
         result=result,
     )
     return attempt.model_dump(by_alias=True, exclude_none=True, mode="json")
@@ -70,6 +82,8 @@ def _knobs(spec: RLJobSpec, last: Mapping[str, Any]) -> AttemptKnobs:
     return AttemptKnobs(
         mem_fraction_static=float(last["memFractionStatic"]),
         wake_up=last.get("wakeUp") or spec.rollout.wake_up,
+        micro_batch_size=last.get("microBatchSize"),
+        gradient_checkpointing=last.get("gradientCheckpointing"),
     )
 
 
@@ -132,20 +146,30 @@ def _seconds(text: str) -> datetime.datetime | None:
     return when.replace(microsecond=0)
 
 
-def outcome(rayjob: Mapping[str, Any], oom_events: Sequence[Mapping[str, Any]]) -> Outcome:
-    """How a failed attempt ended: its first OOM (CUDA from the driver, OOMKilled from the
-    kubelet) strictly after its RayJob was created, else a plain failure.
+def outcome(
+    rayjob: Mapping[str, Any], oom_events: Sequence[Mapping[str, Any]], number: int | None = None
+) -> Outcome:
+    """How failed attempt `number` ended: its first OOM (CUDA from the driver, OOMKilled from
+    the kubelet), else a plain failure.
 
-    Strictly later, in whole seconds: the previous attempt's OOM happened before its RayJob
-    failed, hence before this RayJob was created, possibly in the same second; no attempt's
-    pods run, let alone OOM, within the second its RayJob is created.
+    An OOM belongs to an attempt by its number (the driver stamps JobConfig.attempt on its
+    entries, the operator the pod's attempt label on OOMKilled ones), whatever the clocks of
+    the driver's node and the apiserver say. Only an entry without a number (written by an
+    older driver or operator) is placed by time: strictly after the RayJob's creation, in whole
+    seconds.
     """
     start = _seconds(str(rayjob.get("metadata", {}).get("creationTimestamp") or ""))
     found: list[tuple[datetime.datetime, int, Mapping[str, Any]]] = []
     for event in oom_events:
         kind = event.get("kind")
         when = _seconds(str(event.get("time") or ""))
-        if kind not in OOM_RESULTS or when is None or (start is not None and when <= start):
+        if kind not in OOM_RESULTS or when is None:
+            continue
+        stamped = event.get("attempt")
+        if stamped is not None and number is not None:
+            if int(stamped) != number:
+                continue
+        elif start is not None and when <= start:
             continue
         found.append((when, 0 if kind == "CUDAOutOfMemory" else 1, event))
     if not found:
@@ -168,6 +192,7 @@ def advance(
     status: Mapping[str, Any],
     rayjob: Mapping[str, Any] | None,
     fits: Callable[[AttemptKnobs], bool | None] = lambda _k: None,
+    note: str = "",
 ) -> Step:
     """status.attempts after observing `rayjob` (the current attempt's, or None: not created).
 
@@ -196,7 +221,7 @@ def advance(
     if result != FAILED:
         last["result"] = result
         return Step(attempts)
-    out = outcome(rayjob, list(status.get("oomEvents") or []))
+    out = outcome(rayjob, list(status.get("oomEvents") or []), number)
     last["result"] = out.kind
     if out.kind == FAILED:
         return Step(attempts)
@@ -204,10 +229,12 @@ def advance(
         last["oomStage"] = str(out.stage)
     if out.rank is not None:
         last["oomRank"] = out.rank
-    decision = next_attempt(spec, _knobs(spec, last), number, out, fits)
-    last["message"] = decision.message[:1024]
+    knobs = _knobs(spec, last)
+    decision = next_attempt(spec, knobs, number, out, fits)
+    last["message"] = (decision.message + (note if decision.retry else ""))[:1024]
     if decision.retry and decision.knobs is not None:
-        attempts.append(entry(job, number + 1, decision.knobs))
+        changed = changed_text(knobs, decision.knobs, spec)
+        attempts.append(entry(job, number + 1, decision.knobs, changed=changed[:512]))
         retry = Current(number + 1, rayjob_name(job, number + 1), decision.knobs)
         return Step(attempts, retry=retry, decision=decision)
     if decision.reason is None:
@@ -241,18 +268,21 @@ def retry_unapplied(status: Mapping[str, Any]) -> bool:
 
 def late_oom_undecided(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
     """From the body alone: the current attempt was recorded Failed without an OOM, and status
-    now holds an OOM of that attempt, one strictly after its startedAt in whole seconds (the
-    rule outcome() decides by): the driver's write came after KubeRay's. Once decided, the
-    attempt's result is the OOM's and this turns false; an earlier attempt's OOM never makes
-    it true. An entry written before startedAt existed is not looked at again."""
+    now holds an OOM of that attempt (by its number, or for an unnumbered entry strictly after
+    its startedAt: the rule outcome() decides by): the driver's write came after KubeRay's. Once
+    decided, the attempt's result is the OOM's and this turns false; an earlier attempt's OOM
+    never makes it true."""
     attempts = list(status.get("attempts") or [])
     if not attempts or int(((spec.get("oomPolicy") or {}).get("maxRetries")) or 0) <= 0:
         return False
     last = attempts[-1]
-    if last.get("result") != FAILED or _seconds(str(last.get("startedAt") or "")) is None:
+    if last.get("result") != FAILED:
         return False
-    started = {"metadata": {"creationTimestamp": last["startedAt"]}}
-    return outcome(started, list(status.get("oomEvents") or [])).kind != FAILED
+    started = {"metadata": {"creationTimestamp": last.get("startedAt") or ""}}
+    ooms = list(status.get("oomEvents") or [])
+    if _seconds(str(last.get("startedAt") or "")) is None:
+        ooms = [o for o in ooms if o.get("attempt") is not None]  # unnumbered: not placeable
+    return outcome(started, ooms, int(last["attempt"])).kind != FAILED
 
 
 def needs_attention(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:

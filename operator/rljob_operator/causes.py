@@ -200,45 +200,56 @@ def event_message(line: str, count: int) -> str:
 
 
 class CauseBook:
-    """Per job, the live causes of each source object, as its latest event showed them; and
-    which (cause key, source) pairs were already announced by an Event in this process (the
-    Event itself keeps which it counted across processes: SOURCES_ANNOTATION).
+    """Per job (namespace, name and uid: a job applied again under its name is another job),
+    the live causes of each source object, as its latest event showed them; and which (cause
+    key, source) pairs were already announced by an Event in this process (the Event itself
+    keeps which it counted across processes: SOURCES_ANNOTATION).
 
     Level-triggered: each pod or RayCluster event replaces its source's causes, and kopf lists
     every pod and RayCluster again when the operator starts, so a restart rebuilds the book.
     `current` is None for a job this process has heard nothing about (keep what status says).
+    A job whose sources all cleared is dropped whole, announcements included (its Events'
+    annotations keep a later announcement from counting a source twice), so the book holds the
+    jobs with live causes only.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: dict[tuple[str, str], dict[str, list[Cause]]] = {}
-        self._announced: dict[tuple[str, str], dict[str, list[str]]] = {}
+        self._live: dict[tuple[str, str, str], dict[str, list[Cause]]] = {}
+        self._announced: dict[tuple[str, str, str], dict[str, list[str]]] = {}
 
-    def observe(self, namespace: str, job: str, source: str, causes: list[Cause]) -> bool:
+    def observe(self, namespace: str, job: str, uid: str, source: str, causes: list[Cause]) -> bool:
         """Record a source's causes now; True when they changed."""
+        key = (namespace, job, uid)
         with self._lock:
-            sources = self._live.setdefault((namespace, job), {})
+            sources = self._live.get(key, {})
             before = sources.get(source, [])
             if causes:
                 sources[source] = list(causes)
+                self._live[key] = sources
             else:
                 sources.pop(source, None)
+                if not sources:
+                    self._live.pop(key, None)
+                    self._announced.pop(key, None)
             return before != causes
 
-    def current(self, namespace: str, job: str) -> list[Cause] | None:
+    def current(self, namespace: str, job: str, uid: str) -> list[Cause] | None:
         with self._lock:
-            sources = self._live.get((namespace, job))
+            sources = self._live.get((namespace, job, uid))
             if sources is None:
                 return None
             return ordered([c for causes in sources.values() for c in causes])
 
-    def unannounced(self, namespace: str, job: str) -> list[Announcement]:
+    def unannounced(self, namespace: str, job: str, uid: str) -> list[Announcement]:
         """Causes with a source not yet counted in their Event; marks them counted."""
+        key = (namespace, job, uid)
         with self._lock:
-            announced = self._announced.setdefault((namespace, job), {})
+            if key not in self._live:
+                return []
+            announced = self._announced.setdefault(key, {})
             fresh: dict[str, list[str]] = {}
-            live = ordered([c for causes in self._live.get((namespace, job), {}).values()
-                            for c in causes])  # fmt: skip
+            live = ordered([c for causes in self._live[key].values() for c in causes])
             for cause in live:
                 sources = announced.setdefault(cause.key, [])
                 if cause.source not in sources:
@@ -249,14 +260,20 @@ class CauseBook:
                 for key, new in fresh.items()
             ]
 
-    def retract(self, namespace: str, job: str, news: Announcement) -> None:
+    def retract(self, namespace: str, job: str, uid: str, news: Announcement) -> None:
         """An Announcement whose Event was not written: its sources count as unannounced
         again, so the job's next event tries again."""
         with self._lock:
-            sources = self._announced.get((namespace, job), {}).get(news.cause.key, [])
+            by_key = self._announced.get((namespace, job, uid), {})
+            sources = by_key.get(news.cause.key, [])
             sources[:] = [s for s in sources if s not in news.sources]
 
-    def forget(self, namespace: str, job: str) -> None:
+    def forget(self, namespace: str, job: str, uid: str) -> None:
         with self._lock:
-            self._live.pop((namespace, job), None)
-            self._announced.pop((namespace, job), None)
+            self._live.pop((namespace, job, uid), None)
+            self._announced.pop((namespace, job, uid), None)
+
+    def __len__(self) -> int:
+        """Jobs held (live causes or announcements): what a deleted job must not leave."""
+        with self._lock:
+            return len(self._live.keys() | self._announced.keys())

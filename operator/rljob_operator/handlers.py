@@ -10,11 +10,12 @@ work whose outcome is known: a RayJob state its RLJob's status was already compu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
@@ -27,7 +28,6 @@ from urllib3.exceptions import HTTPError
 from rljob.api import (
     GROUP,
     JOB_CONFIG_FILE,
-    KIND,
     PLURAL,
     VERSION,
     AttemptKnobs,
@@ -35,8 +35,8 @@ from rljob.api import (
     OOMEvent,
     RLJobSpec,
 )
-from rljob.oom_policy import REASON_OOM_RETRY, admit, plan_for_knobs
-from rljob_operator import attempts, causes, kube, metrics, oom, render, status
+from rljob.oom_policy import REASON_OOM_RETRY, admit, capacity_note, plan_for_knobs
+from rljob_operator import attempts, causes, identity, kube, metrics, oom, render, status
 
 RAYJOB_LABELS = {render.JOB_LABEL: kopf.PRESENT}
 
@@ -119,24 +119,44 @@ STARTED_AT = _now()
 KILLS = oom.KillCache()
 
 
-def _job_lock(namespace: str, name: str) -> threading.RLock:
-    """One lock per RLJob: the operator's status writes for a job (RayJob changes, pod kills,
-    derived fields) run in kopf's worker threads, and each write states every operator-owned
-    field, so they must not interleave within this process. Reentrant: reconcile() holds it
-    from its first apply through its status write."""
-    with _LOCKS_GUARD:
-        return _LOCKS.setdefault((namespace, name), threading.RLock())
+class JobLocks:
+    """One lock per RLJob name: the operator's status writes for a job (RayJob changes, pod
+    kills, derived fields) run in kopf's worker threads, and each write states every
+    operator-owned field, so they must not interleave within this process. Reentrant:
+    reconcile() holds it from its first apply through its status write.
+
+    A lock exists only while a handler holds or waits for it (counted), so no job leaves one
+    behind, whichever of its events comes last, and two locks for one name never exist: a
+    handler that comes while another holds the name's lock waits on that very lock.
+    """
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._held: dict[tuple[str, str], tuple[threading.RLock, int]] = {}
+
+    @contextlib.contextmanager
+    def hold(self, namespace: str, name: str) -> Iterator[None]:
+        key = (namespace, name)
+        with self._guard:
+            lock, users = self._held.get(key, (threading.RLock(), 0))
+            self._held[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._held[key]
+                if users == 1:
+                    del self._held[key]
+                else:
+                    self._held[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._held)
 
 
-def _drop_job_lock(namespace: str, name: str) -> None:
-    """Forget a deleted RLJob's lock (one per job ever seen would otherwise stay for the life
-    of the process). A handler still holding it finishes with it; its writes meet a 404."""
-    with _LOCKS_GUARD:
-        _LOCKS.pop((namespace, name), None)
-
-
-_LOCKS: dict[tuple[str, str], threading.RLock] = {}
-_LOCKS_GUARD = threading.Lock()
+LOCKS = JobLocks()
 
 # From the fresh RLJob: the operator's non-OOM status fields and the condition transitions, or
 # None when this writer has nothing to say about that RLJob.
@@ -147,11 +167,12 @@ def _carry(rljob: dict[str, Any]) -> tuple[dict[str, Any], list[status.Transitio
     return status.carried(dict(rljob.get("status") or {})), []
 
 
-def _fits(spec: RLJobSpec) -> Callable[[AttemptKnobs], bool | None]:
-    """The plan's veto on a retry's knobs, where the operator can plan (else None: no veto)."""
+def _fits(spec: RLJobSpec, capacity_bytes: int | None) -> Callable[[AttemptKnobs], bool | None]:
+    """The plan's veto on a retry's knobs, where the operator can plan (else None: no veto):
+    on the card the ranks measured (status.memory.capacityBytes) where they reported it."""
 
     def fits(knobs: AttemptKnobs) -> bool | None:
-        planned = plan_for_knobs(spec, knobs)
+        planned = plan_for_knobs(spec, knobs, capacity_bytes)
         return None if planned is None else planned.fits
 
     return fits
@@ -164,7 +185,9 @@ class Observing:
     the fresh RLJob, and an invalid one gives None (reconcile() owns the InvalidSpec status).
 
     The RayJob observed (`rayjob`, or `rayjob_name` for one deleted) must be the current
-    attempt's (status.attempts, attempts.py); a RayJob of an earlier attempt gives None. With
+    attempt's (status.attempts, attempts.py) and the RLJob's own, by uid (`source_uid`, or the
+    RayJob's owner): a RayJob of an earlier attempt, or of an earlier RLJob of this name,
+    gives None. With
     the OOM policy on, the observation also advances status.attempts: a failed attempt with an
     OOM gets the policy's decision, and a retry is recorded with no RayJob yet (phase Pending);
     rljob_changed() then applies the new attempt's children."""
@@ -177,6 +200,7 @@ class Observing:
     reconciled: bool = False
     startup_expired: bool = False
     rayjob_name: str | None = None
+    source_uid: str | None = None
 
     def __call__(
         self, rljob: dict[str, Any]
@@ -188,6 +212,10 @@ class Observing:
                 return None
         current = dict(rljob.get("status") or {})
         meta = rljob["metadata"]
+        if self.source_uid is not None and self.source_uid != meta["uid"]:
+            return None  # an earlier RLJob's RayJob (this name applied again): not this job's
+        if self.rayjob is not None and identity.job_uid(self.rayjob) != meta["uid"]:
+            return None
         about = self.rayjob["metadata"]["name"] if self.rayjob is not None else self.rayjob_name
         if about is not None and about != attempts.current_ray_job(meta["name"], current):
             return None  # an earlier attempt's RayJob: its outcome is recorded already
@@ -196,7 +224,11 @@ class Observing:
         rayjob, step = self.rayjob, attempts.Step(None)
         if spec is not None and not problems:
             run_spec = status.applied_after_update(spec, self.applied)
-            step = attempts.advance(meta["name"], run_spec, current, rayjob, _fits(run_spec))
+            capacity = (current.get("memory") or {}).get("capacityBytes")
+            step = attempts.advance(
+                meta["name"], run_spec, current, rayjob,
+                _fits(run_spec, capacity), capacity_note(run_spec, capacity),
+            )  # fmt: skip
             if step.retry is not None:
                 rayjob = None  # the new attempt's RayJob is applied next (rljob_changed)
         observed = status.Observed(
@@ -208,7 +240,7 @@ class Observing:
             problems=problems,
             memory=current.get("memory"),
             oom_counts=dict(current.get("oomCounts") or {}),
-            causes=CAUSES.current(meta["namespace"], meta["name"]),
+            causes=CAUSES.current(meta["namespace"], meta["name"], meta["uid"]),
             apply_failure=self.apply_failure,
             reconciled=self.reconciled,
             startup_expired=self.startup_expired,
@@ -260,22 +292,29 @@ def _write(
     fields: OperatorFields,
     logger: logging.Logger | kopf.Logger,
     kills: Sequence[OOMEvent] = (),
-) -> None:
+    uid: str | None = None,
+) -> str | None:
     """Read the RLJob, compute every operator-owned status field (with new kills merged in),
-    apply them if anything changed, then post an Event per transition and per kill counted."""
-    with _job_lock(namespace, name):
+    apply them if anything changed, then post an Event per transition and per kill counted.
+
+    With `uid` (the job an observed object belongs to) nothing is written unless the RLJob of
+    this name is that job. Returns the uid of the RLJob found (None: there is none); when it is
+    not `uid`, what this process keeps of the job `uid` is dropped (it is gone)."""
+    with LOCKS.hold(namespace, name):
         rljob = kube.get_rljob(namespace, name)
-        if rljob is None:
-            return  # deleted; the garbage collector takes its children
+        found = str(rljob["metadata"]["uid"]) if rljob is not None else None
+        if rljob is None or (uid is not None and found != uid):
+            _forget(namespace, name, uid)
+            return found  # deleted; the garbage collector takes its children
         computed_fields = fields(rljob)
         if computed_fields is None:
-            return
+            return found
         operator_fields, transitions = computed_fields
         current = dict(rljob.get("status") or {})
         killed = oom.merge(oom.current_part(current), kills, started_at=STARTED_AT)
         computed = status.with_ooms(operator_fields, current, killed)
         if status.differs(current, computed):
-            kube.apply_status(namespace, name, computed)
+            kube.apply_status(namespace, name, computed, uid=found)
         if isinstance(fields, Observing):
             MIRRORED.remember(namespace, name, fields.rayjob)
         retries = attempts.new_retries(
@@ -298,12 +337,24 @@ def _write(
         kopf.event(body, type="Warning", reason=oom.KIND, message=message)
         logger.warning(f"RLJob {namespace}/{name}: {message}")
     _announce_causes(rljob, logger)
+    return found
+
+
+def _forget(namespace: str, name: str, uid: str | None) -> None:
+    """Drop what this process keeps of a job that is gone: the RayJob state and spec memos of
+    its name (they hold content keys, so a job applied again under the name only re-reads),
+    and the causes of the gone job's uid."""
+    MIRRORED.forget(namespace, name)
+    APPLIED.forget(namespace, name)
+    if uid is not None:
+        CAUSES.forget(namespace, name, uid)
 
 
 def _announce_causes(rljob: dict[str, Any], logger: logging.Logger | kopf.Logger) -> None:
     """One Warning Event per distinct cause of the job (causes.py), its count the objects hit."""
     namespace, name = rljob["metadata"]["namespace"], rljob["metadata"]["name"]
-    for news in CAUSES.unannounced(namespace, name):
+    uid = str(rljob["metadata"]["uid"])
+    for news in CAUSES.unannounced(namespace, name, uid):
         cause = news.cause
         try:
             count = kube.post_cause_event(
@@ -315,7 +366,7 @@ def _announce_causes(rljob: dict[str, Any], logger: logging.Logger | kopf.Logger
             )
         except (ApiException, HTTPError) as exc:
             logger.warning(f"RLJob {namespace}/{name}: Event for {cause.reason} not posted: {exc}")
-            CAUSES.retract(namespace, name, news)  # the job's next event tries again
+            CAUSES.retract(namespace, name, uid, news)  # the job's next event tries again
             count = len(news.sources)
         if count is not None:  # None: an earlier process counted these already
             logger.warning(f"RLJob {namespace}/{name}: {causes.event_message(cause.line, count)}")
@@ -347,7 +398,7 @@ def reconcile(
     spec, problems = _parse(body)
     try:
         if spec is None or problems:
-            _write(namespace, name, Observing(spec, None, None, problems), logger)
+            _write(namespace, name, Observing(spec, None, None, problems), logger, uid=uid)
             text = "; ".join(f"{path}: {msg}" for path, msg in problems)
             raise kopf.PermanentError(f"RLJob {name}: {text}")
         run_spec = status.applied_after_update(spec, APPLIED.read(namespace, name))
@@ -358,12 +409,15 @@ def reconcile(
         # the Role and RoleBinding are applied) waits for this status write: then it finds its
         # state mirrored and costs nothing, or, if KubeRay changed the RayJob since the apply
         # answered, it writes the newer state after this one instead of being overwritten by it.
-        with _job_lock(namespace, name):
+        with LOCKS.hold(namespace, name):
             # A job the memory plan rejects (onMisfit Reject) gets no RayJob; status says why.
             start = admit(run_spec).start
             # The OOM policy's current attempt, from status as stored now (not as the event
             # saw it): its RayJob and job config are the ones to apply.
-            held = (kube.get_rljob(namespace, name) or dict(body)).get("status") or {}
+            stored_rljob = kube.get_rljob(namespace, name)
+            if stored_rljob is None or stored_rljob["metadata"]["uid"] != uid:
+                stored_rljob = dict(body)  # deleted (and maybe applied again) meanwhile
+            held = stored_rljob.get("status") or {}
             attempt = attempts.current(name, run_spec, held)
             # A job whose current RayJob has ended is not applied again (it would run again if
             # that RayJob was deleted since); it is read, for a decision still to make on it.
@@ -372,9 +426,13 @@ def reconcile(
                 owner, spec, run_spec, retry, logger, rayjob=start and not done, attempt=attempt
             )
             APPLIED.remember(namespace, name, stored["ConfigMap"], run_spec)
-            ended = kube.get_rayjob(namespace, attempt.ray_job) if done else stored.get("RayJob")
+            ended = (
+                identity.own(kube.get_rayjob(namespace, attempt.ray_job), uid)
+                if done
+                else stored.get("RayJob")
+            )
             observing = Observing(spec, run_spec, ended, reconciled=True)
-            _write(namespace, name, observing, logger)
+            _write(namespace, name, observing, logger, uid=uid)
         logger.info(f"reconciled RLJob {namespace}/{name}")
     except (ApiException, HTTPError) as exc:
         raise kube.as_kopf_error(exc, f"RLJob {namespace}/{name}") from exc
@@ -395,7 +453,7 @@ def _apply_children(
         if child["kind"] == "RayJob" and not rayjob:
             continue
         try:
-            taken = _held_by_another(child, owner, retry) if child["kind"] == "RayJob" else None
+            taken = _held_by_another(child, owner)
             if taken is None:
                 stored[child["kind"]] = kube.apply(child)
         except (ApiException, HTTPError) as exc:
@@ -407,34 +465,42 @@ def _apply_children(
     return stored
 
 
-def _held_by_another(
-    child: Mapping[str, Any], owner: render.Owner, retry: int
-) -> status.ApplyFailure | None:
-    """Why the RayJob `child` must not be applied: one of its name exists and is not this
-    RLJob's, e.g. RLJob `exp`'s attempt 2 (`exp-a2`) and an RLJob named `exp-a2`. Server-side
-    apply with force would take over one with no owner, and the apiserver refuses one another
-    RLJob controls with a message that names neither job ("Only one reference can have
-    Controller set to true"). Refused for good, saying whose it is; retried only while an
-    earlier RLJob of this very name, deleted, still has its RayJob being garbage-collected."""
-    name = str(child["metadata"]["name"])
-    existing = kube.get_rayjob(owner.namespace, name)
-    if existing is None:
+# How soon a job waiting for an earlier RLJob's child of the same name to go looks again: the
+# garbage collector deletes most children within a second; a RayJob waits for KubeRay's
+# finalizer (its cluster torn down), seconds more. A fixed short delay, not kopf's doubling
+# backoff, so the new job starts within this of the old child being gone.
+EARLIER_CHILD_RETRY_SECONDS = 2.0
+
+
+def _held_by_another(child: Mapping[str, Any], owner: render.Owner) -> status.ApplyFailure | None:
+    """Why `child` must not be applied: an object of its kind and name exists that is not this
+    RLJob's (by uid), e.g. RLJob `exp`'s attempt 2 (`exp-a2`) and an RLJob named `exp-a2`.
+    Server-side apply with force would take it over (an object with no owner, or one an earlier
+    RLJob of this name owned, whose garbage collection or finalizer has not finished), and the
+    apiserver refuses one another RLJob controls with a message that names neither job ("Only
+    one reference can have Controller set to true"). An earlier RLJob's child of this very name,
+    or this job's own child being deleted, is waited for (status says so) and never adopted;
+    anything else is refused for good, saying whose it is."""
+    kind, name = str(child["kind"]), str(child["metadata"]["name"])
+    existing = kube.get_child(kind, owner.namespace, name)
+    if existing is None or identity.belongs(existing, owner.uid):
         return None
-    refs = existing.get("metadata", {}).get("ownerReferences") or []
-    if any(ref.get("uid") == owner.uid for ref in refs):
-        return None
-    jobs = [ref for ref in refs if ref.get("kind") == KIND]
-    if jobs and all(ref.get("name") == owner.name for ref in jobs):
-        message = "it still belongs to an earlier RLJob of this name, which is being deleted"
+    if identity.earlier_incarnation(existing, owner.name, owner.uid) or (
+        identity.job_uid(existing) == owner.uid
+    ):
+        gone = identity.job_uid(existing)
+        whose = "this RLJob" if gone == owner.uid else f"an earlier RLJob of this name (uid {gone})"
+        message = f"waiting for it to be deleted: it belongs to {whose}, which is being deleted"
         return status.ApplyFailure(
-            "RayJob", name, message, retry_in_seconds=kube.retry_delay(retry)
+            kind, name, message, retry_in_seconds=EARLIER_CHILD_RETRY_SECONDS
         )
+    refs = existing.get("metadata", {}).get("ownerReferences") or []
     holder = ", ".join(f"{ref.get('kind')} {ref.get('name')}" for ref in refs) or "no owner"
     message = (
-        f"a RayJob of that name exists and belongs to {holder}, not to RLJob {owner.name}; "
+        f"a {kind} of that name exists and belongs to {holder}, not to RLJob {owner.name}; "
         "rename one of the two jobs (an OOM retry's attempt N runs as RayJob NAME-aN)"
     )
-    return status.ApplyFailure("RayJob", name, message, refused_by="the operator")
+    return status.ApplyFailure(kind, name, message, refused_by="the operator")
 
 
 def _failed(
@@ -447,7 +513,7 @@ def _failed(
     where = f"RLJob {owner.namespace}/{owner.name}"
     try:
         observing = Observing(spec, run_spec, stored.get("RayJob"), apply_failure=failure)
-        _write(owner.namespace, owner.name, observing, logger)
+        _write(owner.namespace, owner.name, observing, logger, uid=owner.uid)
     except (ApiException, HTTPError) as status_exc:
         logger.warning(f"{where}: status not updated: {status_exc}")
     if failure.refused:
@@ -466,16 +532,25 @@ def rayjob_changed(
     failure here is logged and the next RayJob event or the RLJob's resume repairs it."""
     name = labels[render.JOB_LABEL]
     assert namespace is not None  # RayJobs are namespaced
+    uid = identity.job_uid(body)
+    if uid is None or (type != "DELETED" and identity.terminating(body)):
+        # Not made by this operator for a job it can name by uid, or on its way out (KubeRay's
+        # finalizer holds a deleted RayJob, still showing its last status): nothing to mirror.
+        # Its DELETED event comes next.
+        return
     rayjob = None if type == "DELETED" else dict(body)
     try:
-        with _job_lock(namespace, name):
+        with LOCKS.hold(namespace, name):
             if MIRRORED.holds(namespace, name, rayjob):
                 return  # the RLJob's status was computed from this very RayJob state
             # The spec is parsed from the RLJob _write reads (one read, under the same lock).
-            # A RayJob of an earlier OOM-policy attempt is ignored there (Observing).
+            # A RayJob of an earlier OOM-policy attempt, or of an earlier RLJob of this name,
+            # is ignored there (Observing).
             applied = APPLIED.read(namespace, name)
-            observing = Observing(None, applied, rayjob, rayjob_name=body["metadata"]["name"])
-            _write(namespace, name, observing, logger)
+            observing = Observing(
+                None, applied, rayjob, rayjob_name=body["metadata"]["name"], source_uid=uid
+            )
+            _write(namespace, name, observing, logger, uid=uid)
     except (ApiException, HTTPError) as exc:
         logger.warning(f"RLJob {namespace}/{name}: status not updated: {exc}")
 
@@ -489,22 +564,31 @@ def raycluster_changed(
     """KubeRay could not create a pod of the job (its ReplicaFailure condition): PodsReady."""
     assert namespace is not None
     found = [] if type == "DELETED" else causes.raycluster_causes(body)
-    _observe_causes(namespace, labels[render.JOB_LABEL], f"raycluster/{name}", found, logger)
+    uid = identity.job_uid(body)
+    if uid is not None:
+        job = labels[render.JOB_LABEL]
+        _observe_causes(namespace, job, uid, f"raycluster/{name}", found, logger)
 
 
 def _observe_causes(
-    namespace: str, job: str, source: str, found: list[causes.Cause],
+    namespace: str, job: str, uid: str, source: str, found: list[causes.Cause],
     logger: kopf.Logger | logging.Logger,
 ) -> None:  # fmt: skip
-    """Record a source's causes; when they changed, recompute the job's status (PodsReady) and
-    post an Event for each cause not announced yet. Not retried: the source's next change or
-    the RLJob's next status write repairs a lost one."""
-    if not CAUSES.observe(namespace, job, source, found):
+    """Record a source's causes for the job `uid`; when they changed, recompute the job's status
+    (PodsReady) and post an Event for each cause not announced yet. Not retried: the source's
+    next change or the RLJob's next status write repairs a lost one."""
+    if not CAUSES.observe(namespace, job, uid, source, found):
         return
     try:
-        with _job_lock(namespace, job):
-            rayjob = kube.get_rayjob(namespace, _current_ray_job(namespace, job))
-            _write(namespace, job, Observing(None, APPLIED.read(namespace, job), rayjob), logger)
+        with LOCKS.hold(namespace, job):
+            rljob = kube.get_rljob(namespace, job)
+            if rljob is None or rljob["metadata"]["uid"] != uid:
+                _forget(namespace, job, uid)  # the source's job is gone
+                return
+            ray_job = attempts.current_ray_job(job, rljob.get("status") or {})
+            rayjob = identity.own(kube.get_rayjob(namespace, ray_job), uid)
+            observing = Observing(None, APPLIED.read(namespace, job), rayjob)
+            _write(namespace, job, observing, logger, uid=uid)
     except (ApiException, HTTPError) as exc:
         logger.warning(f"RLJob {namespace}/{job}: causes not recorded yet: {exc}")
 
@@ -547,25 +631,22 @@ async def startup_deadline(
     await asyncio.to_thread(_time_out, owner, logger)
 
 
-def _current_ray_job(namespace: str, job: str) -> str:
-    """The current OOM-policy attempt's RayJob name, from the RLJob's status as stored."""
-    rljob = kube.get_rljob(namespace, job) or {}
-    return attempts.current_ray_job(job, rljob.get("status") or {})
-
-
 def _time_out(owner: render.Owner, logger: kopf.Logger) -> None:
     namespace, name = owner.namespace, owner.name
     try:
-        with _job_lock(namespace, name):
+        with LOCKS.hold(namespace, name):
             applied = APPLIED.read(namespace, name)
-            rljob = kube.get_rljob(namespace, name) or {}
+            rljob = kube.get_rljob(namespace, name)
+            if rljob is None or rljob["metadata"]["uid"] != owner.uid:
+                return  # deleted (and maybe applied again) since the timer fired
             attempt = attempts.current(name, applied, rljob.get("status") or {})
-            rayjob = kube.get_rayjob(namespace, attempt.ray_job)
+            rayjob = identity.own(kube.get_rayjob(namespace, attempt.ray_job), owner.uid)
             if rayjob is not None and applied is not None:
                 # Suspend first: if this fails the job is still Starting and the timer retries.
                 suspended = applied.model_copy(update={"suspend": True})
                 rayjob = kube.apply(render.ray_job(owner, suspended, attempt.number))
-            _write(namespace, name, Observing(None, applied, rayjob, startup_expired=True), logger)
+            observing = Observing(None, applied, rayjob, startup_expired=True)
+            _write(namespace, name, observing, logger, uid=owner.uid)
     except (ApiException, HTTPError) as exc:
         raise kopf.TemporaryError(
             f"RLJob {namespace}/{name}: startup timeout: {exc}", delay=10
@@ -582,10 +663,7 @@ def rljob_changed(
     assert namespace is not None
     if type == "DELETED":
         metrics.JOBS.forget(namespace, name)
-        MIRRORED.forget(namespace, name)
-        APPLIED.forget(namespace, name)
-        CAUSES.forget(namespace, name)
-        _drop_job_lock(namespace, name)
+        _forget(namespace, name, str((body.get("metadata") or {}).get("uid") or "") or None)
         return
     current = dict(body.get("status") or {})
     metrics.JOBS.observe(namespace, name, current)
@@ -610,7 +688,7 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
     the timer (startup_deadline, every STARTUP_CHECK_SECONDS while the job is Pending or its
     late OOM is undecided), the next change of the RLJob or the operator's resume tries again."""
     try:
-        with _job_lock(namespace, name):
+        with LOCKS.hold(namespace, name):
             rljob = kube.get_rljob(namespace, name)
             if rljob is None:
                 return
@@ -621,7 +699,8 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
             run_spec = status.applied_after_update(spec, applied)
             current = dict(rljob.get("status") or {})
             attempt = attempts.current(name, run_spec, current)
-            rayjob = kube.get_rayjob(namespace, attempt.ray_job)
+            uid = str(rljob["metadata"]["uid"])
+            rayjob = identity.own(kube.get_rayjob(namespace, attempt.ray_job), uid)
             if rayjob is None and attempts.finished(name, current):
                 # The attempt ended and its RayJob went: a late OOM is decided from what status
                 # mirrors of it; the attempt is never applied (run) again.
@@ -631,15 +710,14 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
             if rayjob is None and attempt.number > 1:
                 if status.timed_out(current):
                     run_spec = run_spec.model_copy(update={"suspend": True})
-                meta = rljob["metadata"]
-                owner = render.Owner(name=name, namespace=namespace, uid=meta["uid"])
+                owner = render.Owner(name=name, namespace=namespace, uid=uid)
                 stored = _apply_children(owner, spec, run_spec, 0, logger, attempt=attempt)
                 APPLIED.remember(namespace, name, stored["ConfigMap"], run_spec)
                 logger.info(f"RLJob {namespace}/{name}: attempt {attempt.number} started")
                 observing = Observing(spec, run_spec, stored.get("RayJob"), reconciled=True)
             else:
                 observing = Observing(spec, applied, rayjob)
-            _write(namespace, name, observing, logger)
+            _write(namespace, name, observing, logger, uid=uid)
     except (ApiException, HTTPError, kopf.TemporaryError, kopf.PermanentError) as exc:
         logger.warning(f"RLJob {namespace}/{name}: OOM policy attempt not advanced yet: {exc}")
 
@@ -656,17 +734,22 @@ def pod_changed(
     change or the operator's next start (kopf lists every pod again, and kills are deduped)."""
     assert namespace is not None
     job = labels[render.JOB_LABEL]
-    found = [] if type == "DELETED" else causes.pod_causes(body)
-    _observe_causes(namespace, job, f"pod/{name}", found, logger)
+    uid = identity.job_uid(body)
     if type == "DELETED":
         KILLS.forget(namespace, name)
+    if uid is None:
+        return  # a pod that names no job by uid (an older operator's): never matched by name
+    found = [] if type == "DELETED" else causes.pod_causes(body)
+    _observe_causes(namespace, job, uid, f"pod/{name}", found, logger)
+    if type == "DELETED":
         return
     kills = KILLS.fresh(namespace, oom.pod_kills(body))
     if not kills:
         return
     try:
-        _write(namespace, job, _carry, logger, kills)
+        seen = _write(namespace, job, _carry, logger, kills, uid=uid)
     except (ApiException, HTTPError) as exc:
         logger.warning(f"RLJob {namespace}/{job}: OOMKilled not recorded yet: {exc}")
         return
-    KILLS.record(namespace, kills)
+    if seen == uid:
+        KILLS.record(namespace, kills)

@@ -63,14 +63,17 @@ def _core() -> client.CoreV1Api:
 
 
 @functools.cache
-def _apply_fn(kind: str) -> Callable[..., Any]:
-    """The generated client's patch call for a built-in kind: fn(name, namespace, body, ...)."""
-    rbac = client.RbacAuthorizationV1Api(_api())
-    table: dict[str, Callable[..., Any]] = {
-        "ServiceAccount": _core().patch_namespaced_service_account,
-        "ConfigMap": _core().patch_namespaced_config_map,
-        "Role": rbac.patch_namespaced_role,
-        "RoleBinding": rbac.patch_namespaced_role_binding,
+def _builtin_calls(kind: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The generated client's (patch, read) calls for a built-in kind: fn(name, namespace, ...)."""
+    core, rbac = _core(), client.RbacAuthorizationV1Api(_api())
+    table: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+        "ServiceAccount": (
+            core.patch_namespaced_service_account,
+            core.read_namespaced_service_account,
+        ),
+        "ConfigMap": (core.patch_namespaced_config_map, core.read_namespaced_config_map),
+        "Role": (rbac.patch_namespaced_role, rbac.read_namespaced_role),
+        "RoleBinding": (rbac.patch_namespaced_role_binding, rbac.read_namespaced_role_binding),
     }
     return table[kind]
 
@@ -94,18 +97,19 @@ def apply(obj: dict[str, Any]) -> dict[str, Any]:
             group, version, meta["namespace"], "rayjobs", meta["name"], obj, **kwargs
         )
     else:
-        response = _apply_fn(obj["kind"])(meta["name"], meta["namespace"], obj, **kwargs)
+        patch = _builtin_calls(obj["kind"])[0]
+        response = patch(meta["name"], meta["namespace"], obj, **kwargs)
     return _json(response)
 
 
-def apply_status(namespace: str, name: str, status: dict[str, Any]) -> None:
-    """Server-side apply the operator's status fields on the status subresource."""
-    body = {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": {"name": name, "namespace": namespace},
-        "status": status,
-    }
+def apply_status(namespace: str, name: str, status: dict[str, Any], uid: str | None = None) -> None:
+    """Server-side apply the operator's status fields on the status subresource. With `uid`
+    the apiserver refuses the write (409) unless the RLJob of that name is still that object:
+    status computed for a job never lands on one applied again under its name meanwhile."""
+    meta: dict[str, Any] = {"name": name, "namespace": namespace}
+    if uid:
+        meta["uid"] = uid  # a precondition: metadata.uid in a patch must match the stored one
+    body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "status": status}
     response: Any = _custom().patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, name, body,
         field_manager=FIELD_MANAGER, force=True, _content_type=APPLY, _preload_content=False,
@@ -125,6 +129,14 @@ def get_rayjob(namespace: str, name: str) -> dict[str, Any] | None:
 
 def get_config_map(namespace: str, name: str) -> dict[str, Any] | None:
     return _get(lambda: _core().read_namespaced_config_map(name, namespace, _preload_content=False))
+
+
+def get_child(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """A child of the kind render.children() makes (RayJob or a built-in kind), or None."""
+    if kind == "RayJob":
+        return get_rayjob(namespace, name)
+    read = _builtin_calls(kind)[1]
+    return _get(lambda: read(name, namespace, _preload_content=False))
 
 
 def _get(call: Callable[[], Any]) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from kubernetes.utils import parse_quantity
 
 from rljob.api import OOMEvent
+from rljob_operator.identity import attempt_of
 
 KIND: Literal["OOMKilled"] = "OOMKilled"
 # status.oomEvents keeps this many OOMKilled entries (one per container, latest kills first to
@@ -42,6 +43,7 @@ def pod_kills(pod: Mapping[str, Any]) -> list[OOMEvent]:
     or as their last state) and the pod evicted for memory. One entry per container, count 1."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     name, node = str(meta.get("name") or ""), str((pod.get("spec") or {}).get("nodeName") or "")
+    attempt = attempt_of(pod)
     kills: list[OOMEvent] = []
     statuses = [
         *(status.get("initContainerStatuses") or []),
@@ -69,6 +71,7 @@ def pod_kills(pod: Mapping[str, Any]) -> list[OOMEvent]:
                         limit_bytes=limit,
                         count=1,
                         restart_count=termination,
+                        attempt=attempt,
                         message=f"container {container} of pod {name} was OOMKilled"
                         + (f" (memory limit {limit} bytes)" if limit is not None else "")
                         + f", exit code {terminated.get('exitCode', '?')}",
@@ -85,6 +88,7 @@ def pod_kills(pod: Mapping[str, Any]) -> list[OOMEvent]:
                 node=node,
                 count=1,
                 restart_count=1,
+                attempt=attempt,
                 message=str(status.get("message") or "evicted for memory")[:1000],
             )
         )

@@ -21,6 +21,7 @@ from rljob.api import (
     name_problems,
 )
 from rljob.oom_policy import rayjob_name
+from rljob_operator.identity import ATTEMPT_LABEL, JOB_UID_LABEL
 from rljob_operator.rbac import job_rules
 
 # The Ray driver the RayJob runs (built in worker_image/rljob_worker/driver/ray_main.py).
@@ -61,11 +62,19 @@ def job_account_name(job: str) -> str:
     return f"{job}-job"
 
 
-def _metadata(name: str, owner: Owner) -> dict[str, Any]:
+def _labels(owner: Owner) -> dict[str, str]:
+    """The job's name (for people and selectors) and its uid (what the operator matches on)."""
+    return {JOB_LABEL: owner.name, JOB_UID_LABEL: owner.uid}
+
+
+def _metadata(name: str, owner: Owner, attempt: int | None = None) -> dict[str, Any]:
+    labels = {**_labels(owner), **MANAGED_BY}
+    if attempt is not None:
+        labels[ATTEMPT_LABEL] = str(attempt)
     return {
         "name": name,
         "namespace": owner.namespace,
-        "labels": {JOB_LABEL: owner.name, **MANAGED_BY},
+        "labels": labels,
         "ownerReferences": [owner.reference()],
     }
 
@@ -75,12 +84,9 @@ def config_map(
 ) -> dict[str, Any]:
     """The worker's job config: the validated spec and whose status to write; from the OOM
     policy's second attempt on, the attempt's number and memory knobs (the spec unchanged)."""
-    if attempt == 1 and knobs is None:
-        config = JobConfig(name=owner.name, namespace=owner.namespace, spec=spec)
-    else:
-        config = JobConfig(
-            name=owner.name, namespace=owner.namespace, spec=spec, attempt=attempt, knobs=knobs
-        )
+    config = JobConfig(name=owner.name, namespace=owner.namespace, uid=owner.uid, spec=spec)
+    if attempt != 1 or knobs is not None:
+        config = config.model_copy(update={"attempt": attempt, "knobs": knobs})
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -107,9 +113,7 @@ _MOUNTS: list[dict[str, Any]] = [
 
 
 def _pod_template(
-    owner: Owner,
-    spec: RLJobSpec,
-    container: dict[str, Any],
+    owner: Owner, spec: RLJobSpec, container: dict[str, Any], attempt: int
 ) -> dict[str, Any]:
     res = spec.resources
     pod: dict[str, Any] = {
@@ -125,7 +129,8 @@ def _pod_template(
         ]
     if res.priority_class_name:
         pod["priorityClassName"] = res.priority_class_name
-    return {"metadata": {"labels": {JOB_LABEL: owner.name}}, "spec": pod}
+    labels = {**_labels(owner), ATTEMPT_LABEL: str(attempt)}
+    return {"metadata": {"labels": labels}, "spec": pod}
 
 
 def _container(
@@ -196,7 +201,7 @@ def ray_job(owner: Owner, spec: RLJobSpec, attempt: int = 1) -> dict[str, Any]:
     return {
         "apiVersion": RAY_API_VERSION,
         "kind": "RayJob",
-        "metadata": _metadata(rayjob_name(owner.name, attempt), owner),
+        "metadata": _metadata(rayjob_name(owner.name, attempt), owner, attempt),
         "spec": {
             "entrypoint": DRIVER_ENTRYPOINT,
             "submissionMode": "K8sJobMode",
@@ -208,7 +213,7 @@ def ray_job(owner: Owner, spec: RLJobSpec, attempt: int = 1) -> dict[str, Any]:
                 "headGroupSpec": {
                     # num-cpus 0: no rank is ever placed on the head; it only runs the driver.
                     "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
-                    "template": _pod_template(owner, spec, head),
+                    "template": _pod_template(owner, spec, head, attempt),
                 },
                 "workerGroupSpecs": [
                     {
@@ -217,7 +222,7 @@ def ray_job(owner: Owner, spec: RLJobSpec, attempt: int = 1) -> dict[str, Any]:
                         "minReplicas": res.workers,
                         "maxReplicas": res.workers,
                         "rayStartParams": worker_start,
-                        "template": _pod_template(owner, spec, worker),
+                        "template": _pod_template(owner, spec, worker, attempt),
                     }
                 ],
             },

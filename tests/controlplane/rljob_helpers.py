@@ -146,6 +146,19 @@ def deny_in_namespace(plane: Any, namespace: str, resource: str, reason: str) ->
     return name
 
 
+def pod_labels(api: client.ApiClient, namespace: str, job: str, attempt: int = 1) -> dict[str, str]:
+    """The labels a pod of the job's RayJob gets from its template (KubeRay copies them): the
+    job's name, its uid (what the operator matches on) and the OOM policy's attempt."""
+    rljob: Any = client.CustomObjectsApi(api).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, job
+    )
+    return {
+        "rljob.dev/job": job,
+        "rljob.dev/job-uid": rljob["metadata"]["uid"],
+        "rljob.dev/attempt": str(attempt),
+    }
+
+
 # An RLJob that runs on CPU (no GPU on the plane).
 CPU_SPEC: dict[str, Any] = {
     "rollout": {"engine": "torch"},

@@ -22,6 +22,7 @@ from rljob_helpers import (
     Operator,
     admin_kubeconfig,
     deny_in_namespace,
+    pod_labels,
     wait_for,
     write_pod_waiting_as_kubelet_would,
     write_unschedulable_as_scheduler_would,
@@ -181,7 +182,7 @@ def test_the_startup_deadline_fails_the_job_with_its_last_cause_and_suspends_it(
     core = client.CoreV1Api(admin)
     pod: Any = {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "late-head", "labels": {"rljob.dev/job": "late"}},
+        "metadata": {"name": "late-head", "labels": pod_labels(admin, namespace, "late")},
         "spec": {"containers": [{"name": "ray-head", "image": "ghcr.io/rljob/worker:0.1.0"}]},
     }  # fmt: skip
     core.create_namespaced_pod(namespace, pod)
@@ -228,7 +229,7 @@ def test_a_causes_event_counts_on_across_an_operator_restart(
     def failing_worker(pod: str) -> None:
         body: Any = {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": pod, "labels": {"rljob.dev/job": "recount"}},
+            "metadata": {"name": pod, "labels": pod_labels(admin, namespace, "recount")},
             "spec": {"containers": [{"name": "ray-worker", "image": "ghcr.io/rljob/none:0"}]},
         }  # fmt: skip
         core.create_namespaced_pod(namespace, body)

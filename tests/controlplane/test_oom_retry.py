@@ -102,15 +102,24 @@ def _after(rayjob: dict[str, Any], seconds: int = 1) -> str:
 
 
 def publish_oom_as_driver_would(
-    token: Path, namespace: str, name: str, rayjob: dict[str, Any], stage: Stage, rank: int = 0
-) -> None:
+    token: Path, namespace: str, name: str, rayjob: dict[str, Any], stage: Stage, rank: int = 0,
+    skew_seconds: int = 0,
+) -> None:  # fmt: skip
     """Stand-in for the driver of the attempt `rayjob` runs: its CUDA OOM record, through the
-    driver's own publisher and the job's token, then its exit (the caller fails the RayJob)."""
+    driver's own publisher with the job's token, the RLJob's uid and the attempt's number from
+    its job config (the pod template's labels carry the same), then its exit (the caller fails
+    the RayJob). `skew_seconds`: the driver's node clock that far off the apiserver's."""
+    when = datetime.datetime.fromisoformat(_after(rayjob).replace("Z", "+00:00"))
     oom = OOMRecord(
-        time=_after(rayjob), kind="CUDAOutOfMemory", stage=stage, iteration=1, rank=rank,
+        time=(when + datetime.timedelta(seconds=skew_seconds)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        kind="CUDAOutOfMemory", stage=stage, iteration=1, rank=rank,
         requested_bytes=1 << 30, free_bytes=1 << 20, message="CUDA out of memory.",
     )  # fmt: skip
-    publisher = StatusPublisher.from_env_or_kubeconfig(namespace, name, str(token))
+    labels = rayjob["metadata"]["labels"]
+    publisher = StatusPublisher.from_env_or_kubeconfig(
+        namespace, name, str(token),
+        uid=labels["rljob.dev/job-uid"], attempt=int(labels["rljob.dev/attempt"]),
+    )  # fmt: skip
     status = RLJobStatus(iteration=1, oom_events=[oom], oom_counts={"CUDAOutOfMemory": 1})  # type: ignore[list-item]
     publisher.publish(status, [oom])
 
@@ -130,13 +139,14 @@ def mirrored(admin: client.ApiClient, namespace: str, name: str, rayjob: str) ->
 
 
 def fail_attempt(
-    admin: client.ApiClient, token: Path, namespace: str, name: str, rayjob_name: str
-) -> None:
-    """An OOM in wake_kv_cache of the attempt `rayjob_name`, then KubeRay's failure."""
+    admin: client.ApiClient, token: Path, namespace: str, name: str, rayjob_name: str,
+    stage: Stage = Stage.WAKE_KV_CACHE, skew_seconds: int = 0,
+) -> None:  # fmt: skip
+    """An OOM in `stage` of the attempt `rayjob_name`, then KubeRay's failure."""
     rayjob = wait_for(
         f"RayJob {rayjob_name}", lambda: get(admin, namespace, "rayjobs", rayjob_name)
     )
-    publish_oom_as_driver_would(token, namespace, name, rayjob, Stage.WAKE_KV_CACHE)
+    publish_oom_as_driver_would(token, namespace, name, rayjob, stage, skew_seconds=skew_seconds)
     write_rayjob_status_as_kuberay_would(admin, namespace, rayjob_name, "FAILED", "Failed")
 
 
@@ -173,7 +183,7 @@ def test_an_injected_oom_in_wake_kv_cache_starts_attempt_two_with_the_fraction_l
         "wake_kv_cache",
         0,
     )
-    assert "attempt 2 runs with memFractionStatic 0.8" in one["message"]
+    assert "attempt 2 runs with rollout.memFractionStatic 0.85 -> 0.8" in one["message"]
     assert (two["attempt"], two["rayJob"], two["memFractionStatic"], two["result"]) == (
         2, "kv-a2", 0.8, "Running",
     )  # fmt: skip

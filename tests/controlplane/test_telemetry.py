@@ -32,6 +32,7 @@ from rljob_helpers import (
     api_client,
     grant_operator_rbac,
     install_rljob_crds,
+    pod_labels,
     rljob,
     wait_for,
 )
@@ -195,7 +196,10 @@ def job_pod(admin: client.ApiClient, namespace: str, job: str, name: str) -> Non
     manifest: Any = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "labels": {"rljob.dev/job": job, "ray.io/group": "w"}},
+        "metadata": {
+            "name": name,
+            "labels": {**pod_labels(admin, namespace, job), "ray.io/group": "w"},
+        },
         "spec": {
             "containers": [
                 {

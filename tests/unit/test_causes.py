@@ -97,29 +97,30 @@ def test_kuberay_replica_failure_is_a_cause_and_its_absence_none() -> None:
 
 def test_the_book_announces_each_cause_once_and_counts_the_objects_it_hit() -> None:
     book = CauseBook()
-    assert book.current("ns", "j") is None
+    assert book.current("ns", "j", "u1") is None
     pull = pod_causes(pod({"containerStatuses": [waiting("ErrImagePull")]}, "w-0"))
-    assert book.observe("ns", "j", "pod/w-0", pull)
-    assert not book.observe("ns", "j", "pod/w-0", pull)  # the same again: no change
-    (first,) = book.unannounced("ns", "j")
+    assert book.observe("ns", "j", "u1", "pod/w-0", pull)
+    assert not book.observe("ns", "j", "u1", "pod/w-0", pull)  # the same again: no change
+    (first,) = book.unannounced("ns", "j", "u1")
     assert (first.cause.reason, first.sources) == ("ImagePullBackOff", ("pod/w-0",))
     again = pod_causes(pod({"containerStatuses": [waiting("ImagePullBackOff")]}, "w-0"))
-    book.observe("ns", "j", "pod/w-0", again)
-    assert book.unannounced("ns", "j") == []  # the kubelet's flapping is one cause
+    book.observe("ns", "j", "u1", "pod/w-0", again)
+    assert book.unannounced("ns", "j", "u1") == []  # the kubelet's flapping is one cause
     book.observe(
         "ns",
         "j",
+        "u1",
         "pod/w-1",
         pod_causes(pod({"containerStatuses": [waiting("ErrImagePull")]}, "w-1")),
     )
-    (second,) = book.unannounced("ns", "j")
+    (second,) = book.unannounced("ns", "j", "u1")
     assert second.sources == ("pod/w-1",) and event_name("j", "u1", second.cause.key) == event_name(
         "j", "u1", first.cause.key
     )
-    assert book.observe("ns", "j", "pod/w-0", [])
-    assert [c.source for c in book.current("ns", "j") or []] == ["pod/w-1"]
-    book.forget("ns", "j")
-    assert book.current("ns", "j") is None
+    assert book.observe("ns", "j", "u1", "pod/w-0", [])
+    assert [c.source for c in book.current("ns", "j", "u1") or []] == ["pod/w-1"]
+    book.forget("ns", "j", "u1")
+    assert book.current("ns", "j", "u1") is None
 
 
 def rayjob(deployment: str = "Initializing") -> dict[str, Any]:
@@ -207,13 +208,14 @@ def test_a_retracted_announcement_is_announced_again() -> None:
     book.observe(
         "ns",
         "j",
+        "u1",
         "pod/w-0",
         pod_causes(pod({"containerStatuses": [waiting("ErrImagePull")]}, "w-0")),
     )
-    (news,) = book.unannounced("ns", "j")
-    book.retract("ns", "j", news)  # the Event was not written (apiserver trouble)
-    assert book.unannounced("ns", "j") == [news]
-    assert book.unannounced("ns", "j") == []
+    (news,) = book.unannounced("ns", "j", "u1")
+    book.retract("ns", "j", "u1", news)  # the Event was not written (apiserver trouble)
+    assert book.unannounced("ns", "j", "u1") == [news]
+    assert book.unannounced("ns", "j", "u1") == []
 
 
 def test_an_events_count_goes_on_from_the_sources_it_counted() -> None:

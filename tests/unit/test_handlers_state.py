@@ -1,37 +1,229 @@
-"""The operator's per-RLJob memory in one process: a deleted RLJob leaves none of it behind
-(its lock, the mirrored RayJob state), and the others keep theirs. Metrics: test_metrics.py."""
+"""The operator's per-RLJob memory in one process: no job leaves any of it behind, whichever of
+its RLJob's and its children's last events comes last (issue 28), and a job applied again under
+the same name sees nothing of the deleted one's children. Metrics: test_metrics.py.
+
+The handlers run as kopf calls them, in this process; the apiserver they read and write is a
+dict (`Store`, a stand-in: the control-plane layer runs the same paths on the real one).
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from rljob_operator import handlers
+from rljob_operator import handlers, metrics, render
 
 pytestmark = pytest.mark.unit
 
+LOG = logging.getLogger("test")
+SPEC: dict[str, Any] = {
+    "rollout": {"engine": "torch"},
+    "resources": {"gpusPerWorker": 0, "cpuRanksPerWorker": 1},
+}
 
-def _rayjob(uid: str) -> dict[str, object]:
-    return {"metadata": {"name": "j", "uid": uid}, "status": {"jobStatus": "RUNNING"}}
+
+class Store:
+    """Stand-in for the apiserver's objects the handlers read and write, by name."""
+
+    def __init__(self) -> None:
+        self.rljobs: dict[str, dict[str, Any]] = {}
+        self.rayjobs: dict[str, dict[str, Any]] = {}
+        self.status_writes = 0
+
+    def apply_status(self, ns: str, name: str, status: dict[str, Any], uid: str | None) -> None:
+        job = self.rljobs[name]
+        assert uid == job["metadata"]["uid"], "status written to another incarnation"
+        job["status"] = status
+        self.status_writes += 1
 
 
-def test_a_deleted_rljob_leaves_no_per_job_state_behind() -> None:
-    for name in ("gone", "kept"):
-        handlers._job_lock("ns", name)
-        handlers.MIRRORED.remember("ns", name, _rayjob(name))
-        handlers.CAUSES.observe("ns", name, f"pod/{name}-head", [])
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+    found = Store()
+    kube = handlers.kube
+    monkeypatch.setattr(kube, "get_rljob", lambda ns, name: found.rljobs.get(name))
+    monkeypatch.setattr(kube, "get_rayjob", lambda ns, name: found.rayjobs.get(name))
+    monkeypatch.setattr(kube, "get_config_map", lambda ns, name: None)
+    monkeypatch.setattr(
+        kube, "apply_status", lambda ns, name, status, uid=None: found.apply_status(
+            ns, name, status, uid)
+    )  # fmt: skip
+    monkeypatch.setattr(kube, "post_cause_event", lambda *args: 1)
+    monkeypatch.setattr(handlers.kopf, "event", lambda *args, **kwargs: None)
+    yield found
+    _reset()
 
-    # kopf's decorator types the handler as its callback protocol (every kwarg required).
+
+def _reset() -> None:
+    for registry in (handlers.MIRRORED._seen, handlers.APPLIED._held, handlers.KILLS._seen):
+        registry.clear()
+    handlers.CAUSES._live.clear()
+    handlers.CAUSES._announced.clear()
+    metrics.JOBS._statuses.clear()
+
+
+def _left() -> dict[str, int]:
+    """Everything the process keeps per job, by registry (all 0: nothing left)."""
+    return {
+        "locks": len(handlers.LOCKS),
+        "mirrored": len(handlers.MIRRORED._seen),
+        "applied": len(handlers.APPLIED._held),
+        "causes": len(handlers.CAUSES),
+        "kills": len(handlers.KILLS._seen),
+        "metrics": len(metrics.JOBS._statuses),
+    }
+
+
+def _rljob(name: str, uid: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns", "uid": uid}, "spec": SPEC}
+
+
+def _rayjob(name: str, uid: str, job_status: str = "RUNNING") -> dict[str, Any]:
+    owner = render.Owner(name=name, namespace="ns", uid=uid)
+    meta = render.ray_job(owner, handlers.RLJobSpec.model_validate(SPEC))["metadata"]
+    return {
+        "metadata": {**meta, "uid": f"rayjob-{uid}", "creationTimestamp": "2026-11-26T00:00:00Z"},
+        "status": {"jobStatus": job_status, "jobDeploymentStatus": "Running"},
+    }
+
+
+def _pod(name: str, uid: str, oom_killed: bool) -> dict[str, Any]:
+    state = (
+        {
+            "terminated": {
+                "reason": "OOMKilled",
+                "exitCode": 137,
+                "finishedAt": "2026-11-26T00:01:00Z",
+            }
+        }
+        if oom_killed
+        else {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}
+    )
+    return {
+        "metadata": {
+            "name": f"{name}-worker-0",
+            "namespace": "ns",
+            "labels": {
+                render.JOB_LABEL: name,
+                handlers.identity.JOB_UID_LABEL: uid,
+                handlers.identity.ATTEMPT_LABEL: "1",
+            },
+        },
+        "spec": {"containers": [{"name": "ray-worker"}]},
+        "status": {
+            "containerStatuses": [{"name": "ray-worker", "restartCount": 0, "state": state}]
+        },
+    }
+
+
+def _rayjob_event(kind: str, body: dict[str, Any]) -> None:
+    changed: Any = handlers.rayjob_changed  # kopf types it as its callback protocol
+    labels = body["metadata"]["labels"]
+    changed(type=kind, body=body, namespace="ns", labels=labels, logger=LOG)
+
+
+def _pod_event(kind: str, body: dict[str, Any]) -> None:
+    changed: Any = handlers.pod_changed
+    meta = body["metadata"]
+    changed(type=kind, body=body, name=meta["name"], namespace="ns", labels=meta["labels"],
+            logger=LOG)  # fmt: skip
+
+
+def _rljob_event(kind: str, body: dict[str, Any]) -> None:
     changed: Any = handlers.rljob_changed
-    changed(type="DELETED", body={}, name="gone", namespace="ns", logger=logging.getLogger("t"))
+    changed(type=kind, body=body, name=body["metadata"]["name"], namespace="ns", logger=LOG)
 
-    assert ("ns", "gone") not in handlers._LOCKS
-    assert not handlers.MIRRORED.holds("ns", "gone", _rayjob("gone"))
-    assert handlers.CAUSES.current("ns", "gone") is None
-    assert handlers.CAUSES.current("ns", "kept") == []
-    assert ("ns", "kept") in handlers._LOCKS
-    assert handlers.MIRRORED.holds("ns", "kept", _rayjob("kept"))
-    # A lock taken again after the delete (a late event) is a fresh one, not an error.
-    assert handlers._job_lock("ns", "gone") is handlers._LOCKS[("ns", "gone")]
+
+def _live_job(store: Store, name: str, uid: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A job with a running RayJob, a pod that cannot pull its image and one OOMKilled."""
+    store.rljobs[name] = _rljob(name, uid)
+    rayjob = _rayjob(name, uid)
+    store.rayjobs[name] = rayjob
+    _rljob_event("ADDED", store.rljobs[name])
+    _rayjob_event("ADDED", rayjob)
+    _pod_event("MODIFIED", _pod(name, uid, oom_killed=False))
+    oom = _pod(name, uid, oom_killed=True)
+    oom["metadata"]["name"] += "-b"
+    _pod_event("MODIFIED", oom)
+    return rayjob, oom
+
+
+def _children_go(rayjob: dict[str, Any], oom_pod: dict[str, Any]) -> None:
+    """A job's children go: the RayJob held by KubeRay's finalizer (MODIFIED with
+    deletionTimestamp), then DELETED; its pods change once more, then go."""
+    terminating = {**rayjob, "metadata": {**rayjob["metadata"], "deletionTimestamp": "now"}}
+    labels = rayjob["metadata"]["labels"]
+    name, uid = labels[render.JOB_LABEL], labels[handlers.identity.JOB_UID_LABEL]
+    _rayjob_event("MODIFIED", terminating)
+    _rayjob_event("DELETED", terminating)
+    _pod_event("MODIFIED", _pod(name, uid, oom_killed=False))
+    _pod_event("DELETED", _pod(name, uid, oom_killed=False))
+    _pod_event("DELETED", oom_pod)
+
+
+@pytest.mark.parametrize("rljob_last", [False, True], ids=["rljob-first", "children-first"])
+def test_a_thousand_deleted_jobs_leave_nothing_in_either_event_order(
+    store: Store, rljob_last: bool
+) -> None:
+    for i in range(1000):
+        name, uid = f"job-{i}", f"uid-{i}"
+        rayjob, oom = _live_job(store, name, uid)
+        assert store.rljobs[name]["status"]["phase"] == "Running"
+        assert _left()["causes"] == 1 and _left()["kills"] == 1  # this job's, held while live
+        rljob = store.rljobs[name]
+        if rljob_last:
+            _children_go(rayjob, oom)
+        del store.rljobs[name], store.rayjobs[name]
+        _rljob_event("DELETED", rljob)
+        if not rljob_last:
+            _children_go(rayjob, oom)
+    assert _left() == dict.fromkeys(_left(), 0)
+
+
+def test_a_job_applied_again_under_its_name_sees_nothing_of_the_deleted_ones_children(
+    store: Store,
+) -> None:
+    old_rayjob, _ = _live_job(store, "again", "uid-old")
+    old_rayjob["status"] = {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}
+    _rayjob_event("MODIFIED", old_rayjob)
+    assert store.rljobs["again"]["status"]["phase"] == "Succeeded"
+    old = store.rljobs.pop("again")
+    _rljob_event("DELETED", old)
+    # Applied again while KubeRay's finalizer holds the old RayJob, which still says Succeeded.
+    store.rljobs["again"] = _rljob("again", "uid-new")
+    _rljob_event("ADDED", store.rljobs["again"])
+    terminating = {**old_rayjob, "metadata": {**old_rayjob["metadata"], "deletionTimestamp": "t"}}
+    _rayjob_event("MODIFIED", terminating)
+    _rayjob_event("MODIFIED", old_rayjob)  # even one not marked deleted yet: another uid
+    _pod_event("MODIFIED", _pod("again", "uid-old", oom_killed=True))
+    _rayjob_event("DELETED", terminating)
+    status = store.rljobs["again"].get("status") or {}
+    assert status.get("phase") != "Succeeded" and not status.get("oomEvents"), status
+    assert not status.get("rayJob")
+    # The new job's own RayJob is mirrored.
+    store.rayjobs["again"] = _rayjob("again", "uid-new")
+    _rayjob_event("ADDED", store.rayjobs["again"])
+    assert store.rljobs["again"]["status"]["phase"] == "Running"
+
+
+def test_a_lock_lives_while_a_handler_holds_or_waits_for_it_and_is_the_same_for_all() -> None:
+    held, waiting, order = threading.Event(), threading.Event(), []
+
+    def second() -> None:
+        waiting.set()
+        with handlers.LOCKS.hold("ns", "j"):
+            order.append("second")
+
+    with handlers.LOCKS.hold("ns", "j"), handlers.LOCKS.hold("ns", "j"):  # reentrant
+        thread = threading.Thread(target=second)
+        thread.start()
+        waiting.wait(5)
+        held.set()
+        order.append("first")
+        assert len(handlers.LOCKS) == 1
+    thread.join(5)
+    assert order == ["first", "second"] and len(handlers.LOCKS) == 0

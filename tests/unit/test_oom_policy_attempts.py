@@ -4,6 +4,7 @@ status fields and render output that follow from it."""
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import pytest
@@ -65,9 +66,11 @@ def test_an_oom_after_the_start_retries_with_the_lowered_fraction() -> None:
     assert (first["result"], first["oomStage"], first["oomRank"]) == (
         "CUDAOutOfMemory", "wake_kv_cache", 0,
     )  # fmt: skip
-    assert "attempt 2 runs with memFractionStatic 0.8" in first["message"]
+    assert "attempt 2 runs with rollout.memFractionStatic 0.85 -> 0.8" in first["message"]
+    assert second["changed"] == "rollout.memFractionStatic 0.85 -> 0.8"
     assert second == {"attempt": 2, "rayJob": "j-a2", "memFractionStatic": 0.8,
-                      "wakeUp": "staged", "result": "Running", "message": ""}  # fmt: skip
+                      "wakeUp": "staged", "result": "Running", "message": "",
+                      "changed": "rollout.memFractionStatic 0.85 -> 0.8"}  # fmt: skip
     assert step.retry == attempts.Current(2, "j-a2", AttemptKnobs(mem_fraction_static=0.8,
                                                                   wake_up=WakeUp.STAGED))  # fmt: skip
 
@@ -287,3 +290,66 @@ def test_a_finished_attempt_stands_and_a_running_or_retried_one_does_not() -> No
     assert attempts.ended(
         {"status": {"jobStatus": "STOPPED", "jobDeploymentStatus": "Complete"}}
     ) == (attempts.FAILED)
+
+
+def numbered(time: str, attempt: int, stage: str = "wake_kv_cache") -> dict[str, Any]:
+    return {**cuda(time, stage), "id": f"cuda/{attempt}/{time}", "attempt": attempt}
+
+
+@pytest.mark.parametrize("skew_seconds", [-30, 30])
+def test_an_oom_belongs_to_its_attempt_by_number_whatever_the_drivers_clock(
+    skew_seconds: int,
+) -> None:
+    """The driver's node clock 30 s behind or ahead of the apiserver's: attempt 2's RayJob was
+    created at 10:00:00 by the apiserver's clock. By time alone, 30 s behind would drop attempt
+    2's own OOM (09:59:35 is before the RayJob) and 30 s ahead would take attempt 1's (written
+    at 09:59:58 by the apiserver's clock, 10:00:28 by the driver's)."""
+    drift = datetime.timedelta(seconds=skew_seconds)
+
+    def at(apiserver_time: str) -> str:
+        when = datetime.datetime.fromisoformat(apiserver_time.replace("Z", "+00:00")) + drift
+        return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    second = rayjob("j-a2")  # created CREATED_AT = 10:00:00
+    earlier = numbered(at("2026-11-25T09:59:58Z"), 1)
+    own = numbered(at("2026-11-25T10:00:05Z"), 2, stage="train")
+    assert attempts.outcome(second, [earlier], 2).kind == "Failed"
+    found = attempts.outcome(second, [earlier, own], 2)
+    assert (found.kind, found.stage) == ("CUDAOutOfMemory", "train")
+    # The same entries without numbers (an older driver) are placed by time, and the skew
+    # shows: that is what the number fixes.
+    unnumbered = [{k: v for k, v in e.items() if k != "attempt"} for e in (earlier, own)]
+    by_time = attempts.outcome(second, unnumbered, 2)
+    assert by_time.stage != "train" or skew_seconds > 0
+
+
+def test_a_late_numbered_oom_is_decided_even_without_started_at() -> None:
+    current = {
+        "attempts": [{"attempt": 1, "rayJob": "j", "memFractionStatic": 0.85, "result": "Failed"}],
+        "oomEvents": [numbered("2026-11-25T09:00:00Z", 1)],
+    }
+    assert attempts.late_oom_undecided({"oomPolicy": {"maxRetries": 1}}, current)
+    current["oomEvents"] = [numbered("2026-11-25T09:00:00Z", 2)]  # another attempt's
+    assert not attempts.late_oom_undecided({"oomPolicy": {"maxRetries": 1}}, current)
+
+
+def test_a_train_stage_oom_records_the_knob_it_changed_in_the_next_attempt() -> None:
+    run = RLJobSpec.model_validate(
+        {"training": {"microBatchSize": 4}, "oomPolicy": {"maxRetries": 2}}
+    )
+    current = {"oomEvents": [numbered("2026-11-25T10:00:07Z", 1, stage="train")]}
+    step = attempts.advance("j", run, current, rayjob("j"))
+    assert step.attempts is not None and step.retry is not None
+    first, second = step.attempts
+    assert first["oomStage"] == "train"
+    assert second["microBatchSize"] == 2 and second["memFractionStatic"] == 0.85
+    assert second["changed"] == "training.microBatchSize 4 -> 2"
+    assert (
+        step.retry.knobs is not None and step.retry.knobs.apply(run).training.micro_batch_size == 2
+    )
+    config = JobConfig.from_yaml(
+        render.config_map(render.Owner("j", "ns", "u"), run, 2, step.retry.knobs)["data"][
+            JOB_CONFIG_FILE
+        ]
+    )
+    assert config.effective_spec.training.micro_batch_size == 2 and config.uid == "u"

@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 
 from rljob.api import AttemptKnobs, EngineName, RLJobSpec, WakeUp
-from rljob.oom_policy import Outcome, admit, next_attempt, rayjob_name
+from rljob.oom_policy import (
+    Outcome,
+    admit,
+    capacity_note,
+    changed_text,
+    next_attempt,
+    plan_for_knobs,
+    rayjob_name,
+)
 from rljob.plan import (
     BUILTIN_MODEL_SHAPES,
     ModelShape,
@@ -347,6 +355,81 @@ def test_policy_table(
     else:
         assert decision.retry and decision.knobs is not None
         assert (decision.knobs.mem_fraction_static, str(decision.knobs.wake_up)) == expected
+
+
+@pytest.mark.parametrize(
+    ("stage", "micro", "checkpointing", "policy", "expected"),
+    [
+        # the engine is released in train and offload_optimizer: the micro-batch halves ...
+        (Stage.TRAIN, 4, False, {}, (2, None)),
+        (Stage.OFFLOAD_OPTIMIZER, 3, False, {}, (1, None)),
+        (Stage.TRAIN, 8, False, {"minMicroBatchSize": 6}, (6, None)),
+        # ... then, at its floor, gradient checkpointing goes on
+        (Stage.TRAIN, 1, False, {}, (None, True)),
+        (Stage.TRAIN, 2, False, {"minMicroBatchSize": 2}, (None, True)),
+        # nothing left: floor reached and checkpointing on already (or not allowed)
+        (Stage.TRAIN, 1, True, {}, None),
+        (Stage.TRAIN, 1, False, {"gradientCheckpointing": False}, None),
+    ],
+)
+def test_a_training_stage_oom_retries_with_training_knobs_not_the_engines(
+    stage: Stage,
+    micro: int,
+    checkpointing: bool,
+    policy: dict[str, Any],
+    expected: tuple[int | None, bool | None] | None,
+) -> None:
+    spec = RLJobSpec.model_validate(
+        {
+            "rollout": {"memFractionStatic": 0.9, "wakeUp": "single"},
+            "training": {"microBatchSize": micro, "gradientCheckpointing": checkpointing},
+            "oomPolicy": {"maxRetries": 2, **policy},
+        }
+    )
+    current = AttemptKnobs(mem_fraction_static=0.9, wake_up=WakeUp.SINGLE)
+    # A plan that vetoes every engine setting must not matter: no engine knob is tried.
+    decision = next_attempt(spec, current, 1, Outcome("CUDAOutOfMemory", stage, 0), lambda k: False)
+    if expected is None:
+        assert not decision.retry and decision.reason == "OOMRetriesExhausted"
+        assert "no knobs left: training.microBatchSize is at" in decision.message
+        return
+    assert decision.retry and decision.knobs is not None
+    assert (decision.knobs.mem_fraction_static, decision.knobs.wake_up) == (0.9, WakeUp.SINGLE)
+    assert (decision.knobs.micro_batch_size, decision.knobs.gradient_checkpointing) == expected
+    ran = decision.knobs.apply(spec).training
+    assert ran.micro_batch_size == (expected[0] or micro)
+    assert ran.gradient_checkpointing is (expected[1] or checkpointing)
+    changed = changed_text(current, decision.knobs, spec)
+    assert changed in decision.message and changed.startswith("training.")
+
+
+def test_an_engine_stage_oom_never_touches_the_training_knobs() -> None:
+    spec = RLJobSpec.model_validate(
+        {"training": {"microBatchSize": 4}, "oomPolicy": {"maxRetries": 2}}
+    )
+    current = AttemptKnobs(mem_fraction_static=0.9, wake_up=WakeUp.STAGED)
+    decision = next_attempt(spec, current, 1, OOM)
+    assert decision.knobs == AttemptKnobs(mem_fraction_static=0.85, wake_up=WakeUp.STAGED)
+    assert decision.message.endswith("rollout.memFractionStatic 0.9 -> 0.85")
+
+
+def test_the_retry_plans_on_the_card_the_ranks_measured_and_says_when_the_spec_is_off() -> None:
+    spec = RLJobSpec.model_validate(
+        {
+            "model": {"path": "builtin:tiny-qwen2"},
+            "rollout": {"engine": "torch", "memFractionStatic": 0.9},
+            "resources": {"gpusPerWorker": 1},
+            "memoryPlan": {"gpuMemory": "80Gi"},
+        }
+    )
+    h200 = 150_000_000_000  # what ranks on an H200 report, against the spec's 80Gi (an H100)
+    assert capacity_note(spec, 80 << 30) == ""
+    assert capacity_note(spec, None) == ""
+    note = capacity_note(spec, h200)
+    assert "150000000000 bytes" in note and "gpuMemory=80Gi is 75% off" in note
+    on_spec, on_card = plan_for_knobs(spec), plan_for_knobs(spec, capacity_bytes=h200)
+    assert on_spec is not None and on_card is not None
+    assert on_card.worst.capacity_bytes == h200 and on_spec.worst.capacity_bytes == 80 << 30
 
 
 def test_policy_skips_fractions_the_plan_says_do_not_fit() -> None:

@@ -200,10 +200,10 @@ def test_cli_retries_an_oom_with_the_policys_knobs_and_records_both_attempts(
     assert first["attempt"] == 1 and first["result"] == "CUDAOutOfMemory"
     assert (first["wakeUp"], first["memFractionStatic"]) == ("single", 0.85)
     assert (first["oomStage"], first["oomRank"]) == ("wake_weights", 1)
-    assert "attempt 2 runs with memFractionStatic 0.85, wakeUp staged" in first["message"]
+    assert "attempt 2 runs with rollout.wakeUp single -> staged" in first["message"]
     assert second == {
         "attempt": 2, "memFractionStatic": 0.85, "wakeUp": "staged", "result": "Succeeded",
-        "rayJob": "", "message": "",
+        "rayJob": "", "message": "", "changed": "rollout.wakeUp single -> staged",
     }  # fmt: skip
     # Attempt 1's OOM stays in status, as the cluster's status keeps every attempt's.
     assert status["oomCounts"] == {"CUDAOutOfMemory": 1}

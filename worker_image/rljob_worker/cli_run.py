@@ -7,6 +7,7 @@ operator would publish (status.json / status.yaml), every iteration's report and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import defaultdict
@@ -269,13 +270,6 @@ def write_outputs(
     plot_timeline(samples, out / "memory-timeline.png", title)
 
 
-def _with_knobs(spec: RLJobSpec, knobs: AttemptKnobs) -> RLJobSpec:
-    rollout = spec.rollout.model_copy(
-        update={"mem_fraction_static": knobs.mem_fraction_static, "wake_up": knobs.wake_up}
-    )
-    return spec.model_copy(update={"rollout": rollout})
-
-
 def _attempt(
     spec: RLJobSpec, ranks: int, device: str, args: argparse.Namespace, publisher: Any,
     inject: Any,
@@ -326,7 +320,14 @@ def main(argv: list[str]) -> int:
         f"wakeUp {spec.rollout.wake_up}, {spec.algorithm.iterations} iteration(s) "
         "(iteration 0 is the first rollout)"
     )
-    from rljob.oom_policy import Outcome, first_knobs, next_attempt, plan_for_knobs
+    from rljob.oom_policy import (
+        Outcome,
+        capacity_note,
+        changed_text,
+        first_knobs,
+        next_attempt,
+        plan_for_knobs,
+    )
 
     publisher = None
     if args.publish:
@@ -338,10 +339,13 @@ def main(argv: list[str]) -> int:
             return 2
         publisher = StatusPublisher.from_env_or_kubeconfig(namespace, job_name)
 
+    capacity: list[int] = []  # the card the ranks measured, once an attempt has reported it
+
     def fits(knobs: AttemptKnobs) -> bool | None:
-        """The plan's veto, where it can plan without the GPU (spec.memoryPlan.gpuMemory with a
-        builtin model or spec.model.shape): this process must not hold a CUDA context."""
-        planned = plan_for_knobs(spec, knobs)
+        """The plan's veto, where it can plan without the GPU (a builtin model or
+        spec.model.shape): this process must not hold a CUDA context. On the card the ranks
+        measured where they reported it, else on spec.memoryPlan.gpuMemory."""
+        planned = plan_for_knobs(spec, knobs, capacity[0] if capacity else None)
         return None if planned is None else planned.fits
 
     # Locally this command is the operator too: it applies spec.oomPolicy (README: the OOM
@@ -349,29 +353,45 @@ def main(argv: list[str]) -> int:
     # first attempt only, so a policy can be tried on the CPU.
     knobs = first_knobs(spec)
     attempts: list[Attempt] = []
+    attempts_knobs: list[AttemptKnobs] = []
     earlier_ooms: list[OOMRecord] = []  # the OOMs of the attempts before the last
     while True:
         number = len(attempts) + 1
+        if publisher is not None:
+            publisher.attempt = number  # stamped on this attempt's OOM entries
         run = _attempt(
-            _with_knobs(spec, knobs), ranks, device, args, publisher,
-            inject if number == 1 else None,
-        )  # fmt: skip
+            knobs.apply(spec), ranks, device, args, publisher, inject if number == 1 else None
+        )
+        for oom in run.ooms:
+            oom.attempt = number
         oom = run.ooms[0] if run.ooms else None
         result = "Succeeded" if run.ok else "CUDAOutOfMemory" if oom else "Failed"
         attempt = Attempt(
             attempt=number,
             mem_fraction_static=knobs.mem_fraction_static,
             wake_up=knobs.wake_up,
+            micro_batch_size=knobs.micro_batch_size,
+            gradient_checkpointing=knobs.gradient_checkpointing,
+            changed=changed_text(attempts_knobs[-1], knobs, spec) if attempts_knobs else "",
             result=result,
             oom_stage=oom.stage if oom else None,
             oom_rank=oom.rank if oom else None,
         )
         attempts.append(attempt)
+        attempts_knobs.append(knobs)
         if run.ok or oom is None:
             break
+        memory = run.status().memory
+        if memory is not None and memory.capacity_bytes:
+            capacity[:] = [memory.capacity_bytes]
         decision = next_attempt(
             spec, knobs, number, Outcome("CUDAOutOfMemory", oom.stage, oom.rank), fits
         )
+        if decision.retry:
+            decision = dataclasses.replace(
+                decision,
+                message=decision.message + capacity_note(spec, capacity[0] if capacity else None),
+            )
         attempt.message = decision.message[:1024]
         if not decision.retry or decision.knobs is None:
             if spec.oom_policy.max_retries:

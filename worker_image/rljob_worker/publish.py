@@ -52,16 +52,23 @@ def driver_fields(
     history: list[MemoryPoint],
     held: Sequence[OOMEvent] = (),
     held_count: int = 0,
+    attempt: int | None = None,
 ) -> dict[str, Any]:
     """The status fields the driver owns, camelCase, for server-side apply. Only CUDA OOMs:
     OOMKilled entries and count are the operator's (each writer owns its entries by `id`).
 
     `held` and `held_count` are the CUDA OOM entries and count an earlier driver of this job
     wrote (an earlier attempt, a resumed job): they stay, with this driver's after them. Under
-    server-side apply the field manager is the same, so what one apply leaves out is deleted."""
+    server-side apply the field manager is the same, so what one apply leaves out is deleted.
+    This driver's own entries carry `attempt` (its JobConfig's): the OOM policy matches an OOM to
+    its attempt by that number, not by comparing this node's clock with the apiserver's."""
     from rljob_worker.driver import newest_ooms
 
-    own = [OOMEvent.model_validate(o) for o in status.oom_events if o.kind == CUDA_OOM]
+    own = [
+        OOMEvent.model_validate(o).model_copy(update={"attempt": o.attempt or attempt})
+        for o in status.oom_events
+        if o.kind == CUDA_OOM
+    ]
     ids = {o.id for o in own}
     cuda = newest_ooms([*(o for o in held if o.kind == CUDA_OOM and o.id not in ids), *own])
     fields: dict[str, Any] = {
@@ -116,6 +123,10 @@ class RateLimit:
         return True
 
 
+class JobGone(RuntimeError):
+    """The RLJob of this name is not the one this driver runs for (deleted, maybe applied again)."""
+
+
 class StatusPublisher:
     """Writes one RLJob's driver-owned status and posts its Events."""
 
@@ -126,8 +137,13 @@ class StatusPublisher:
         name: str,
         *,
         iteration_event_seconds: float = ITERATION_EVENT_SECONDS,
+        uid: str | None = None,
+        attempt: int | None = None,
     ) -> None:
         self.api, self.namespace, self.name = api, namespace, name
+        # The RLJob this driver runs for (JobConfig.uid): its writes are refused by the
+        # apiserver once that object is gone, even if another RLJob of the name exists.
+        self.job_uid, self.attempt = uid, attempt
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.iteration_events = RateLimit(iteration_event_seconds)
@@ -162,6 +178,11 @@ class StatusPublisher:
             GROUP, VERSION, self.namespace, PLURAL, self.name
         )
         self._uid = str(rljob["metadata"]["uid"])
+        if self.job_uid is not None and self._uid != self.job_uid:
+            raise JobGone(
+                f"RLJob {self.namespace}/{self.name} is now another object (uid {self._uid}, this "
+                f"driver's is {self.job_uid}): it was deleted and applied again; not writing"
+            )
         status = rljob.get("status") or {}
         self._history = [MemoryPoint.model_validate(p) for p in status.get("memoryHistory") or []]
         self._held_ooms = [
@@ -187,15 +208,15 @@ class StatusPublisher:
             self._load()
         assert self._history is not None
         self._history = history_with(self._history, status.memory)
-        fields = driver_fields(status, self._history, self._held_ooms, self._held_oom_count)
+        fields = driver_fields(
+            status, self._history, self._held_ooms, self._held_oom_count, self.attempt
+        )
         if self.plan is not None:
             fields["plan"] = self.plan.model_dump(by_alias=True, mode="json")
-        body = {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "metadata": {"name": self.name, "namespace": self.namespace},
-            "status": fields,
-        }
+        meta = {"name": self.name, "namespace": self.namespace}
+        if self.job_uid is not None:
+            meta["uid"] = self.job_uid  # a precondition: 409 unless the RLJob is still that object
+        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "status": fields}
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, self.namespace, PLURAL, self.name, body,
             field_manager=FIELD_MANAGER, force=True, _content_type=APPLY,
@@ -285,7 +306,7 @@ class PublishingListener:
         failed iteration are written)."""
         try:
             self.publisher.publish(self.status(), new_ooms)
-        except (ApiException, HTTPError) as exc:
+        except (ApiException, HTTPError, JobGone) as exc:
             self.failures.append(exc)
             log.warning(
                 f"RLJob {self.publisher.namespace}/{self.publisher.name}: status not written: {exc}"

@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         from rljob_worker.publish import PublishingListener, StatusPublisher
 
         listener = PublishingListener(
-            StatusPublisher.from_env_or_kubeconfig(job.namespace, job.name),
+            StatusPublisher.from_env_or_kubeconfig(
+                job.namespace, job.name, uid=job.uid, attempt=job.attempt
+            ),
             job.effective_spec.world_size,
         )
     try:
