@@ -5,7 +5,8 @@ from __future__ import annotations
 from rljob.report import OOMRecord, Stage, StageSample
 from rljob_worker.driver import driver_status, iteration_reports
 from rljob_worker.loop import RankIteration
-from rljob_worker.task import FORMAT_CREDIT, ArithmeticTask, exact_match_reward
+from rljob_worker.rewards import FORMAT_CREDIT, exact_match_reward
+from rljob_worker.task import ArithmeticTask
 
 
 def _sample(rank: int, iteration: int, stage: Stage, peak: int) -> StageSample:
