@@ -107,6 +107,8 @@ class IterationReport(_Model):
     iteration: int = Field(ge=0)
     reward_mean: float | None = None
     kl_mean: float | None = None
+    # Reward calls that failed and were scored 0, all ranks (spec.reward.onError Zero).
+    reward_errors: int = Field(default=0, ge=0)
     samples: list[StageSample] = Field(default_factory=list)
 
 
