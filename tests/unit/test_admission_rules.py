@@ -90,6 +90,15 @@ def test_paths_and_hugging_face_ids_pass() -> None:
 
 
 @pytest.mark.parametrize(
+    "function",
+    ["exactMatch", "numeric", "/data/reward.py:compute_score", "rewards.gsm8k:score_v2",
+     "reward.py:_private"],
+)  # fmt: skip
+def test_builtin_and_file_or_module_reward_functions_pass(function: str) -> None:
+    assert RLJobSpec.model_validate({"reward": {"function": function}}).reward.function == function
+
+
+@pytest.mark.parametrize(
     ("shm", "memory", "fits"),
     [
         ("1E", "2Ei", True),  # exa (10^18) under 2 exbi
