@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rljob.report import OOMRecord, Stage, StageSample
 from rljob_worker.driver import driver_status, iteration_reports
 from rljob_worker.loop import RankIteration
@@ -26,6 +28,14 @@ def test_reward_is_the_mean_over_all_ranks_responses() -> None:
     (report,) = iteration_reports([], [_done(0, 1, 4.0, 0.1), _done(1, 1, 0.0, 0.3)])
     assert report.reward_mean == 0.5
     assert report.kl_mean == 0.2
+
+
+def test_reward_errors_scored_zero_are_summed_over_the_ranks() -> None:
+    ranks = [
+        replace(_done(r, 1, 1.0, None), reward_errors=errors) for r, errors in ((0, 2), (1, 1))
+    ]
+    (report,) = iteration_reports([], ranks)
+    assert report.reward_errors == 3
 
 
 def test_status_iteration_is_the_last_one_every_rank_finished() -> None:
