@@ -523,6 +523,7 @@ def _engine_alone_main(spec_json: str, ranks: int, device: str) -> dict[str, Any
     from rljob_worker.engines import make_engine
     from rljob_worker.loop import RankConfig, _Rollout
     from rljob_worker.model import load_tokenizer, resolve_model_path
+    from rljob_worker.reward import Scorer
     from rljob_worker.task import make_task
 
     spec = RLJobSpec.model_validate_json(spec_json)
@@ -535,7 +536,8 @@ def _engine_alone_main(spec_json: str, ranks: int, device: str) -> dict[str, Any
         if engine.released_tags:
             engine.resume(sorted(engine.released_tags))
         rollout = _Rollout(spec, RankConfig(rank=0, world_size=ranks, device=device), engine,
-                           tokenizer, make_task(spec.data.source, spec.algorithm.seed))  # fmt: skip
+                           tokenizer, make_task(spec.data, spec.algorithm.seed, tokenizer),
+                           Scorer(spec.reward))  # fmt: skip
         seconds: dict[int, float] = {}
         tokens: dict[int, int] = {}
         for iteration in range(spec.algorithm.iterations + 1):

@@ -39,6 +39,10 @@ BUILTIN_ARITHMETIC = "builtin:arithmetic"
 # tiny builtin model learns on a CPU in a few dozen iterations (tests/worker/test_learns.py).
 BUILTIN_DIGIT = "builtin:digit"
 BUILTIN_DATA_SOURCES: tuple[str, ...] = (BUILTIN_ARITHMETIC, BUILTIN_DIGIT)
+# Reward functions the worker has itself (rljob_worker.reward); anything else is FILE:callable.
+BUILTIN_EXACT_MATCH = "exactMatch"
+BUILTIN_NUMERIC = "numeric"
+BUILTIN_REWARDS: tuple[str, ...] = (BUILTIN_EXACT_MATCH, BUILTIN_NUMERIC)
 
 # Kubernetes quantity syntax exactly (resource.Quantity's grammar: an optionally signed decimal
 # number, then one binary-SI, decimal-SI or exponent suffix). No lone dots, no repeated dots,
@@ -165,7 +169,25 @@ MODEL_URL_RULE = _no_url_rule(
     "use a path in the pod (a mounted volume) or a Hugging Face id such as Qwen/Qwen2.5-0.5B"
 )
 BUILTIN_DATA_RULE = _builtin_rule("data source", BUILTIN_DATA_SOURCES)
-DATA_URL_RULE = _no_url_rule("use a builtin source or the path of a JSONL file in the pod")
+DATA_URL_RULE = _no_url_rule(
+    "use a builtin source or the path of a .jsonl or .parquet file in the pod"
+)
+# A user reward function: what comes before the last ':' is a file path or a dotted module,
+# what follows it a Python name. RE2 (the apiserver) and Rust regex (pydantic) both take it.
+REWARD_FUNCTION_PATTERN = r"^[^:]*[^:\s]:[A-Za-z_][A-Za-z0-9_]*$"
+REWARD_BUILTIN_RULE = ValueRule(
+    cel="self.contains(':') || self in [" + ", ".join(f"'{n}'" for n in BUILTIN_REWARDS) + "]",
+    message="unknown builtin reward function; the builtins are "
+    + ", ".join(BUILTIN_REWARDS)
+    + ", and a user function is FILE_OR_MODULE:callable (e.g. /data/reward.py:compute_score)",
+    check=lambda v: ":" in v or v in BUILTIN_REWARDS,
+)
+REWARD_CALLABLE_RULE = ValueRule(
+    cel=f"!self.contains(':') || self.matches(r'{REWARD_FUNCTION_PATTERN}')",
+    message="a user reward function is FILE_OR_MODULE:callable: a .py path or a dotted module, "
+    "then ':' and the function's Python name (e.g. my_rewards.gsm8k:compute_score)",
+    check=lambda v: ":" not in v or re.match(REWARD_FUNCTION_PATTERN, v) is not None,
+)
 
 
 def _with_rules(*rules: ValueRule) -> list[Any]:
@@ -187,6 +209,13 @@ ModelPath = Annotated[
 ]
 DataSource = Annotated[
     str, Field(min_length=1, max_length=4096), *_with_rules(BUILTIN_DATA_RULE, DATA_URL_RULE)
+]
+# A column, with dots reaching into nested columns (reward_model.ground_truth): no empty part.
+DataKey = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^.]+(?:\.[^.]+)*$")]
+RewardFunction = Annotated[
+    str,
+    Field(min_length=1, max_length=4096),
+    *_with_rules(REWARD_BUILTIN_RULE, REWARD_CALLABLE_RULE),
 ]
 ImageReference = Annotated[str, Field(pattern=IMAGE_PATTERN, min_length=1, max_length=512)]
 DNSSubdomain = Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, min_length=1, max_length=253)]
@@ -341,14 +370,40 @@ class AlgorithmSpec(_Spec):
         return self
 
 
+class ChatTemplateMode(StrEnum):
+    AUTO = "Auto"
+    NONE = "None"
+
+
+class PromptOverflow(StrEnum):
+    REFUSE = "Refuse"
+    TRUNCATE = "Truncate"
+
+
 class DataSpec(_Spec):
-    """Where prompts come from."""
+    """Where prompts come from and how they become tokens (docs/data-and-reward.md)."""
 
     source: DataSource = Field(
         default=BUILTIN_ARITHMETIC,
-        description="'builtin:arithmetic' generates addition prompts with an exact-match reward "
-        "(no download); otherwise the path (in the pod) of a JSONL file of {prompt, answer} "
-        "rows. No URL schemes: the worker reads local files.",
+        description="'builtin:arithmetic' generates addition prompts (no download); otherwise "
+        "the path (in the pod: a mounted volume, or the image) of a .jsonl or .parquet file. "
+        "No URL schemes: the worker reads local files.",
+    )
+    prompt_key: DataKey = Field(
+        default="prompt",
+        description="The prompt's column: plain text, or a list of chat messages ({role, "
+        "content}) as verl's 'prompt' column holds. Dots reach into nested columns.",
+    )
+    answer_key: DataKey = Field(
+        default="answer",
+        description="The ground truth's column, given to the reward function; dots reach into "
+        "nested columns (verl: reward_model.ground_truth).",
+    )
+    chat_template: ChatTemplateMode = Field(
+        default=ChatTemplateMode.AUTO,
+        description="Auto: a prompt of chat messages goes through the tokenizer's chat template "
+        "(with the generation prompt); plain text is used as it is. None: never; messages' "
+        "contents are joined by newlines.",
     )
     train_batch_size: int = Field(
         default=8,
@@ -356,10 +411,47 @@ class DataSpec(_Spec):
         description="Prompts per iteration across all ranks (verl: data.train_batch_size).",
     )
     max_prompt_length: int = Field(
-        default=64, ge=1, description="Tokens; longer prompts are truncated from the left."
+        default=64, ge=1, description="Tokens of a prompt (after the chat template)."
+    )
+    prompt_overflow: PromptOverflow = Field(
+        default=PromptOverflow.REFUSE,
+        description="A prompt longer than maxPromptLength: Refuse fails the job at start, "
+        "naming the rows (verl: data.truncation error); Truncate keeps its last "
+        "maxPromptLength tokens.",
     )
     max_response_length: int = Field(
         default=16, ge=1, description="New tokens generated per response."
+    )
+
+
+class RewardOnError(StrEnum):
+    FAIL = "Fail"
+    ZERO = "Zero"
+
+
+class RewardSpec(_Spec):
+    """How a response is scored (docs/data-and-reward.md)."""
+
+    function: RewardFunction = Field(
+        default=BUILTIN_EXACT_MATCH,
+        description="A builtin (exactMatch: the response's first line equals the answer; "
+        "numeric: the last number, '#### N' or '\\boxed{N}' equals the answer as a number) "
+        "or FILE_OR_MODULE:callable, a .py file in the pod or a module in the image, with "
+        "verl's signature (data_source, solution_str, ground_truth, extra_info) -> float or "
+        "{score, ...}.",
+    )
+    timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="Seconds one call of a user function may take; its process is then ended "
+        "and the call counts as an error.",
+    )
+    on_error: RewardOnError = Field(
+        default=RewardOnError.FAIL,
+        description="A call that raises, times out or returns no number: Fail ends the job "
+        "with the row, the response and the error; Zero scores it 0 and counts it in the "
+        "iteration's report.",
     )
 
 
@@ -772,6 +864,7 @@ class RLJobSpec(_Spec):
     model: ModelSpec = Field(default_factory=ModelSpec)
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     data: DataSpec = Field(default_factory=DataSpec)
+    reward: RewardSpec = Field(default_factory=RewardSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)

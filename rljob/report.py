@@ -133,6 +133,8 @@ class IterationReport(_Model):
     optimizer_steps: int | None = None
     # Mean |log p_engine - log p_trainer| over the response tokens, before the update.
     logprob_mismatch_mean: float | None = None
+    # Reward calls that failed and were scored 0, all ranks (spec.reward.onError Zero).
+    reward_errors: int = Field(default=0, ge=0)
     samples: list[StageSample] = Field(default_factory=list)
 
 

@@ -128,7 +128,8 @@ def test_a_valid_neighbour_of_each_malformed_kind_applies(plane: Any, namespace:
     """The rules do not overreach: real quantities, images, names and paths are admitted."""
     spec = {
         "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"},
-        "data": {"source": "/data/prompts.jsonl"},
+        "data": {"source": "/data/prompts.jsonl", "answerKey": "reward_model.ground_truth"},
+        "reward": {"function": "/data/rewards/gsm8k.py:compute_score", "timeoutSeconds": 0.5},
         "startupTimeoutSeconds": 60,
         "resources": {
             "cpu": "500m", "memory": "1.5Gi", "sharedMemory": "1536Mi", "headCpu": "1.0",
@@ -142,6 +143,7 @@ def test_a_valid_neighbour_of_each_malformed_kind_applies(plane: Any, namespace:
     stored = plane.kubectl_json("get", "rlj", name, "-n", namespace)
     assert stored["spec"]["resources"]["memory"] == "1.5Gi"
     assert stored["spec"]["startupTimeoutSeconds"] == 60
+    assert stored["spec"]["reward"]["function"] == "/data/rewards/gsm8k.py:compute_score"
 
 
 def test_defaults_fill_the_stored_spec(custom: client.CustomObjectsApi, namespace: str) -> None:

@@ -133,6 +133,38 @@ MALFORMED: list[Malformed] = [
     Malformed(
         "data-builtin-wrong-case", {"data": {"source": "builtin:Arithmetic"}}, "spec.data.source"
     ),
+    # Issue 29: the user's data keys and reward function.
+    Malformed("prompt-key-empty", {"data": {"promptKey": ""}}, "spec.data.promptKey"),
+    Malformed(
+        "answer-key-empty-part", {"data": {"answerKey": "reward_model."}}, "spec.data.answerKey"
+    ),
+    Malformed(
+        "chat-template-unknown", {"data": {"chatTemplate": "Always"}}, "spec.data.chatTemplate"
+    ),
+    Malformed("overflow-unknown", {"data": {"promptOverflow": "Drop"}}, "spec.data.promptOverflow"),
+    Malformed(
+        "reward-without-colon",
+        {"reward": {"function": "my_rewards.compute_score"}},
+        "spec.reward.function",
+    ),
+    Malformed(
+        "reward-builtin-unknown", {"reward": {"function": "exactmatch"}}, "spec.reward.function"
+    ),
+    Malformed(
+        "reward-no-callable", {"reward": {"function": "/data/reward.py:"}}, "spec.reward.function"
+    ),
+    Malformed(
+        "reward-callable-not-a-name",
+        {"reward": {"function": "reward.py:score-v2"}},
+        "spec.reward.function",
+    ),
+    Malformed(
+        "reward-timeout-negative", {"reward": {"timeoutSeconds": -1}}, "spec.reward.timeoutSeconds"
+    ),
+    Malformed(
+        "reward-timeout-zero", {"reward": {"timeoutSeconds": 0}}, "spec.reward.timeoutSeconds"
+    ),
+    Malformed("reward-on-error-unknown", {"reward": {"onError": "Retry"}}, "spec.reward.onError"),
     Malformed("startup-timeout-zero", {"startupTimeoutSeconds": 0}, "spec.startupTimeoutSeconds"),
     Malformed(
         "startup-timeout-negative", {"startupTimeoutSeconds": -5}, "spec.startupTimeoutSeconds"

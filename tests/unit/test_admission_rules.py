@@ -66,13 +66,17 @@ def test_real_image_references_pass(image: str) -> None:
 
 def test_the_builtin_names_are_what_the_worker_resolves() -> None:
     # The worker imports these very tuples; a builtin the models accept is one the worker makes.
+    from rljob.api import DataSpec
     from rljob_worker import model, task
+    from rljob_worker.model import load_tokenizer, resolve_model_path
 
     assert model.BUILTIN_MODELS is BUILTIN_MODELS and model.TINY_QWEN2 in BUILTIN_MODELS
     assert task.BUILTIN_DATA_SOURCES is BUILTIN_DATA_SOURCES
     assert task.BUILTIN_ARITHMETIC in BUILTIN_DATA_SOURCES
     for name in BUILTIN_DATA_SOURCES:
-        assert task.make_task(name, seed=0).sample(1, salt=0)
+        tokenizer = load_tokenizer(resolve_model_path(model.TINY_QWEN2))
+        data = DataSpec(source=name)
+        assert task.make_task(data, seed=0, tokenizer=tokenizer).sample(1, salt=0)[0].prompt_ids
     with pytest.raises(ValueError, match="unknown builtin model"):
         model.resolve_model_path("builtin:gpt-17")
 
@@ -83,6 +87,15 @@ def test_paths_and_hugging_face_ids_pass() -> None:
     )
     assert spec.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
     assert spec.data.source == "/data/train.jsonl"
+
+
+@pytest.mark.parametrize(
+    "function",
+    ["exactMatch", "numeric", "/data/reward.py:compute_score", "rewards.gsm8k:score_v2",
+     "reward.py:_private"],
+)  # fmt: skip
+def test_builtin_and_file_or_module_reward_functions_pass(function: str) -> None:
+    assert RLJobSpec.model_validate({"reward": {"function": function}}).reward.function == function
 
 
 @pytest.mark.parametrize(

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from rljob.report import OOMRecord, Stage, StageSample
 from rljob_worker.driver import driver_status, iteration_reports
 from rljob_worker.loop import RankIteration, RolloutStats
-from rljob_worker.task import (
-    FORMAT_CREDIT,
-    ArithmeticTask,
-    DigitTask,
-    exact_match_reward,
-    first_char_reward,
-    reward_function,
-)
+from rljob_worker.rewards import FORMAT_CREDIT, exact_match, exact_match_reward, first_char_reward
+from rljob_worker.task import ArithmeticTask, DigitTask
 from rljob_worker.train import TrainStats
 
 
@@ -35,6 +31,14 @@ def test_reward_is_the_mean_over_all_ranks_responses() -> None:
     (report,) = iteration_reports([], [_done(0, 1, 4.0, 0.1), _done(1, 1, 0.0, 0.3)])
     assert report.reward_mean == 0.5
     assert report.kl_mean == 0.2
+
+
+def test_reward_errors_scored_zero_are_summed_over_the_ranks() -> None:
+    ranks = [
+        replace(_done(r, 1, 1.0, None), reward_errors=errors) for r, errors in ((0, 2), (1, 1))
+    ]
+    (report,) = iteration_reports([], ranks)
+    assert report.reward_errors == 3
 
 
 def test_status_iteration_is_the_last_one_every_rank_finished() -> None:
@@ -115,5 +119,8 @@ def test_digit_task_names_the_digit_it_asks_for() -> None:
     problems = DigitTask(seed=3).sample(20, salt=1)
     assert all(p.prompt == f"say {p.answer}:" and p.answer.isdigit() for p in problems)
     assert problems == DigitTask(seed=3).sample(20, salt=1)
-    assert reward_function("builtin:digit") is first_char_reward
-    assert reward_function("builtin:arithmetic") is exact_match_reward
+    # The builtin exactMatch scores builtin:digit by its first character, other sources by line.
+    assert exact_match("builtin:digit", "7 and more", "7", None) == 1.0
+    assert exact_match("builtin:arithmetic", "7 and more", "7", None) == exact_match_reward(
+        "7 and more", "7"
+    )

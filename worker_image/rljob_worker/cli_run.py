@@ -96,10 +96,13 @@ def _device(choice: str, spec: RLJobSpec) -> str:
 def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
     """What the rank processes would fail on, checked before any starts (each would print its
     own traceback, a minute later): the engine's device, the split of prompts over ranks and
-    of ranks into tensor-parallel groups (all on this one machine), the data file's rows."""
+    of ranks into tensor-parallel groups (all on this one machine), the data file's rows and
+    the reward function's loading."""
     from rljob.api import EngineName
     from rljob_worker.engines.tensor_parallel import tensor_parallel_layout
     from rljob_worker.loop import prompts_per_rank
+    from rljob_worker.model import load_tokenizer, resolve_model_path
+    from rljob_worker.reward import Scorer
     from rljob_worker.task import make_task
 
     if spec.rollout.engine == EngineName.SGLANG and device != "cuda":
@@ -109,7 +112,9 @@ def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
         )
     tensor_parallel_layout(0, ["local"] * ranks, spec.rollout.tensor_parallel_size)
     prompts_per_rank(spec, ranks)
-    make_task(spec.data.source, spec.algorithm.seed)  # a missing or malformed JSONL file
+    # A missing file, bad rows, prompts over maxPromptLength (DatasetError, a ValueError).
+    make_task(spec.data, spec.algorithm.seed, load_tokenizer(resolve_model_path(spec.model.path)))
+    Scorer(spec.reward).close()  # a reward file or module that does not load (RewardLoadError)
 
 
 def _cause(run: Any) -> str | None:

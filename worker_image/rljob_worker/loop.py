@@ -23,8 +23,9 @@ from rljob_worker.engines import make_engine
 from rljob_worker.engines.base import ALL_TAGS, RolloutEngine, SamplingParams
 from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM
 from rljob_worker.model import load_tokenizer, resolve_model_path, torch_dtype
+from rljob_worker.reward import Scorer
 from rljob_worker.stages import StageMachine
-from rljob_worker.task import Task, make_task, reward_function
+from rljob_worker.task import Task, make_task
 from rljob_worker.train import Experience, NamedTensors, Trainer, TrainStats
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,8 @@ class RankIteration:
     # This iteration's rollout and (from iteration 1) policy update, as combinable figures.
     rollout: RolloutStats | None = None
     train: TrainStats | None = None
+    # Reward calls that failed and scored 0 (spec.reward.onError Zero).
+    reward_errors: int = 0
 
 
 RankEvent = StageSample | RankIteration | OOMRecord
@@ -184,7 +187,13 @@ class _Rollout:
     """The rollout stage's work: sample prompts, generate group_size responses each, reward."""
 
     def __init__(
-        self, spec: RLJobSpec, config: RankConfig, engine: RolloutEngine, tokenizer: Any, task: Task
+        self,
+        spec: RLJobSpec,
+        config: RankConfig,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        task: Task,
+        scorer: Scorer,
     ):
         self.spec, self.config, self.engine, self.tokenizer, self.task = (
             spec,
@@ -193,6 +202,8 @@ class _Rollout:
             tokenizer,
             task,
         )
+        self.scorer = scorer
+        self.reward_errors = 0  # of the latest rollout
         self.prompts = prompts_per_rank(spec, config.world_size)
 
     def __call__(self, iteration: int) -> Experience:
@@ -200,13 +211,9 @@ class _Rollout:
         problems = self.task.sample(self.prompts, salt=iteration * world + rank)
         group = spec.algorithm.group_size
         prompt_ids: list[list[int]] = []
-        answers: list[str] = []
         group_ids: list[int] = []
         for index, problem in enumerate(problems):
-            ids = self.tokenizer(problem.prompt, add_special_tokens=False).input_ids
-            ids = ids[-spec.data.max_prompt_length :]  # truncate from the left
-            prompt_ids += [ids] * group
-            answers += [problem.answer] * group
+            prompt_ids += [list(problem.prompt_ids)] * group  # encoded under spec.data's rule
             group_ids += [index] * group
         sampling = spec.rollout.sampling
         completions = self.engine.generate_with_logprobs(
@@ -221,11 +228,12 @@ class _Rollout:
         )
         responses = [c.token_ids for c in completions]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        reward = reward_function(spec.data.source)
-        rewards = [reward(text, answer) for text, answer in zip(texts, answers, strict=True)]
+        scored = self.scorer([p for p in problems for _ in range(group)], texts)
+        self.reward_errors = scored.errors
         return Experience(
-            prompt_ids, responses, rewards, group_ids, [c.logprobs for c in completions]
-        )
+            prompt_ids, [list(r) for r in responses], scored.scores, group_ids,
+            [c.logprobs for c in completions],
+        )  # fmt: skip
 
 
 def run_rank(
@@ -243,6 +251,8 @@ def run_rank(
     model_path = resolve_model_path(spec.model.path)
     tokenizer = load_tokenizer(model_path)
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    # The data's rows are read and checked before any GPU work (the reward function below).
+    task = make_task(spec.data, spec.algorithm.seed, tokenizer)
 
     # The plan on the real GPU, before any engine starts: a misfit with onMisfit Reject fails
     # fast here; with offload Auto it decides what the stages offload.
@@ -262,8 +272,13 @@ def run_rank(
 
     # The engine first, then release it: it sizes its KV pool on a device that training does
     # not yet occupy, and the loop starts where every iteration starts (engine asleep).
+    scorer = Scorer(spec.reward)  # loads a user's function in its process, or fails
     allocator_report.start_recording()  # RLJOB_ALLOCATOR_REPORT: stacks from here on
-    engine = make_engine(spec, device=str(device), eos_token_ids=eos_ids, node=config.node)
+    try:
+        engine = make_engine(spec, device=str(device), eos_token_ids=eos_ids, node=config.node)
+    except BaseException:
+        scorer.close()
+        raise
     released = engine.released_tags
     engine.release([tag for tag in ALL_TAGS if tag not in released])
     if device.type == "cuda":
@@ -288,11 +303,12 @@ def run_rank(
         for name, tensor in bucket:
             checks[name] = (tensor_digest(tensor), tensor_digest(held[name]))
 
+    rollout = _Rollout(spec, config, engine, tokenizer, task, scorer)
     machine = StageMachine(
         trainer,
         engine,
         meter,
-        _Rollout(spec, config, engine, tokenizer, make_task(spec.data.source, spec.algorithm.seed)),
+        rollout,
         wake_up=spec.rollout.wake_up,
         bucket_bytes=spec.rollout.weight_sync_bucket_megabytes << 20,
         engine_dtype=torch_dtype(spec.model.dtype),
@@ -314,6 +330,7 @@ def run_rank(
                 stages=tuple(str(s) for s in outcome.stages),
                 reward_sum=sum(experience.rewards),
                 reward_count=len(experience.rewards),
+                reward_errors=rollout.reward_errors,
                 kl_mean=outcome.train.kl_mean if outcome.train else None,
                 loss=outcome.train.loss if outcome.train else None,
                 kv_capacity_tokens=engine.kv_capacity_tokens,
@@ -340,6 +357,7 @@ def run_rank(
         send(oom.record)
     finally:
         engine.shutdown()
+        scorer.close()
     if dist.is_initialized() and result.oom is None:
         dist.barrier()
     return result

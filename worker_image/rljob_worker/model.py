@@ -32,6 +32,13 @@ if TYPE_CHECKING:
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 _SEED = 1234
+# A minimal ChatML-like template, so that prompts of chat messages (spec.data.chatTemplate Auto)
+# run on the builtin model the way they do on Qwen's: one "<|role|>" line per message, then the
+# assistant's turn. The byte-level tokenizer encodes any text, so no special tokens are added.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def cache_root() -> Path:
@@ -41,7 +48,13 @@ def cache_root() -> Path:
 
 def _config_key() -> str:
     blob = json.dumps(
-        {"model": TINY_QWEN2_CONFIG, "vocab": TOKENIZER_VOCAB_SIZE, "seed": _SEED, "v": 1},
+        {
+            "model": TINY_QWEN2_CONFIG,
+            "vocab": TOKENIZER_VOCAB_SIZE,
+            "seed": _SEED,
+            "v": 2,
+            "chat": CHAT_TEMPLATE,
+        },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -73,7 +86,11 @@ def build_tokenizer() -> PreTrainedTokenizerBase:
     )
     core.train_from_iterator(_training_corpus(), trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, padding_side="left"
+        tokenizer_object=core,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -1,29 +1,33 @@
-"""Prompt sources with a verifiable reward: `builtin:arithmetic`, `builtin:digit` and JSONL files.
+"""Prompt sources: `builtin:arithmetic`, `builtin:digit` (made here) and the user's file
+(dataset.py), as tokens.
 
-A task yields (prompt, answer) problems; the reward is 1.0 when the response's first line equals
-the answer exactly, else a small format credit for answering with digits at all. `builtin:digit`
-scores the response's first character instead (reward_function).
+A task yields problems whose prompt is already encoded under spec.data's length rule, so the
+rollout only batches them; a file's rows are all encoded and checked when the task is made.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 # The builtin names live in the shared API module, which admission checks data.source against.
 from rljob.api import BUILTIN_ARITHMETIC as BUILTIN_ARITHMETIC
-from rljob.api import BUILTIN_DATA_SOURCES, BUILTIN_PREFIX
+from rljob.api import BUILTIN_DATA_SOURCES, BUILTIN_PREFIX, DataSpec, PromptOverflow
 from rljob.api import BUILTIN_DIGIT as BUILTIN_DIGIT
 
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
-    answer: str
+    """One prompt and what the reward function is given with it."""
+
+    prompt: str  # the text the model sees (after the chat template)
+    answer: Any  # the ground truth, as the source holds it (verl passes it on unchanged)
+    where: str  # names the row in messages: "train.jsonl line 7", "train.parquet row 6"
+    data_source: str = ""
+    extra_info: Mapping[str, Any] = field(default_factory=dict)
+    prompt_ids: tuple[int, ...] = ()
 
 
 class Task(Protocol):
@@ -32,39 +36,61 @@ class Task(Protocol):
         ...
 
 
-# Credit for a wrong answer, times the share of digits in it. Without it a randomly initialised
-# model (the builtin one) never scores, every GRPO group is flat, and nothing ever trains.
-FORMAT_CREDIT = 0.1
+class PromptTooLong(ValueError):
+    """A prompt over spec.data.maxPromptLength with promptOverflow Refuse."""
 
 
-def exact_match_reward(response: str, answer: str) -> float:
-    """1.0 when the response's first line (stripped) is the answer; else FORMAT_CREDIT times
-    the share of its characters that are digits (always below any exact match)."""
-    first_line = response.split("\n", 1)[0].strip()
-    if first_line == answer.strip():
-        return 1.0
-    if not first_line:
-        return 0.0
-    return FORMAT_CREDIT * sum(c.isdigit() for c in first_line) / len(first_line)
+@dataclass(frozen=True)
+class PromptEncoder:
+    """Text to token ids under spec.data's length rule."""
+
+    tokenizer: Any
+    max_prompt_length: int
+    overflow: PromptOverflow
+
+    def __call__(self, text: str) -> tuple[int, ...]:
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) <= self.max_prompt_length:
+            return tuple(ids)
+        if self.overflow is PromptOverflow.TRUNCATE:
+            # From the left: a chat template's generation prompt and the question are at the end.
+            return tuple(ids[-self.max_prompt_length :])
+        raise PromptTooLong(
+            f"the prompt is {len(ids)} tokens, over spec.data.maxPromptLength="
+            f"{self.max_prompt_length} (raise it, or set spec.data.promptOverflow: Truncate)"
+        )
+
+
+def arithmetic_problem(rng: random.Random, max_operand: int) -> tuple[str, str]:
+    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+    if rng.random() < 0.5:
+        return f"{a}+{b}=", str(a + b)
+    a, b = max(a, b), min(a, b)
+    return f"{a}-{b}=", str(a - b)
 
 
 class ArithmeticTask:
-    """Two-operand addition and subtraction, e.g. prompt '12+7=' with answer '19'."""
+    """Two-operand addition and subtraction, e.g. prompt '12+7=' with answer '19'. Without an
+    encoder its problems carry no token ids (the builtin tokenizer trains on their text)."""
 
-    def __init__(self, seed: int, max_operand: int = 99) -> None:
+    def __init__(
+        self,
+        seed: int,
+        max_operand: int = 99,
+        encode: Callable[[str], tuple[int, ...]] | None = None,
+    ) -> None:
         self.seed = seed
         self.max_operand = max_operand
+        self.encode = encode
 
     def sample(self, count: int, salt: int) -> list[Problem]:
         rng = random.Random(self.seed * 1_000_003 + salt)
         problems = []
         for _ in range(count):
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            if rng.random() < 0.5:
-                problems.append(Problem(f"{a}+{b}=", str(a + b)))
-            else:
-                a, b = max(a, b), min(a, b)
-                problems.append(Problem(f"{a}-{b}=", str(a - b)))
+            prompt, answer = arithmetic_problem(rng, self.max_operand)
+            ids = self.encode(prompt) if self.encode is not None else ()
+            where = f"{BUILTIN_ARITHMETIC} {prompt!r}"
+            problems.append(Problem(prompt, answer, where, BUILTIN_ARITHMETIC, prompt_ids=ids))
         return problems
 
 
@@ -72,64 +98,40 @@ class DigitTask:
     """'say 7:' with answer '7': the task the tiny random model learns on a CPU (issue 29).
 
     Small enough to learn in a few dozen iterations from scratch: the answer is one digit the
-    prompt names, and first_char_reward pays for the first character, so each of the ~80 tokens
-    of the builtin vocabulary that start with a digit is a partial answer the policy can find by
-    sampling (about 2.5% of a uniform policy's samples start with any one digit).
+    prompt names, and the builtin rewards score its first character (rewards.first_char_reward),
+    so each of the ~80 tokens of the builtin vocabulary that start with a digit is a partial
+    answer the policy can find by sampling (about 2.5% of a uniform policy's samples start with
+    any one digit).
     """
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, encode: Callable[[str], tuple[int, ...]] | None = None) -> None:
         self.seed = seed
+        self.encode = encode
 
     def sample(self, count: int, salt: int) -> list[Problem]:
         rng = random.Random(self.seed * 1_000_003 + salt)
-        digits = [str(rng.randint(0, 9)) for _ in range(count)]
-        return [Problem(f"say {d}:", d) for d in digits]
+        problems = []
+        for _ in range(count):
+            digit = str(rng.randint(0, 9))
+            prompt = f"say {digit}:"
+            ids = self.encode(prompt) if self.encode is not None else ()
+            where = f"{BUILTIN_DIGIT} {prompt!r}"
+            problems.append(Problem(prompt, digit, where, BUILTIN_DIGIT, prompt_ids=ids))
+        return problems
 
 
-def first_char_reward(response: str, answer: str) -> float:
-    """1.0 when the response's first non-blank character is the answer's; FORMAT_CREDIT when it
-    is another digit (a random policy finds digits ten times as often as the one digit asked
-    for, so the credit is the first step of a curriculum); else 0.0."""
-    first, expected = response.lstrip()[:1], answer.strip()[:1]
-    if first and first == expected:
-        return 1.0
-    return FORMAT_CREDIT if first.isdigit() else 0.0
-
-
-def reward_function(source: str) -> Callable[[str, str], float]:
-    """The reward of the spec's data.source: (response text, answer) -> score."""
-    return first_char_reward if source == BUILTIN_DIGIT else exact_match_reward
-
-
-class JsonlTask:
-    """Rows of {"prompt": ..., "answer": ...} from a JSONL file, sampled with replacement."""
-
-    def __init__(self, path: Path, seed: int) -> None:
-        self.seed = seed
-        self.problems: list[Problem] = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "prompt" not in row or "answer" not in row:
-                raise ValueError(f"{path}:{number}: each row needs 'prompt' and 'answer'")
-            self.problems.append(Problem(str(row["prompt"]), str(row["answer"])))
-        if not self.problems:
-            raise ValueError(f"{path}: no rows")
-
-    def sample(self, count: int, salt: int) -> list[Problem]:
-        rng = random.Random(self.seed * 1_000_003 + salt)
-        return [rng.choice(self.problems) for _ in range(count)]
-
-
-def make_task(source: str, seed: int) -> Task:
-    """The task for the spec's data.source."""
-    if source == BUILTIN_ARITHMETIC:
-        return ArithmeticTask(seed)
-    if source == BUILTIN_DIGIT:
-        return DigitTask(seed)
-    if source.startswith(BUILTIN_PREFIX):
+def make_task(data: DataSpec, seed: int, tokenizer: Any) -> Task:
+    """The task for spec.data; a file's rows are read, encoded and checked here (DatasetError)."""
+    encode = PromptEncoder(tokenizer, data.max_prompt_length, data.prompt_overflow)
+    if data.source == BUILTIN_ARITHMETIC:
+        return ArithmeticTask(seed, encode=encode)
+    if data.source == BUILTIN_DIGIT:
+        return DigitTask(seed, encode=encode)
+    if data.source.startswith(BUILTIN_PREFIX):
         raise ValueError(
-            f"unknown builtin data source {source!r}; the builtin sources are {BUILTIN_DATA_SOURCES}"
+            f"unknown builtin data source {data.source!r}; the builtin sources are "
+            f"{BUILTIN_DATA_SOURCES}"
         )
-    return JsonlTask(Path(source), seed)
+    from rljob_worker.dataset import DatasetTask
+
+    return DatasetTask(data, seed, tokenizer, encode)

@@ -42,6 +42,7 @@ def iteration_reports(
         report = by_iteration.setdefault(iteration, IterationReport(iteration=iteration))
         count = sum(i.reward_count for i in items)
         report.reward_mean = sum(i.reward_sum for i in items) / count if count else None
+        report.reward_errors = sum(i.reward_errors for i in items)
         kls = [i.kl_mean for i in items if i.kl_mean is not None]
         report.kl_mean = sum(kls) / len(kls) if kls else None
         rollouts = [i.rollout for i in items if i.rollout is not None]
