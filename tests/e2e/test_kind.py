@@ -226,6 +226,36 @@ def test_suspend_stops_the_pods_resume_runs_again_delete_removes_every_child(
     wait_for("every child and pod gone", lambda: not objects_left(cluster, namespace), GONE_SECONDS)
 
 
+def test_a_job_deleted_and_applied_again_while_its_pods_terminate_runs_anew_to_succeeded(
+    cluster: Cluster, namespace: str
+) -> None:
+    """Issue 28: `kubectl delete` then `kubectl apply` under the same name while the old Ray
+    pods are still terminating and KubeRay's finalizer holds the old RayJob. The new RLJob
+    waits for the old children to go, never adopts them, and runs to Succeeded on its own."""
+    name = "tiny-again"
+    cluster.apply(tiny_job(name, cluster.worker_image), namespace)
+    wait_for("Ray pods Running", lambda: ray_pods_running(cluster, namespace), PODS_SECONDS)
+    old_uid = cluster.kubectl("get", "rljob", name, "-n", namespace, "-o",
+                              "jsonpath={.metadata.uid}").strip()  # fmt: skip
+    cluster.kubectl("delete", "rljob", name, "-n", namespace, "--wait=false")
+    wait_for(
+        "the old RLJob gone",
+        lambda: not cluster.kubectl("get", "rljobs", "-n", namespace, "-o", "name").strip(),
+        GONE_SECONDS,
+    )
+    assert cluster.pods(namespace), "the old pods were gone before the job was applied again"
+    cluster.apply(tiny_job(name, cluster.worker_image), namespace)
+    new_uid = cluster.kubectl("get", "rljob", name, "-n", namespace, "-o",
+                              "jsonpath={.metadata.uid}").strip()  # fmt: skip
+    assert new_uid and new_uid != old_uid
+    status = finished(cluster, namespace, name)
+    assert status["phase"] == "Succeeded", dump(status)
+    assert status["iteration"] == 2 and not status.get("oomEvents"), dump(status)
+    owner = cluster.kubectl("get", "rayjob", name, "-n", namespace, "-o",
+                            "jsonpath={.metadata.ownerReferences[0].uid}").strip()  # fmt: skip
+    assert owner == new_uid, (owner, new_uid, old_uid)
+
+
 def test_operator_killed_mid_job_the_job_goes_on_nothing_created_twice_no_status_lost(
     cluster: Cluster, namespace: str
 ) -> None:
