@@ -12,12 +12,16 @@ TP scheduler with its rank).
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+import torch
 
 from rljob_worker.engines.sglang_engine import (
     CONTRACTS,
@@ -137,21 +141,42 @@ class SGLangEngineStandIn:
         if method == "flush_cache":
             return SimpleNamespace(success=True, message="")
         if method == "generate":
-            # Two tokens per prompt, [len(prompt), 7], each with a log-prob (id / -10: distinct
-            # values a test can check), as (logprob, token id, text) the way sglang answers.
+            # Two tokens per prompt, [len(prompt), 7] (_generated).
             return [
-                {
-                    self.contract.output_ids_key: [len(p), 7],
-                    "meta_info": {
-                        self.contract.output_logprobs_key: [
-                            (-len(p) / 10, len(p), None),
-                            (-0.7, 7, None),
-                        ]
-                    },
-                }
-                for p in kwargs["input_ids"]
+                self._generated(ids, kwargs.get("return_logprob", False))
+                for ids in kwargs["input_ids"]
             ]
+        if method == "save_sharded_model":
+            self._save_shards(kwargs["path"], kwargs["pattern"])
         return None
+
+    def _generated(self, ids: list[int], return_logprob: bool) -> dict[str, Any]:
+        """Answers [len(ids), 7]; with return_logprob, input token i's log-prob is -i/10 (the
+        first has none, as in sglang)."""
+        meta: dict[str, Any] = {}
+        if return_logprob:
+            # The generated tokens' log-probs (id / -10: distinct values a test can check), as
+            # (logprob, token id, text) the way sglang answers.
+            meta[self.contract.output_logprobs_key] = [
+                (-len(ids) / 10, len(ids), None),
+                (-0.7, 7, None),
+            ]
+            meta[self.contract.input_logprobs_key] = [
+                (None if i == 0 else -i / 10, token, None) for i, token in enumerate(ids)
+            ]
+        return {self.contract.output_ids_key: [len(ids), 7], "meta_info": meta}
+
+    def _save_shards(self, path: str, pattern: str) -> None:
+        """What each TP scheduler's save_sharded_model writes: its own shards of the weights it
+        loaded, in sglang's layout of a dense Qwen2 (sglang_shards; config.json at model_path)."""
+        from safetensors.torch import save_file
+
+        tp_size = self.calls[0][1].get("tp_size", 1)
+        config = json.loads((Path(self.calls[0][1]["model_path"]) / "config.json").read_text())
+        for rank in range(tp_size):
+            full = {name: values[rank] for name, values in self.loaded.items()}
+            shards = sglang_shards(full, config, rank, tp_size)
+            save_file(shards, os.path.join(path, pattern.format(rank=rank, part=0)))
 
     def _load(self, named_tensors: list[tuple[str, Any]]) -> None:
         """What each TP scheduler does (weight_updater._unwrap_tensor): take its rank's value."""
@@ -165,3 +190,48 @@ class SGLangEngineStandIn:
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
+
+
+def sglang_shards(
+    full: dict[str, torch.Tensor], config: dict[str, Any], rank: int, tp_size: int
+) -> dict[str, torch.Tensor]:
+    """TP rank `rank`'s state dict as sglang 0.5.17/0.5.23 hold a dense Qwen2, written from their
+    layers, independently of the adapter's join: q/k/v fused into qkv_proj (this rank's query
+    heads, then its KV heads; one KV head shared by tp_size/num_kv_heads ranks where there are
+    fewer than ranks), gate/up into gate_up_proj, o_proj/down_proj cut on the input dimension,
+    the embedding padded with zeros to a multiple of 64 rows and cut on the vocabulary (a tied LM
+    head saved once, as `lm_head.weight`: save_sharded_model keeps the smaller of two names)."""
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["hidden_size"] // heads
+    q_rows = heads // tp_size * head_dim
+    kv_rows = max(1, kv // tp_size) * head_dim
+    kv_start = (rank * kv_rows) if kv >= tp_size else (rank // (tp_size // kv)) * head_dim
+    rows = {
+        "q_proj": slice(rank * q_rows, (rank + 1) * q_rows),
+        "k_proj": slice(kv_start, kv_start + kv_rows),
+        "v_proj": slice(kv_start, kv_start + kv_rows),
+    }
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in full.items():
+        part = next((p for p in (*rows, "gate_proj", "up_proj") if f".{p}." in name), None)
+        if part in rows:
+            fused.setdefault(name.replace(part, "qkv_proj"), {})[part] = tensor[rows[part]]
+        elif part is not None:
+            piece = tensor.chunk(tp_size, dim=0)[rank]
+            fused.setdefault(name.replace(part, "gate_up_proj"), {})[part] = piece
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = tensor.chunk(tp_size, dim=1)[rank]
+        elif name.endswith("embed_tokens.weight"):
+            padded = torch.zeros(
+                (-(-tensor.shape[0] // 64) * 64, *tensor.shape[1:]), dtype=tensor.dtype
+            )
+            padded[: tensor.shape[0]] = tensor
+            key = "lm_head.weight" if config.get("tie_word_embeddings") else name
+            out[key] = padded.chunk(tp_size, dim=0)[rank]
+        else:
+            out[name] = tensor
+    order = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    for name, parts in fused.items():
+        out[name] = torch.cat([parts[p] for p in order if p in parts])
+    return {name: tensor.contiguous() for name, tensor in out.items()}

@@ -247,6 +247,55 @@ def _env_readers(root: Path, name: str) -> list[Path]:
     ]
 
 
+def _subscript_keys(node: ast.AST, variable: str) -> set[str]:
+    """String keys `k` of every `variable["k"]` under node."""
+    return {
+        child.slice.value
+        for child in ast.walk(node)
+        if isinstance(child, ast.Subscript)
+        and isinstance(child.value, ast.Name)
+        and child.value.id == variable
+        and isinstance(child.slice, ast.Constant)
+        and isinstance(child.slice.value, str)
+    }
+
+
+def _rpc_problems(
+    contract: SGLangContract,
+    tree: SourceTree,
+    method: str,
+    engine_method: ast.FunctionDef | ast.AsyncFunctionDef,
+    passed: tuple[str, ...],
+) -> list[str]:
+    """An Engine method that forwards **kwargs to every scheduler (collective_rpc): it must take
+    **kwargs, and the scheduler side must read exactly the keywords passed (`params["name"]`:
+    one it reads and the adapter does not pass is a KeyError in every scheduler)."""
+    if engine_method.args.kwarg is None:
+        return [f"Engine.{method} takes no **kwargs to forward to the schedulers"]
+    calls = {
+        c.args[0].value
+        for c in ast.walk(engine_method)
+        if isinstance(c, ast.Call)
+        and isinstance(c.func, ast.Attribute)
+        and c.func.attr == "collective_rpc"
+        and c.args
+        and isinstance(c.args[0], ast.Constant)
+    }
+    if method not in calls:
+        return [f"Engine.{method} does not call collective_rpc({method!r})"]
+    module, cls, reader = contract.rpc_methods[method]
+    found = tree.methods(module, cls).get(reader) if tree.has_module(module) else None
+    if found is None:
+        return [f"{module}.{cls}.{reader} does not exist"]
+    read = _subscript_keys(found, found.args.args[-1].arg)
+    problems = [f"{cls}.{reader} reads no params[{k!r}]" for k in passed if k not in read]
+    problems += [
+        f"{cls}.{reader} reads params[{k!r}], which the adapter does not pass"
+        for k in sorted(read - set(passed))
+    ]
+    return problems
+
+
 def _tokenizer_manager_returns(tree: SourceTree, method: str) -> str | None:
     for node in ast.walk(tree.module("sglang.srt.managers.tokenizer_control_mixin")):
         if isinstance(node, ast.AsyncFunctionDef) and node.name == method and node.returns:
@@ -266,6 +315,9 @@ def check_contract(contract: SGLangContract, root: Path) -> list[str]:
     for method, passed in contract.engine_methods.items():
         if method not in methods:
             problems.append(f"Engine.{method} does not exist")
+            continue
+        if method in contract.rpc_methods:
+            problems += _rpc_problems(contract, tree, method, methods[method], passed)
             continue
         names, required = _parameters(methods[method])
         for kwarg in passed:
@@ -364,6 +416,11 @@ def check_contract(contract: SGLangContract, root: Path) -> list[str]:
         problems.append(f"generate() results have no {contract.output_ids_key!r}")
     if contract.output_logprobs_key not in set(_assigned_meta_info_keys(tokenizer_manager)):
         problems.append(f"generate()'s meta_info has no {contract.output_logprobs_key!r}")
+    # meta_info["input_token_logprobs"] = ... where the tokenizer manager adds log-probs.
+    if contract.input_logprobs_key not in _subscript_keys(
+        tree.module("sglang.srt.managers.tokenizer_manager"), "meta_info"
+    ):
+        problems.append(f"generate() meta_info has no {contract.input_logprobs_key!r}")
 
     patch_module, patch_function = contract.tensor_reduction_patch
     if not tree.has_module(patch_module) or not any(
@@ -588,6 +645,30 @@ Drift = Callable[[SGLangContract], dict[str, Any]]
             "sglang.srt.weight_sync.utils.LocalSerializedTensor is not defined there",
         ),
         (lambda c: {"returns_success_message": ("flush_cache",)}, "flush_cache returns"),
+        (
+            lambda c: {"engine_methods": {**c.engine_methods, "generate": ("input_ids", "lp")}},
+            "Engine.generate has no parameter 'lp'",
+        ),
+        (
+            lambda c: {"input_logprobs_key": "input_logprobs"},
+            "meta_info has no 'input_logprobs'",
+        ),
+        # The schedulers read params["path"], ["pattern"] and ["max_size"]: each must be passed.
+        (
+            lambda c: {
+                "engine_methods": {**c.engine_methods, "save_sharded_model": ("path", "pattern")}
+            },
+            "reads params['max_size'], which the adapter does not pass",
+        ),
+        (
+            lambda c: {
+                "engine_methods": {
+                    **c.engine_methods,
+                    "save_sharded_model": ("path", "pattern", "max_size", "dir"),
+                }
+            },
+            "SchedulerWeightUpdaterManager.save_sharded_model reads no params['dir']",
+        ),
     ],
 )
 def test_checker_reports_a_contract_that_drifted_from_the_release(

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import os
 import re
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -44,6 +46,8 @@ from rljob_worker.engines.sglang_engine import (
     SGLangVersionError,
     installed_contract,
 )
+from rljob_worker.engines.sglang_weights import SHARD_PATTERN, EngineWeightsError
+from rljob_worker.loop import tensor_digest
 
 ENV_SWITCH = next(iter(NEWEST.env))
 # Run a test once per supported release, the stand-in imitating it.
@@ -647,3 +651,117 @@ def test_shutdown_after_a_child_failed_stops_nothing_and_raises_nothing() -> Non
     finally:
         sglang_module._child_failed.clear()
     assert "shutdown" not in sgl.names()
+
+
+# --- reading the weights back (named_weights: `rljob run --verify-weights`, the GPU tests) -------
+
+
+def _dense_model(directory: Path, kv_heads: int) -> dict[str, torch.Tensor]:
+    """config.json of a one-layer dense Qwen2 in `directory`, and random bf16 weights for it
+    under the trainer's names (tied embedding; vocab 100, which sglang pads to 128)."""
+    hidden, heads, inter, vocab, head_dim = 128, 4, 96, 100, 32
+    (directory / "config.json").write_text(
+        json.dumps(
+            {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+             "intermediate_size": inter, "vocab_size": vocab, "tie_word_embeddings": True}
+        )
+    )  # fmt: skip
+    layer = "model.layers.0."
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        f"{layer}input_layernorm.weight": (hidden,),
+        f"{layer}self_attn.q_proj.weight": (heads * head_dim, hidden),
+        f"{layer}self_attn.q_proj.bias": (heads * head_dim,),
+        f"{layer}self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        f"{layer}self_attn.k_proj.bias": (kv_heads * head_dim,),
+        f"{layer}self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        f"{layer}self_attn.v_proj.bias": (kv_heads * head_dim,),
+        f"{layer}self_attn.o_proj.weight": (hidden, heads * head_dim),
+        f"{layer}post_attention_layernorm.weight": (hidden,),
+        f"{layer}mlp.gate_proj.weight": (inter, hidden),
+        f"{layer}mlp.up_proj.weight": (inter, hidden),
+        f"{layer}mlp.down_proj.weight": (hidden, inter),
+        "model.norm.weight": (hidden,),
+    }
+    generator = torch.Generator().manual_seed(kv_heads)
+    return {
+        name: torch.randn(shape, generator=generator).to(torch.bfloat16)
+        for name, shape in shapes.items()
+    }
+
+
+def _updated(tmp_path: Path, tp_size: int, kv_heads: int) -> tuple[SGLangEngine, Any, dict]:
+    weights = _dense_model(tmp_path, kv_heads)
+    engine, sgl = make_adapter(CONTRACTS["0.5.17"], tp_size=tp_size, model_path=str(tmp_path))
+    engine.resume([TAG_WEIGHTS])
+    items = list(weights.items())
+    engine.update_weights(items[:5])
+    engine.update_weights(items[5:])
+    return engine, sgl, weights
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "kv_heads"),
+    [(1, 2), (2, 2), (2, 4), (4, 2)],
+    ids=["tp1", "tp2", "tp2-two-kv-heads-per-rank", "tp4-kv-heads-shared-by-two-ranks"],
+)
+def test_named_weights_joins_every_tp_ranks_shards_into_what_training_sent(
+    tmp_path: Path, tp_size: int, kv_heads: int
+) -> None:
+    """The loop's weight check (`rljob run --verify-weights`) on sglang: each TP rank's shards,
+    written by the stand-in in sglang's layout, come back as the full tensors sent, bit for bit,
+    under the trainer's names (the tied embedding under both of its names)."""
+    engine, sgl, sent = _updated(tmp_path, tp_size, kv_heads)
+    held = dict(engine.named_weights())  # as loop.check_weights reads it
+    assert held.keys() == {*sent, "lm_head.weight"}
+    for name, tensor in sent.items():
+        assert tensor_digest(held[name]) == tensor_digest(tensor), name
+    assert held["lm_head.weight"] is held["model.embed_tokens.weight"]
+    (save,) = [kw for n, kw in sgl.calls if n == "save_sharded_model"]
+    assert save["pattern"] == SHARD_PATTERN and save["max_size"] is None
+    assert not Path(save["path"]).exists(), "the shards are removed once read"
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "kv_heads", "name", "message"),
+    [
+        (
+            2,
+            2,
+            "model.norm.weight",
+            "model.norm.weight: TP rank 1 holds another value than TP rank 0",
+        ),
+        (
+            4,
+            2,
+            "model.layers.0.self_attn.k_proj.weight",
+            "qkv_proj.weight (k_proj): TP rank 3 holds",
+        ),
+    ],
+)
+def test_a_replicated_weight_that_differs_between_tp_ranks_is_named(
+    tmp_path: Path, tp_size: int, kv_heads: int, name: str, message: str
+) -> None:
+    engine, sgl, sent = _updated(tmp_path, tp_size, kv_heads)
+    sgl.loaded[name][tp_size - 1] = sent[name] + 1  # the last rank loaded something else
+    with pytest.raises(EngineWeightsError, match=re.escape(message)):
+        dict(engine.named_weights())
+
+
+def test_named_weights_with_weights_released_raises_without_calling_sglang() -> None:
+    engine, sgl = make_adapter()
+    before = len(sgl.calls)
+    with pytest.raises(RuntimeError, match=r"dump_weights\(\) needs \['weights'\] resident"):
+        engine.named_weights()
+    assert len(sgl.calls) == before
+
+
+@every_release
+def test_prompt_logprobs_scores_every_token_after_the_first_in_one_call(release: str) -> None:
+    engine, sgl = make_adapter(CONTRACTS[release])
+    engine.resume(ALL_TAGS)
+    assert engine.prompt_logprobs([[5, 6, 7], [9, 8]]) == [[-0.1, -0.2], [-0.1]]
+    name, kwargs = sgl.calls[-1]
+    assert name == "generate"
+    assert kwargs["return_logprob"] is True and kwargs["logprob_start_len"] == 0
+    assert kwargs["sampling_params"] == [{"max_new_tokens": 1, "temperature": 0.0}] * 2

@@ -18,6 +18,7 @@ import importlib.metadata
 import os
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,12 @@ from rljob_worker.engines.base import (
     Completion,
     SamplingParams,
     token_ids,
+)
+from rljob_worker.engines.sglang_weights import (
+    SHARD_PATTERN,
+    DenseLayout,
+    WeightShards,
+    read_weights,
 )
 from rljob_worker.memory import LIBRARY_OOM_MARKERS
 
@@ -69,6 +76,12 @@ class SGLangContract:
     # Key of each result's meta_info holding, with return_logprob, one (logprob, token id, text)
     # per generated token: the log-prob it was sampled with.
     output_logprobs_key: str
+    # meta_info key of a generate() result asked for return_logprob: (logprob, token id, text)
+    # for each input token from logprob_start_len on (the first one's logprob is None).
+    input_logprobs_key: str
+    # Engine methods that take **kwargs and pass them to every scheduler (collective_rpc) ->
+    # (module, class, method) of the scheduler side that reads them as params["name"].
+    rpc_methods: Mapping[str, tuple[str, str, str]]
     # Module and function that make CUDA tensors travel to other processes by device UUID.
     tensor_reduction_patch: tuple[str, str]
     # Module, class and method that serialize a tensor into an IPC handle (ForkingPickler).
@@ -94,7 +107,7 @@ _CONTRACT_0_5_23 = SGLangContract(
     engine_module="sglang.srt.entrypoints.engine",
     engine_class="Engine",
     engine_methods={
-        "generate": ("input_ids", "sampling_params", "return_logprob"),
+        "generate": ("input_ids", "sampling_params", "return_logprob", "logprob_start_len"),
         "release_memory_occupation": ("tags",),
         "resume_memory_occupation": ("tags",),
         "begin_weight_update": (),
@@ -102,6 +115,8 @@ _CONTRACT_0_5_23 = SGLangContract(
         "end_weight_update": (),
         "flush_cache": (),
         "get_server_info": (),
+        # Every TP rank writes its weight shards (named_weights, `rljob run --verify-weights`).
+        "save_sharded_model": ("path", "pattern", "max_size"),
         "shutdown": (),
     },
     server_args=(
@@ -133,6 +148,14 @@ _CONTRACT_0_5_23 = SGLangContract(
     kv_capacity_key="max_total_num_tokens",
     output_ids_key="output_ids",
     output_logprobs_key="output_token_logprobs",
+    input_logprobs_key="input_token_logprobs",
+    rpc_methods={
+        "save_sharded_model": (
+            "sglang.srt.managers.scheduler_components.weight_updater",
+            "SchedulerWeightUpdaterManager",
+            "save_sharded_model",
+        )
+    },
     tensor_reduction_patch=("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"),
     serializer=("sglang.srt.utils.common", "MultiprocessingSerializer", "serialize"),
     local_tensor=(
@@ -560,6 +583,8 @@ class SGLangEngine:
         self._kv_capacity_tokens = int(self._engine.get_server_info()[contract.kv_capacity_key])
         self._released: set[str] = set()
         self._update_open = False
+        self._model_path = model_path
+        self._tp_size = tp_size
         self.release(ALL_TAGS)
         _reclaim_sigquit(started)
 
@@ -621,6 +646,53 @@ class SGLangEngine:
                 f"sglang returned {len(entries)} token log-probs for {len(ids)} tokens"
             )
         return Completion(ids, [float(entry[0]) for entry in entries])
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs: for each sequence, log p(ids[i] | ids[:i]) for i >= 1."""
+        return self.prompt_logprobs_many([sequences])[0]
+
+    def prompt_logprobs_many(
+        self, batches: Sequence[Sequence[Sequence[int]]]
+    ) -> list[list[list[float]]]:
+        """prompt_logprobs of several ranks' sequences in one sglang call, answered per batch."""
+        self._require_resident(ALL_TAGS, "prompt_logprobs")
+        if self._update_open:
+            raise RuntimeError("prompt_logprobs() during a weight update: call flush_cache() first")
+        flat = [list(ids) for batch in batches for ids in batch]
+        if not flat:
+            return [[] for _ in batches]
+        # One greedy token each: sglang scores the whole input when logprob_start_len is 0.
+        outputs = self._engine.generate(
+            input_ids=flat,
+            sampling_params=[{"max_new_tokens": 1, "temperature": 0.0} for _ in flat],
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        key = self._contract.input_logprobs_key
+        scored = [[float(lp) for lp, *_ in out["meta_info"][key][1:]] for out in outputs]
+        answers, start = [], 0
+        for batch in batches:
+            answers.append(scored[start : start + len(batch)])
+            start += len(batch)
+        return answers
+
+    def dump_weights(self, directory: str) -> WeightShards:
+        """Every TP rank's scheduler writes its weight shards into `directory` (this node's)."""
+        self._require_resident((TAG_WEIGHTS,), "dump_weights")
+        self._engine.save_sharded_model(path=directory, pattern=SHARD_PATTERN, max_size=None)
+        return WeightShards(directory, DenseLayout.from_model(self._model_path, self._tp_size))
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine's weights, full and on CPU, under the trainer's names (sglang_weights.py).
+
+        Each call writes every TP rank's shards to a temporary directory and reads them back,
+        about the model's size in bytes: for checks (`rljob run --verify-weights`, tests).
+        """
+        with tempfile.TemporaryDirectory(prefix="rljob-sglang-weights-") as directory:
+            weights = read_weights(self.dump_weights(directory))
+        return iter(weights.items())
 
     def release(self, tags: Sequence[str]) -> None:
         """Give the memory of these tags back (their contents are lost)."""

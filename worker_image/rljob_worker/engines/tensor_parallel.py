@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from rljob_worker.engines.sglang_engine import TensorHandoff
+    from rljob_worker.engines.sglang_weights import WeightShards
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,12 @@ class GroupEngine(Protocol):
     def flush_cache(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+    def prompt_logprobs_many(
+        self, batches: Sequence[Sequence[Sequence[int]]]
+    ) -> list[list[list[float]]]: ...
+
+    def dump_weights(self, directory: str) -> WeightShards: ...
 
 
 class TensorParallelPeerError(RuntimeError):
@@ -187,20 +196,48 @@ class TensorParallelEngine:
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[Completion]:
         """The group's batches go to the engine as one; each rank gets its own answers."""
-        layout = self.layout
         mine = ([list(p) for p in prompts], sampling)
+        return list(self._as_one_batch("generate", mine, lambda e, b: e.generate_many(b)))
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs of this rank's sequences (SGLangEngine.prompt_logprobs),
+        scored with the other ranks' in one batch."""
+        mine = [list(ids) for ids in sequences]
+        return list(
+            self._as_one_batch("prompt_logprobs", mine, lambda e, b: e.prompt_logprobs_many(b))
+        )
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The group engine's weights, full, under the trainer's names, on every rank.
+
+        The leader has every TP rank's scheduler write its shards into a directory of this node
+        (the group lies on one node); each rank reads and joins them itself, and the leader
+        removes them once all have (a gloo barrier).
+        """
+        from rljob_worker.engines.sglang_weights import read_weights
+
+        shards = self._leader_answer(
+            "named_weights",
+            lambda engine: engine.dump_weights(tempfile.mkdtemp(prefix="rljob-sglang-weights-")),
+        )
+        try:
+            weights = read_weights(shards)
+        finally:
+            with _peers(self.layout, "named_weights"):
+                dist.barrier(group=self._group)
+            if self.layout.is_leader:
+                shutil.rmtree(shards.directory, ignore_errors=True)
+        return iter(weights.items())
+
+    def _as_one_batch(self, what: str, mine: Any, answer: Callable[[Any, list[Any]], Any]) -> Any:
+        """Gather every rank's `mine` on the leader, which answers them in one engine call
+        (`answer(engine, batches)`, one answer per rank); this rank's answer."""
+        layout = self.layout
         batches: list[Any] | None = [None] * len(layout.group) if layout.is_leader else None
-        with _peers(layout, "generate"):
+        with _peers(layout, what):
             dist.gather_object(mine, batches, dst=layout.leader, group=self._group)
-
-        def answer_all() -> list[list[Completion]]:
-            assert batches is not None and self._engine is not None
-            return self._engine.generate_many(batches)
-
-        answers, error = _lead(self._group, layout, answer_all, "generate")
-        if error is not None:
-            raise self._peer_error("generate", error)
-        return list(answers[layout.tp_rank])
+        answers = self._leader_answer(what, lambda engine: answer(engine, batches or []))
+        return answers[layout.tp_rank]
 
     def release(self, tags: Sequence[str]) -> None:
         if any(t not in self._released for t in tags):
@@ -252,15 +289,23 @@ class TensorParallelEngine:
         """Run `call` on the leader's engine; every rank returns once it is done (and raises if
         it failed), with the engine's released tags."""
 
-        def run() -> frozenset[str]:
-            assert self._engine is not None, "the engine was shut down"
-            call(self._engine)
-            return self._engine.released_tags
+        def run(engine: GroupEngine) -> frozenset[str]:
+            call(engine)
+            return engine.released_tags
 
-        released, error = _lead(self._group, self.layout, run, what)
+        self._released = frozenset(self._leader_answer(what, run))
+
+    def _leader_answer(self, what: str, work: Callable[[GroupEngine], Any]) -> Any:
+        """`work(engine)` on the leader; its result on every rank (a leader's error raised)."""
+
+        def run() -> Any:
+            assert self._engine is not None, "the engine was shut down"
+            return work(self._engine)
+
+        answer, error = _lead(self._group, self.layout, run, what)
         if error is not None:
             raise self._peer_error(what, error)
-        self._released = frozenset(released)
+        return answer
 
     def _peer_error(self, what: str, error: str) -> TensorParallelPeerError:
         return TensorParallelPeerError(
