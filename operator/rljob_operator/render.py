@@ -14,7 +14,13 @@ from rljob.api import (
     API_VERSION,
     JOB_CONFIG_DIR,
     JOB_CONFIG_FILE,
+    JOB_CONFIG_VOLUME,
     KIND,
+    RAY_MEMORY_MONITOR_ENV,
+    SGL_TP_IMBALANCE_ENV,
+    SGLANG_TP_IMBALANCE_ENV,
+    SHM_DIR,
+    SHM_VOLUME,
     AttemptKnobs,
     JobConfig,
     RLJobSpec,
@@ -95,20 +101,28 @@ def config_map(
     }
 
 
+def _wire(models: list[Any]) -> list[dict[str, Any]]:
+    """The user's Kubernetes objects (spec.volumes, env...) as the pod spec takes them."""
+    return [m.model_dump(by_alias=True, exclude_none=True, mode="json") for m in models]
+
+
 def _volumes(owner: Owner, spec: RLJobSpec) -> list[dict[str, Any]]:
+    """The operator's volumes, then the user's spec.volumes (admission refuses a user's volume
+    named like one of the operator's)."""
     return [
-        {"name": "job-config", "configMap": {"name": config_map_name(owner.name)}},
+        {"name": JOB_CONFIG_VOLUME, "configMap": {"name": config_map_name(owner.name)}},
         # NCCL and Ray's object store use /dev/shm; the container default (64 MiB) is too small.
         {
-            "name": "dshm",
+            "name": SHM_VOLUME,
             "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory},
         },
+        *_wire(spec.volumes),
     ]
 
 
 _MOUNTS: list[dict[str, Any]] = [
-    {"name": "job-config", "mountPath": JOB_CONFIG_DIR, "readOnly": True},
-    {"name": "dshm", "mountPath": "/dev/shm"},
+    {"name": JOB_CONFIG_VOLUME, "mountPath": JOB_CONFIG_DIR, "readOnly": True},
+    {"name": SHM_VOLUME, "mountPath": SHM_DIR},
 ]
 
 
@@ -136,15 +150,21 @@ def _pod_template(
 def _container(
     name: str, spec: RLJobSpec, limits: dict[str, Any], env: list[dict[str, str]]
 ) -> dict[str, Any]:
+    """A Ray container: the operator's mounts and env first, then the user's (spec.volumeMounts,
+    spec.env, spec.envFrom); admission refuses a user's name or path that clashes with ours."""
     container: dict[str, Any] = {
         "name": name,
         "image": spec.resources.image,
         "imagePullPolicy": spec.resources.image_pull_policy,
         "resources": {"requests": dict(limits), "limits": dict(limits)},
-        "volumeMounts": [dict(m) for m in _MOUNTS],
+        "volumeMounts": [*(dict(m) for m in _MOUNTS), *_wire(spec.volume_mounts)],
     }
-    if env:
-        container["env"] = env
+    # Kubernetes expands $(NAME) in a value from the entries before it, so the user's come last.
+    full_env: list[dict[str, Any]] = [*env, *_wire(spec.env)]
+    if full_env:
+        container["env"] = full_env
+    if spec.env_from:
+        container["envFrom"] = _wire(spec.env_from)
     # KubeRay runs a Ray container's own args before its generated `ray start` ("ARGS && ulimit
     # -n 65536; ray start ... --block"): the OOM guard, in the background.
     container["args"] = [OOM_GUARD_ARGS]
@@ -165,7 +185,7 @@ OOM_GUARD_ARGS = "{ python -m rljob_worker.oom_guard & }"
 # e2e OOMKilled test lost that race to the monitor once in six kind runs).
 def ray_env() -> list[dict[str, str]]:
     """The environment of every Ray container (head and workers)."""
-    return [{"name": "RAY_memory_monitor_refresh_ms", "value": "0"}]
+    return [{"name": RAY_MEMORY_MONITOR_ENV, "value": "0"}]
 
 
 def worker_env(spec: RLJobSpec) -> list[dict[str, str]]:
@@ -173,9 +193,9 @@ def worker_env(spec: RLJobSpec) -> list[dict[str, str]]:
     if spec.rollout.tensor_parallel_size > 1:
         # SGLang refuses to start TP>1 when ranks see unequal free memory, which is always the
         # case while FSDP shares the GPUs (verl and slime set the same switch).
-        env.append({"name": "SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK", "value": "True"})
+        env.append({"name": SGL_TP_IMBALANCE_ENV, "value": "True"})
         # sglang 0.5.23 (the pinned release) reads this name instead; the adapter sets it too.
-        env.append({"name": "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "value": "false"})
+        env.append({"name": SGLANG_TP_IMBALANCE_ENV, "value": "false"})
     return env
 
 

@@ -32,6 +32,21 @@ def _pull(image: str) -> dict[str, Any]:
     return _res(image=image)
 
 
+def _mount(mount: dict[str, Any], volume: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A spec with one volume (an emptyDir named data, unless given) and one mount of it."""
+    return {
+        "volumes": [volume or {"name": "data", "emptyDir": {}}],
+        "volumeMounts": [{"name": "data", **mount}],
+    }
+
+
+def _env(*env: dict[str, Any]) -> dict[str, Any]:
+    return {"env": list(env)}
+
+
+_HF_TOKEN = {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+
+
 MALFORMED: list[Malformed] = [
     # Issue 17, "Seen": accepted before, and each could never run.
     Malformed("memory-negative", _res(memory="-4Gi"), "spec.resources.memory", seen=True),
@@ -183,6 +198,92 @@ MALFORMED: list[Malformed] = [
     ),
     Malformed("ppo-epochs-zero", {"algorithm": {"ppoEpochs": 0}}, "spec.algorithm.ppoEpochs"),
     Malformed("tis-cap-zero", {"algorithm": {"tisCap": 0}}, "spec.algorithm.tisCap"),
+    # Issue 30: the user's volumes, mounts and env; the operator's own names and paths refused.
+    Malformed(
+        "volume-named-job-config",
+        {"volumes": [{"name": "job-config", "emptyDir": {}}]},
+        "spec.volumes[0].name",
+    ),
+    Malformed(
+        "volume-named-dshm",
+        {"volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]},
+        "spec.volumes[0].name",
+    ),
+    Malformed("mount-at-job-config", _mount({"mountPath": "/etc/rljob"}), "spec.volumeMounts[0]"),
+    Malformed("mount-under-dev-shm", _mount({"mountPath": "/dev/shm/x"}), "spec.volumeMounts[0]"),
+    Malformed("mount-dot-path", _mount({"mountPath": "/etc/./rljob"}), "spec.volumeMounts[0]"),
+    Malformed("mount-relative-path", _mount({"mountPath": "data"}), "spec.volumeMounts[0]"),
+    Malformed(
+        "mount-sub-path-escapes",
+        _mount({"mountPath": "/data", "subPath": "../etc"}),
+        "spec.volumeMounts[0].subPath",
+    ),
+    Malformed(
+        "mount-of-undeclared-volume",
+        {"volumeMounts": [{"name": "data", "mountPath": "/data"}]},
+        "spec.volumeMounts",
+    ),
+    Malformed(
+        "volume-two-sources",
+        {
+            "volumes": [
+                {"name": "data", "emptyDir": {}, "persistentVolumeClaim": {"claimName": "c"}}
+            ]
+        },
+        "spec.volumes[0]",
+    ),
+    Malformed("volume-no-source", {"volumes": [{"name": "data"}]}, "spec.volumes[0]"),
+    Malformed(
+        "volume-name-not-a-label",
+        {"volumes": [{"name": "my.data", "emptyDir": {}}]},
+        "spec.volumes[0].name",
+    ),
+    Malformed(
+        "host-path-relative",
+        {"volumes": [{"name": "cache", "hostPath": {"path": "models"}}]},
+        "spec.volumes[0].hostPath.path",
+    ),
+    Malformed(
+        "volume-names-repeated",
+        {"volumes": [{"name": "d", "emptyDir": {}}, {"name": "d", "secret": {"secretName": "s"}}]},
+        "spec.volumes",
+    ),
+    Malformed(
+        "env-operator-memory-monitor",
+        _env({"name": "RAY_memory_monitor_refresh_ms", "value": "250"}),
+        "spec.env[0].name",
+    ),
+    Malformed(
+        "env-operator-sglang-tp",
+        _env({"name": "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "value": "true"}),
+        "spec.env[0].name",
+    ),
+    Malformed(
+        "env-value-and-value-from",
+        _env({"name": "HF_TOKEN", "value": "hf_x", "valueFrom": _HF_TOKEN}),
+        "spec.env[0]",
+    ),
+    Malformed(
+        "env-value-from-two-sources",
+        _env(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {**_HF_TOKEN, "configMapKeyRef": {"name": "c", "key": "k"}},
+            }
+        ),
+        "spec.env[0].valueFrom",
+    ),
+    Malformed("env-name-with-equals", _env({"name": "A=B", "value": "1"}), "spec.env[0].name"),
+    Malformed(
+        "env-names-repeated",
+        _env({"name": "A", "value": "1"}, {"name": "A", "value": "2"}),
+        "spec.env",
+    ),
+    Malformed(
+        "env-from-two-sources",
+        {"envFrom": [{"secretRef": {"name": "s"}, "configMapRef": {"name": "c"}}]},
+        "spec.envFrom[0]",
+    ),
     Malformed("name-starts-with-digit", {}, "metadata.name", name="1job"),
     Malformed("name-with-dots", {}, "metadata.name", name="job.v2"),
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -304,12 +305,35 @@ def _attempt(
     return run
 
 
+def _apply_env(spec: RLJobSpec, console: Console) -> None:
+    """spec.env's literal values into this process's environment, which the ranks inherit (and
+    the preflight's tokenizer load sees); says what the cluster alone would have supplied."""
+    from rljob_worker.local_env import local_env
+
+    env = local_env(spec, os.environ)
+    os.environ.update(env.values)
+    if env.values:
+        console.print("spec.env: set " + ", ".join(sorted(env.values)) + " for the ranks")
+    if env.cluster_only:
+        console.print(
+            "[yellow]spec.env/envFrom from Secrets and ConfigMaps are read on a cluster only; "
+            f"here your shell's environment stands in: {escape('; '.join(env.cluster_only))}"
+            "[/yellow]"
+        )
+    if spec.volumes:
+        console.print(
+            f"spec.volumes ({len(spec.volumes)}) are not mounted locally: the spec's paths are "
+            "read on this machine"
+        )
+
+
 def main(argv: list[str]) -> int:
     """`rljob run`; returns the process exit code."""
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
     try:
         name, spec = load_manifest(args.manifest)
+        _apply_env(spec, console)
         device = _device(args.device, spec)
         from rljob_worker.memory import OOMInjection
 

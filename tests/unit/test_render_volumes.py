@@ -1,0 +1,142 @@
+"""The user's volumes, mounts and env (issue 30) render into both Ray pod templates after the
+operator's own, and the names the models refuse are exactly the ones the builders use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from rljob.api import OPERATOR_ENV, OPERATOR_MOUNT_PATHS, OPERATOR_VOLUMES, RLJobSpec
+from rljob_operator.render import Owner, children, ray_job
+
+OWNER = Owner(name="j", namespace="ns", uid="00000000-0000-0000-0000-000000000001")
+CPU = {"rollout": {"engine": "torch"}, "resources": {"gpusPerWorker": 0}}
+
+
+def _pods(spec: RLJobSpec) -> list[dict[str, Any]]:
+    """The head's and the worker group's pod specs."""
+    cluster = ray_job(OWNER, spec)["spec"]["rayClusterSpec"]
+    return [cluster["headGroupSpec"]["template"]["spec"]] + [
+        group["template"]["spec"] for group in cluster["workerGroupSpecs"]
+    ]
+
+
+# One volume of each supported source, as a user writes it (and as the pod must receive it).
+VOLUMES: dict[str, dict[str, Any]] = {
+    "persistentVolumeClaim": {
+        "name": "data",
+        "persistentVolumeClaim": {"claimName": "rl-data", "readOnly": True},
+    },
+    "configMap": {
+        "name": "rewards",
+        "configMap": {
+            "name": "rewards",
+            "items": [{"key": "reward.py", "path": "gsm8k/reward.py", "mode": 0o444}],
+            "defaultMode": 0o644,
+            "optional": False,
+        },
+    },
+    "secret": {"name": "keys", "secret": {"secretName": "s3-keys", "defaultMode": 0o400}},
+    "emptyDir": {"name": "scratch", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+    "hostPath": {"name": "cache", "hostPath": {"path": "/var/cache/hf", "type": "Directory"}},
+}
+
+
+@pytest.mark.parametrize("kind", list(VOLUMES))
+def test_each_supported_volume_kind_renders_into_head_and_workers(kind: str) -> None:
+    volume = VOLUMES[kind]
+    mount = {"name": volume["name"], "mountPath": "/mnt/x", "subPath": "a/b", "readOnly": True}
+    spec = RLJobSpec.model_validate({**CPU, "volumes": [volume], "volumeMounts": [mount]})
+    for pod in _pods(spec):
+        names = [v["name"] for v in pod["volumes"]]
+        assert names == [*OPERATOR_VOLUMES, volume["name"]]
+        assert pod["volumes"][-1] == volume  # as written: nothing added, nothing lost
+        (container,) = pod["containers"]
+        assert [m["mountPath"] for m in container["volumeMounts"]] == [
+            *OPERATOR_MOUNT_PATHS,
+            "/mnt/x",
+        ]
+        assert container["volumeMounts"][-1] == mount
+
+
+def test_hf_token_comes_from_a_secret_and_its_value_is_nowhere_in_the_children() -> None:
+    env = [
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+        {"name": "TOKEN_CHECK", "value": "$(HF_TOKEN)"},
+    ]
+    env_from = [{"secretRef": {"name": "s3"}, "prefix": "S3_"}, {"configMapRef": {"name": "c"}}]
+    spec = RLJobSpec.model_validate({**CPU, "env": env, "envFrom": env_from})
+    for pod in _pods(spec):
+        (container,) = pod["containers"]
+        names = [e["name"] for e in container["env"]]
+        # The operator's first: Kubernetes expands $(NAME) only from entries before it.
+        assert names[: -len(env)] == [n for n in names if n in OPERATOR_ENV]
+        assert container["env"][-len(env) :] == env
+        assert container["envFrom"] == env_from
+        assert "value" not in container["env"][-2]
+    # Neither the RayJob nor the job config ConfigMap can carry a secret's value: there is none.
+    assert "hf_" not in yaml.safe_dump_all(children(OWNER, spec))
+
+
+def test_a_job_without_volumes_or_env_renders_only_the_operators() -> None:
+    (pod, *_) = _pods(RLJobSpec.model_validate(CPU))
+    (container,) = pod["containers"]
+    assert [v["name"] for v in pod["volumes"]] == list(OPERATOR_VOLUMES)
+    assert "envFrom" not in container
+
+
+def test_the_refused_names_are_the_ones_the_operator_uses() -> None:
+    """OPERATOR_* (what admission refuses) and the builders cannot drift apart: with tensor
+    parallelism on, every env name, volume and mount path the operator sets is in them."""
+    spec = RLJobSpec.model_validate(
+        {"rollout": {"tensorParallelSize": 2}, "resources": {"gpusPerWorker": 2}}
+    )
+    for pod in _pods(spec):
+        (container,) = pod["containers"]
+        assert {v["name"] for v in pod["volumes"]} == set(OPERATOR_VOLUMES)
+        assert {m["mountPath"] for m in container["volumeMounts"]} == set(OPERATOR_MOUNT_PATHS)
+        assert {e["name"] for e in container["env"]} <= set(OPERATOR_ENV)
+    worker = _pods(spec)[1]["containers"][0]
+    assert {e["name"] for e in worker["env"]} == set(OPERATOR_ENV)
+
+
+@pytest.mark.parametrize(
+    ("spec", "ours", "theirs"),
+    [
+        ({"volumes": [{"name": "dshm", "emptyDir": {}}]}, "dshm", "/dev/shm"),
+        ({"volumes": [{"name": "job-config", "emptyDir": {}}]}, "job-config", "/etc/rljob"),
+        (
+            {
+                "volumes": [{"name": "d", "emptyDir": {}}],
+                "volumeMounts": [{"name": "d", "mountPath": "/etc/rljob/extra"}],
+            },
+            "/etc/rljob",
+            "job-config",
+        ),
+        (
+            {"env": [{"name": "RAY_memory_monitor_refresh_ms", "value": "1"}]},
+            "RAY_memory_monitor_refresh_ms",
+            "set by the operator",
+        ),
+    ],
+)
+def test_a_clash_is_refused_naming_both_sides(spec: dict[str, Any], ours: str, theirs: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        RLJobSpec.model_validate(spec)
+    assert ours in str(info.value) and theirs in str(info.value)
+
+
+def test_unsupported_volume_kinds_are_refused_by_name() -> None:
+    with pytest.raises(ValidationError, match="nfs"):
+        RLJobSpec.model_validate(
+            {"volumes": [{"name": "d", "nfs": {"server": "nfs.local", "path": "/x"}}]}
+        )
+
+
+def test_a_mount_of_the_operators_volume_is_refused() -> None:
+    # job-config is not a volume of spec.volumes, and its name says whose it is.
+    with pytest.raises(ValidationError, match="operator's own volume"):
+        RLJobSpec.model_validate({"volumeMounts": [{"name": "job-config", "mountPath": "/cfg"}]})
