@@ -25,6 +25,7 @@ from rljob.oom_policy import (
     next_attempt,
     rayjob_name,
 )
+from rljob_operator.identity import JOB_UID_LABEL
 
 RUNNING: Final = "Running"
 SUCCEEDED: Final = "Succeeded"
@@ -290,7 +291,7 @@ def needs_attention(spec: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
     return retry_unapplied(status) or late_oom_undecided(spec, status)
 
 
-def mirrored_rayjob(job: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
+def mirrored_rayjob(job: str, status: Mapping[str, Any], uid: str) -> dict[str, Any] | None:
     """The current attempt's RayJob as status mirrors it, for deciding on a late OOM after the
     RayJob itself went (KubeRay deletes a finished one with DELETE_RAYJOB_CR_AFTER_JOB_FINISHES
     and ttlSecondsAfterFinished 0): its name, status and creation (the attempt's startedAt).
@@ -300,6 +301,11 @@ def mirrored_rayjob(job: str, status: Mapping[str, Any]) -> dict[str, Any] | Non
         return None
     mirrored = dict(status.get("rayJob") or {})
     return {
-        "metadata": {"name": mirrored["name"], "creationTimestamp": attempts[-1]["startedAt"]},
+        "metadata": {
+            "name": mirrored["name"],
+            "creationTimestamp": attempts[-1]["startedAt"],
+            # The RLJob whose status mirrors it (`uid`): the identity the operator matches on.
+            "labels": {JOB_UID_LABEL: uid},
+        },
         "status": {k: mirrored[k] for k in ("jobStatus", "jobDeploymentStatus") if k in mirrored},
     }

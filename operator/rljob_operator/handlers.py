@@ -704,7 +704,7 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
             if rayjob is None and attempts.finished(name, current):
                 # The attempt ended and its RayJob went: a late OOM is decided from what status
                 # mirrors of it; the attempt is never applied (run) again.
-                rayjob = attempts.mirrored_rayjob(name, current)
+                rayjob = attempts.mirrored_rayjob(name, current, uid)
                 if rayjob is None:
                     return
             if rayjob is None and attempt.number > 1:

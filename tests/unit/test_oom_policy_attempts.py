@@ -167,18 +167,19 @@ def test_a_finished_attempts_rayjob_is_stood_in_for_by_its_mirror() -> None:
     mirror = {"name": "j", "jobStatus": "FAILED", "jobDeploymentStatus": "Failed"}
     current = {"phase": "Failed", "attempts": failed, "rayJob": mirror,
                "oomEvents": [cuda("2026-11-25T10:00:07Z")]}  # fmt: skip
-    stand_in = attempts.mirrored_rayjob("j", current)
+    stand_in = attempts.mirrored_rayjob("j", current, "u")
     assert stand_in == {
-        "metadata": {"name": "j", "creationTimestamp": CREATED_AT},
+        "metadata": {"name": "j", "creationTimestamp": CREATED_AT,
+                     "labels": {"rljob.dev/job-uid": "u"}},
         "status": {"jobStatus": "FAILED", "jobDeploymentStatus": "Failed"},
-    }
+    }  # fmt: skip
     step = attempts.advance("j", spec(), current, stand_in)
     assert step.attempts is not None and step.attempts[0]["result"] == "CUDAOutOfMemory"
     assert step.retry is not None and step.retry.ray_job == "j-a2"
     # Not finished (still running, or no startedAt): no stand-in.
-    assert attempts.mirrored_rayjob("j", {**current, "phase": "Running"}) is None
+    assert attempts.mirrored_rayjob("j", {**current, "phase": "Running"}, "u") is None
     no_start = [{k: v for k, v in failed[0].items() if k != "startedAt"}]
-    assert attempts.mirrored_rayjob("j", {**current, "attempts": no_start}) is None
+    assert attempts.mirrored_rayjob("j", {**current, "attempts": no_start}, "u") is None
 
 
 def test_a_late_oom_wants_attention_until_decided_and_an_earlier_attempts_never() -> None:
