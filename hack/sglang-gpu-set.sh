@@ -25,7 +25,7 @@ RAY_VERSION=$(grep -oE '^ray==[^ ]+' requirements/ci.txt | cut -d= -f3)
 MACHINE=requirements/gpu-machine.txt
 OUT=.gl/sglang
 CACHE=${RLJOB_CACHE_DIR:-$HOME/.cache/rljob}/gpu-sglang
-PIECE=60m
+PIECE=56m
 # The GPU machines: CPython 3.12 on glibc 2.39. pip needs every manylinux tag spelled out.
 PLATFORMS=()
 for n in $(seq 39 -1 5); do PLATFORMS+=(--platform "manylinux_2_${n}_x86_64"); done
