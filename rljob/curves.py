@@ -79,17 +79,20 @@ def plot_learning_curve(metrics: Sequence[IterationMetrics], path: Path, title: 
             lw=0,
             label="min..max",
         )
-    spread = [m for m in metrics if m.reward_mean is not None and m.reward_std is not None]
+    spread = [m for m in band if m.reward_mean is not None and m.reward_std is not None]
     if spread:
+        # mean +- std, inside min..max: rewards of 0 and 1 have a std that reaches past both.
         reward.fill_between(
             [m.iteration for m in spread],
-            [(m.reward_mean or 0.0) - (m.reward_std or 0.0) for m in spread],
-            [(m.reward_mean or 0.0) + (m.reward_std or 0.0) for m in spread],
+            [max((m.reward_mean or 0.0) - (m.reward_std or 0.0), m.reward_min or 0.0)
+             for m in spread],
+            [min((m.reward_mean or 0.0) + (m.reward_std or 0.0), m.reward_max or 0.0)
+             for m in spread],
             alpha=0.25,
             color="C0",
             lw=0,
-            label="mean +- std",
-        )
+            label="mean +- std (within min..max)",
+        )  # fmt: skip
     reward.plot(xs, means, color="C0", marker=".", label="mean")
     reward.set_ylabel("reward")
     reward.legend(fontsize=7, loc="upper left")
@@ -100,6 +103,9 @@ def plot_learning_curve(metrics: Sequence[IterationMetrics], path: Path, title: 
     length.plot(*_series(metrics, lambda m: m.response_length_mean), color="C3", label="mean")
     length.plot(*_series(metrics, lambda m: m.response_length_max), color="C3", ls=":", label="max")
     length.set_ylabel("response tokens")
+    # From 0, with room above the longest: a bare autoscale magnifies a few tokens' noise.
+    longest = max((m.response_length_max or 0 for m in metrics), default=0)
+    length.set_ylim(0, max(longest, 1) * 1.15)
     length.legend(fontsize=7, loc="upper left")
     for axis in (kl, length):
         axis.set_xlabel("iteration")
