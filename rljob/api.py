@@ -18,7 +18,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from rljob.report import MemorySummary, OOMRecord, Stage
+from rljob.report import MAX_METRICS, IterationMetrics, MemorySummary, OOMRecord, Stage
 
 GROUP = "rljob.dev"
 VERSION = "v1alpha1"
@@ -1475,7 +1475,8 @@ def history_with(history: list[MemoryPoint], memory: MemorySummary | None) -> li
 
 class RLJobStatus(_Spec):
     """Observed state. One writer per field: the operator owns phase, conditions, rayJob,
-    attempts and OOMKilled entries; the job's driver owns iteration, memory and CUDA OOMs."""
+    attempts and OOMKilled entries; the job's driver owns iteration, memory, metrics and CUDA
+    OOMs."""
 
     phase: Phase | None = None
     cause: str | None = Field(
@@ -1500,6 +1501,12 @@ class RLJobStatus(_Spec):
         max_length=MAX_MEMORY_HISTORY,
         description=f"Per-stage peak bytes of the last {MAX_MEMORY_HISTORY} iterations "
         "(written by the driver; `kubectl rljob plot` draws it).",
+    )
+    metrics: list[IterationMetrics] = Field(
+        default_factory=list,
+        max_length=MAX_METRICS,
+        description=f"Reward, loss, KL, entropy, lengths of the last {MAX_METRICS} iterations "
+        "the current attempt finished (written by the driver; `kubectl rljob curve` draws it).",
     )
     oom_events: list[OOMEvent] = Field(
         default_factory=list,

@@ -1,7 +1,8 @@
 """`kubectl rljob` (the kubectl-rljob plugin): `describe NAME` prints what is wrong first (one
 line per failed or blocking condition), then the latest iteration's per-stage memory (worst rank
-per stage) and the OOM history; `plot NAME -o FILE` draws memory per
-stage over the iterations kept in status.memoryHistory.
+per stage), the latest iterations' metrics and the OOM history; `plot NAME -o FILE` draws memory
+per stage over the iterations kept in status.memoryHistory, `curve NAME -o FILE` the learning
+curve (reward, loss, KL, length) over those kept in status.metrics.
 
 Reads the RLJob with the kubernetes client and the same kubeconfig/context kubectl uses.
 """
@@ -18,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rljob.api import GROUP, PLURAL, VERSION, RLJobStatus
+from rljob.curves import curve_title, metrics_table, plot_learning_curve
 from rljob.report import STAGE_ORDER
 
 # One colour per canonical stage, in order (the same palette as `rljob run`'s timeline).
@@ -116,7 +118,23 @@ def describe(name: str, status: RLJobStatus, console: Console) -> None:
     console.print(f"RLJob {name}: phase {phase}, iteration {status.iteration}")
     table = memory_table(name, status)
     console.print(table if table is not None else "no memory reported yet")
+    if status.metrics:
+        console.print(metrics_table(status.metrics, f"RLJob {name}: metrics", rows=DESCRIBE_ROWS))
+    else:
+        console.print("no metrics reported yet")
     console.print(oom_table(status))
+
+
+# describe's metrics: the newest few iterations (`curve` draws all that status keeps).
+DESCRIBE_ROWS = 5
+
+
+def curve(name: str, status: RLJobStatus, seed: int | None, out: Path) -> None:
+    """The learning curve over the iterations in status.metrics, as `rljob run` draws it."""
+    if not status.metrics:
+        raise ValueError(f"RLJob {name} has no status.metrics yet")
+    device = status.memory.device if status.memory is not None else None
+    plot_learning_curve(status.metrics, out, curve_title(name, device, seed))
 
 
 def plot(name: str, status: RLJobStatus, out: Path) -> None:
@@ -150,7 +168,10 @@ def plot(name: str, status: RLJobStatus, out: Path) -> None:
     plt.close(figure)
 
 
-def _read_status(name: str, namespace: str | None, kubeconfig: str | None) -> RLJobStatus:
+def _read_rljob(
+    name: str, namespace: str | None, kubeconfig: str | None
+) -> tuple[RLJobStatus, int | None]:
+    """The RLJob's status and its spec.algorithm.seed (the curve's title names it)."""
     from kubernetes import client, config
 
     _contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
@@ -159,7 +180,8 @@ def _read_status(name: str, namespace: str | None, kubeconfig: str | None) -> RL
     rljob: Any = client.CustomObjectsApi(api).get_namespaced_custom_object(
         GROUP, VERSION, namespace, PLURAL, name
     )
-    return RLJobStatus.model_validate(rljob.get("status") or {})
+    seed = ((rljob.get("spec") or {}).get("algorithm") or {}).get("seed")
+    return RLJobStatus.model_validate(rljob.get("status") or {}), seed
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -167,14 +189,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube)")
     commands = parser.add_subparsers(dest="command", required=True)
     for command, text in (
-        ("describe", "per-stage memory of the latest iteration and the OOM history"),
+        ("describe", "per-stage memory, the latest metrics and the OOM history"),
         ("plot", "memory per stage over the iterations, as an image"),
+        ("curve", "reward, loss, KL and response length over the iterations, as an image"),
     ):
         sub = commands.add_parser(command, help=text)
         sub.add_argument("name", help="the RLJob's name")
         sub.add_argument("-n", "--namespace", help="namespace (default: the context's)")
-        if command == "plot":
-            sub.add_argument("-o", "--output", type=Path, default=Path("memory.png"))
+        if command != "describe":
+            default = "memory.png" if command == "plot" else "learning-curve.png"
+            sub.add_argument("-o", "--output", type=Path, default=Path(default))
     return parser
 
 
@@ -188,11 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     from urllib3.exceptions import HTTPError
 
     try:
-        status = _read_status(args.name, args.namespace, args.kubeconfig)
+        status, seed = _read_rljob(args.name, args.namespace, args.kubeconfig)
         if args.command == "describe":
             describe(args.name, status, console)
         else:
-            plot(args.name, status, args.output)
+            if args.command == "plot":
+                plot(args.name, status, args.output)
+            else:
+                curve(args.name, status, seed, args.output)
             console.print(f"wrote {args.output}")
     except ApiException as exc:
         errors.print(f"kubectl rljob: RLJob {args.name}: HTTP {exc.status} {exc.reason}")

@@ -107,8 +107,9 @@ class OOMRecord(_Model):
         return " ".join(parts) or "no size given"
 
 
-class IterationReport(_Model):
-    """Everything the ranks reported for one iteration, combined over ranks.
+class LearningFigures(_Model):
+    """One iteration's learning figures, combined over ranks: what reports.json and
+    status.metrics both carry.
 
     Per-token figures (loss, KL, entropy, clip fraction, mismatch) are means over every
     response token of every rank and every optimizer step; the training figures are those of
@@ -130,11 +131,16 @@ class IterationReport(_Model):
     clip_fraction: float | None = None
     grad_norm: float | None = None
     learning_rate: float | None = None
-    optimizer_steps: int | None = None
     # Mean |log p_engine - log p_trainer| over the response tokens, before the update.
     logprob_mismatch_mean: float | None = None
     # Reward calls that failed and were scored 0, all ranks (spec.reward.onError Zero).
     reward_errors: int = Field(default=0, ge=0)
+
+
+class IterationReport(LearningFigures):
+    """Everything the ranks reported for one iteration, combined over ranks (reports.json)."""
+
+    optimizer_steps: int | None = None
     samples: list[StageSample] = Field(default_factory=list)
 
 
@@ -160,6 +166,45 @@ class MemorySummary(_Model):
     @property
     def worst_fraction(self) -> float:
         return max((s.peak_fraction for s in self.stages), default=0.0)
+
+
+# status.metrics keeps this many iterations. Each entry is at most ~450 bytes of JSON (18
+# numbers, floats rounded to METRIC_DIGITS significant digits), so the list stays under ~45 KB,
+# next to memoryHistory's ~25 KB: far below etcd's 1.5 MiB object limit.
+MAX_METRICS = 100
+METRIC_DIGITS = 5
+
+
+def _rounded(value: float | None) -> float | None:
+    """`value` to METRIC_DIGITS significant digits: what a curve needs, and a bounded width."""
+    return None if value is None else float(f"{value:.{METRIC_DIGITS}g}")
+
+
+class IterationMetrics(LearningFigures):
+    """One iteration of `status.metrics`: the learning figures of an IterationReport (no
+    memory samples; status.memory and memoryHistory hold those), rounded for a bounded size."""
+
+    seconds: float | None = Field(
+        default=None, ge=0, description="The iteration's stages, worst rank each, summed."
+    )
+
+    @classmethod
+    def of(cls, report: IterationReport) -> IterationMetrics:
+        numbers = report.model_dump(include=set(LearningFigures.model_fields))
+        summary = summarize(report)
+        seconds = sum(s.seconds for s in summary.stages) if summary else None
+        rounded = {k: _rounded(v) if isinstance(v, float) else v for k, v in numbers.items()}
+        return cls.model_validate({**rounded, "seconds": _rounded(seconds)})
+
+
+def metrics_with(
+    metrics: list[IterationMetrics], reports: list[IterationReport]
+) -> list[IterationMetrics]:
+    """`metrics` with `reports`' iterations added (a report replaces an entry of its iteration),
+    in iteration order, the last MAX_METRICS kept."""
+    fresh = {r.iteration: IterationMetrics.of(r) for r in reports}
+    kept = [m for m in metrics if m.iteration not in fresh]
+    return sorted([*kept, *fresh.values()], key=lambda m: m.iteration)[-MAX_METRICS:]
 
 
 def summarize(report: IterationReport) -> MemorySummary | None:

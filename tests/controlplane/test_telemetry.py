@@ -292,6 +292,10 @@ def test_driver_with_the_job_account_writes_its_status_and_is_refused_on_another
     assert [s["name"] for s in status["memory"]["stages"]] == [s.value for s in STAGE_ORDER]
     assert status["memory"]["kind"] == "host" and status["memory"]["capacityBytes"] > 0
     assert [p["iteration"] for p in status["memoryHistory"]] == list(range(ITERATIONS + 1))
+    # The learning figures per iteration, through the CRD's schema (an unknown field is pruned).
+    assert [m["iteration"] for m in status["metrics"]] == list(range(ITERATIONS + 1))
+    assert all("rewardMean" in m for m in status["metrics"])
+    assert "policyLoss" in status["metrics"][-1] and "policyLoss" not in status["metrics"][0]
     assert status["phase"]  # the operator's fields survived the driver's writes
     worst = max(s["peakFraction"] for s in status["memory"]["stages"])
     assert wait_for(
@@ -314,6 +318,11 @@ def test_driver_with_the_job_account_writes_its_status_and_is_refused_on_another
     out = tmp_path / "memory.png"
     assert kubectl_plugin.main([*kubeconfig, "plot", "drv", "-n", namespace, "-o", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
+    curve = tmp_path / "curve.png"
+    assert (
+        kubectl_plugin.main([*kubeconfig, "curve", "drv", "-n", namespace, "-o", str(curve)]) == 0
+    )
+    assert curve.read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("stage", list(Stage))

@@ -5,26 +5,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from support.samples import done as _done
+from support.samples import sample as _sample
 
-from rljob.report import OOMRecord, Stage, StageSample
+from rljob.report import OOMRecord, Stage
 from rljob_worker.driver import driver_status, iteration_reports
 from rljob_worker.loop import RankIteration, RolloutStats
 from rljob_worker.rewards import FORMAT_CREDIT, exact_match, exact_match_reward, first_char_reward
 from rljob_worker.task import ArithmeticTask, DigitTask
 from rljob_worker.train import TrainStats
-
-
-def _sample(rank: int, iteration: int, stage: Stage, peak: int) -> StageSample:
-    return StageSample(
-        iteration=iteration, rank=rank, stage=stage, kind="cuda", device="gpu",
-        start_seconds=float(iteration * 10 + list(Stage).index(stage)), seconds=1.0,
-        peak_allocated_bytes=peak, peak_reserved_bytes=peak, allocated_bytes=0, reserved_bytes=0,
-        device_used_bytes=peak, device_peak_used_bytes=peak, device_total_bytes=1000,
-    )  # fmt: skip
-
-
-def _done(rank: int, iteration: int, reward_sum: float, kl: float | None) -> RankIteration:
-    return RankIteration(rank, iteration, (), reward_sum, 4, kl, None, 64)
 
 
 def test_reward_is_the_mean_over_all_ranks_responses() -> None:

@@ -172,6 +172,14 @@ def test_cli_runs_the_example_and_writes_status_and_timeline(tmp_path: Path) -> 
     assert (out / "status.yaml").read_text().startswith("status:")
     png = (out / "memory-timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # status.metrics (what `kubectl rljob curve` draws), one entry per iteration, as reported.
+    reports = json.loads((out / "reports.json").read_text())
+    assert [(m["iteration"], m["rewardMean"]) for m in status["metrics"]] == [
+        (r["iteration"], pytest.approx(r["rewardMean"], rel=1e-4)) for r in reports
+    ]
+    assert "policyLoss" in status["metrics"][-1]
+    curve = (out / "learning-curve.png").read_bytes()
+    assert curve[:8] == b"\x89PNG\r\n\x1a\n" and 10_000 < len(curve) < 200_000
 
 
 def _with_oom_policy(tmp_path: Path, max_retries: int) -> Path:

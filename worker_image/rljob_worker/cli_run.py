@@ -1,7 +1,8 @@
 """`rljob run MANIFEST`: run an RLJob manifest on this machine with the local driver.
 
-Shows a progress bar per iteration, prints the per-stage memory table, and writes the status the
-operator would publish (status.json / status.yaml), every iteration's report and a memory timeline.
+Shows a progress bar per iteration, prints the per-iteration metrics and per-stage memory tables,
+and writes the status the operator would publish (status.json / status.yaml), every iteration's
+report, a memory timeline and a learning curve.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rljob.api import (
     history_with,
     load_manifest,
 )
+from rljob.curves import curve_title, metrics_table, plot_learning_curve
 from rljob.report import (
     STAGE_ORDER,
     IterationReport,
@@ -217,8 +219,8 @@ def plot_timeline(samples: list[StageSample], path: Path, title: str) -> None:
 
 
 class _Progress:
-    """One bar step per iteration that every rank finished, with reward, KL, loss and stage
-    times."""
+    """One bar step per iteration that every rank finished, with reward, loss, KL, entropy and
+    stage times."""
 
     def __init__(self, iterations: int, ranks: int) -> None:
         from tqdm import tqdm
@@ -249,6 +251,8 @@ class _Progress:
             postfix["kl"] = f"{report.kl_mean:.2e}"
         if report.policy_loss is not None:
             postfix["loss"] = f"{report.policy_loss:.3f}"
+        if report.entropy_mean is not None:
+            postfix["entropy"] = f"{report.entropy_mean:.3f}"
         postfix.update({k: f"{v:.2f}s" for k, v in self.seconds[iteration].items()})
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
@@ -258,9 +262,10 @@ class _Progress:
 
 
 def write_outputs(
-    out: Path, name: str, status: RLJobStatus, reports: list[IterationReport]
-) -> None:
-    """status.json / status.yaml (the RLJob status schema), reports.json, memory-timeline.png."""
+    out: Path, name: str, status: RLJobStatus, reports: list[IterationReport], seed: int
+) -> list[str]:
+    """status.json / status.yaml (the RLJob status schema), reports.json, memory-timeline.png
+    and learning-curve.png (from status.metrics, as `kubectl rljob curve` draws it)."""
     out.mkdir(parents=True, exist_ok=True)
     document = status.model_dump(mode="json", by_alias=True, exclude_none=True)
     (out / "status.json").write_text(json.dumps(document, indent=2) + "\n")
@@ -274,6 +279,14 @@ def write_outputs(
     if memory is not None:
         title += f" ({memory.device}, {_bytes(memory.capacity_bytes)}, {memory.kind})"
     plot_timeline(samples, out / "memory-timeline.png", title)
+    written = ["status.json", "status.yaml", "reports.json", "memory-timeline.png"]
+    if any(m.reward_mean is not None for m in status.metrics):
+        device = memory.device if memory is not None else None
+        plot_learning_curve(
+            status.metrics, out / "learning-curve.png", curve_title(name, device, seed)
+        )
+        written.append("learning-curve.png")
+    return written
 
 
 def _attempt(
@@ -442,7 +455,9 @@ def main(argv: list[str]) -> int:
     status.cause = _cause(run)
     if len(attempts) > 1 or spec.oom_policy.max_retries:
         status.attempts = attempts
-    write_outputs(out, name, status, reports)
+    written = write_outputs(out, name, status, reports, spec.algorithm.seed)
+    if status.metrics:
+        Console().print(metrics_table(status.metrics, f"RLJob {name}: per iteration"))
     if status.memory is not None:
         Console().print(memory_table(status.memory, reports))
     mismatched = [
@@ -461,5 +476,5 @@ def main(argv: list[str]) -> int:
         )
     for rank, failure in sorted(run.errors.items()):
         console.print(f"[red]rank {rank} failed:[/red]\n{escape(failure.rstrip())}")
-    console.print(f"wrote {out}/status.json, status.yaml, reports.json, memory-timeline.png")
+    console.print(f"wrote {out}/: {', '.join(written)}")
     return 0 if run.ok and not mismatched else 1

@@ -1,5 +1,5 @@
 """The job's side of RLJob status: the driver-owned fields (iteration, reward/KL, memory, memory
-history, CUDA OOM entries and count) server-side applied under field manager `rljob-job`, and Events.
+history, metrics, CUDA OOM entries and count) server-side applied under field manager `rljob-job`, and Events.
 
 Runs with the per-job ServiceAccount (get/patch on its own RLJob and its status, create Events):
 in-cluster config in the Ray head pod, a kubeconfig elsewhere. Hook: `StatusPublisher.publish`
@@ -77,6 +77,10 @@ def driver_fields(
         "klMean": status.kl_mean,
         "memory": status.memory.model_dump(by_alias=True, mode="json") if status.memory else None,
         "memoryHistory": [p.model_dump(by_alias=True, mode="json") for p in history] or None,
+        "metrics": [
+            m.model_dump(by_alias=True, exclude_none=True, mode="json") for m in status.metrics
+        ]
+        or None,
         "oomEvents": [o.model_dump(by_alias=True, exclude_none=True, mode="json") for o in cuda],
     }
     count = held_count + int(status.oom_counts.get(CUDA_OOM, 0))

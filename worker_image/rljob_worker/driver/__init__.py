@@ -1,7 +1,8 @@
 """Drivers run one colocated worker per rank and gather what the ranks report (local.py: processes).
 
 The aggregation here is shared by every driver: rank events in, IterationReports and the
-driver-owned part of RLJob status (iteration, rewardMean, klMean, memory, oomEvents) out.
+driver-owned part of RLJob status (iteration, rewardMean, klMean, memory, metrics, oomEvents)
+out.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterable
 from typing import TypeVar
 
 from rljob.api import OOMEvent, RLJobStatus
-from rljob.report import IterationReport, OOMRecord, StageSample, summarize
+from rljob.report import IterationReport, OOMRecord, StageSample, metrics_with, summarize
 from rljob_worker.loop import RankIteration, RolloutStats
 from rljob_worker.train import TrainStats
 
@@ -107,7 +108,8 @@ def driver_status(
     """The fields of RLJob status the job's driver owns, computed from what the ranks reported.
 
     `iteration` is the last iteration every rank finished; memory is that of the latest sampled
-    iteration (after an OOM: the one that failed, with the stages it reached).
+    iteration (after an OOM: the one that failed, with the stages it reached); metrics are
+    those of the finished iterations, the newest MAX_METRICS.
     """
     ranks_done: dict[int, set[int]] = {}
     for item in iterations:
@@ -119,6 +121,7 @@ def driver_status(
         reward_mean=last.reward_mean if last else None,
         kl_mean=next((r.kl_mean for r in reversed(finished) if r.kl_mean is not None), None),
         memory=summarize(reports[-1]) if reports else None,
+        metrics=metrics_with([], finished),
         oom_events=[OOMEvent.model_validate(o) for o in newest_ooms(ooms)],
         oom_counts=dict(Counter(o.kind for o in ooms)),
     )
