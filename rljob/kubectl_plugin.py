@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rljob.api import GROUP, PLURAL, VERSION, RLJobStatus
+from rljob.plan import auto_lines
 from rljob.report import STAGE_ORDER
 
 # One colour per canonical stage, in order (the same palette as `rljob run`'s timeline).
@@ -116,6 +117,8 @@ def describe(name: str, status: RLJobStatus, console: Console) -> None:
     console.print(f"RLJob {name}: phase {phase}, iteration {status.iteration}")
     table = memory_table(name, status)
     console.print(table if table is not None else "no memory reported yet")
+    for line in auto_lines(status.plan) if status.plan else []:
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
     console.print(oom_table(status))
 
 

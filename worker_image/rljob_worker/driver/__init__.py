@@ -109,6 +109,7 @@ def driver_status(
     `iteration` is the last iteration every rank finished; memory is that of the latest sampled
     iteration (after an OOM: the one that failed, with the stages it reached).
     """
+    iterations = list(iterations)
     ranks_done: dict[int, set[int]] = {}
     for item in iterations:
         ranks_done.setdefault(item.iteration, set()).add(item.rank)
@@ -121,4 +122,6 @@ def driver_status(
         memory=summarize(reports[-1]) if reports else None,
         oom_events=[OOMEvent.model_validate(o) for o in newest_ooms(ooms)],
         oom_counts=dict(Counter(o.kind for o in ooms)),
+        # Rank 0's plan (with rollout Auto's choice), as the cluster's status.plan has it.
+        plan=next((i.plan for i in iterations if i.plan is not None), None),
     )
