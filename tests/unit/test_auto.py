@@ -298,3 +298,20 @@ def test_the_operator_measures_the_overshoot_against_this_attempts_plan_only() -
         "Auto", "Auto", 0.055,
     )  # fmt: skip
     assert second["changed"].startswith("memoryPlan.margin 0.03 -> 0.055: rollout needed 2.00 GiB")
+
+
+def test_kubectl_rljob_describe_prints_autos_choice() -> None:
+    from rich.console import Console
+
+    from rljob.api import RLJobStatus
+    from rljob.kubectl_plugin import describe
+
+    s = spec()
+    shape = shape_for(s)
+    assert shape is not None
+    status = RLJobStatus(plan=plan(s, shape, H100).to_status())
+    console = Console(record=True, width=200)
+    describe("auto", status, console)
+    text = console.export_text()
+    assert "rollout Auto chose wakeUp staged, memFractionStatic" in text
+    assert "margin 3.0% of 79.18 GiB" in text
