@@ -7,6 +7,7 @@ writes status.attempts and Events); nothing here does I/O or imports kopf or tor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
@@ -317,8 +318,18 @@ def plan_for_knobs(
         spec = knobs.apply(spec)
     if is_auto(spec):
         # What the driver will choose on a card of this size (AutoRefused: nothing fits).
-        return auto_choice(spec, shape, capacity_bytes).chosen
+        return _auto_chosen(spec.model_dump_json(), capacity_bytes)
     return mode_plan(spec, shape, capacity_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _auto_chosen(spec_json: str, capacity_bytes: int) -> ModePlan:
+    """auto_choice's pick, memoised: it plans ~200 candidates (~0.2 s), and the operator admits
+    on every reconcile of a job whose spec and card have not changed."""
+    spec = RLJobSpec.model_validate_json(spec_json)
+    shape = shape_for(spec, read_config=False)
+    assert shape is not None  # plan_for_knobs checked it
+    return auto_choice(spec, shape, capacity_bytes).chosen
 
 
 def plan_fits(
