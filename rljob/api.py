@@ -465,6 +465,50 @@ class WakeUp(StrEnum):
     SINGLE = "single"
 
 
+# `Auto` for rollout.memFractionStatic and rollout.wakeUp: the memory plan chooses on the card
+# the job got (rljob/plan.py auto_choice; docs/zero-tuning.md). The spec and the attempt's knobs
+# keep "Auto"; only the driver's resolved spec, which the stage machine and engine run, and
+# status.plan hold the numbers chosen.
+AUTO: Literal["Auto"] = "Auto"
+WakeUpSetting = WakeUp | Literal["Auto"]
+
+
+def _fraction_or_auto(value: float | str) -> float | str:
+    if value != AUTO and not (isinstance(value, int | float) and 0 < value < 1):
+        raise ValueError("memFractionStatic must be Auto or a number in (0, 1)")
+    return value
+
+
+# A number in (0, 1), or Auto. A structural schema cannot type a number-or-string (it has
+# int-or-string only) and CEL cannot see an untyped field, so the CRD keeps any value and checks
+# it with value validations that ignore the other JSON types: "Auto" by enum, or a number in
+# (0, 1) with every string, list and object excluded by impossible length bounds
+# (rljob_operator/crdgen.py writes UNTYPED_SCHEMA as is).
+UNTYPED_SCHEMA = "x-rljob-untyped-schema"
+_IMPOSSIBLE_FOR_NON_NUMBERS = {
+    "minLength": 1, "maxLength": 0, "minItems": 1, "maxItems": 0,
+    "minProperties": 1, "maxProperties": 0,
+}  # fmt: skip
+MemFraction = Annotated[
+    float | Literal["Auto"],
+    Field(
+        json_schema_extra={
+            UNTYPED_SCHEMA: {
+                "x-kubernetes-preserve-unknown-fields": True,
+                "anyOf": [
+                    {"enum": [AUTO]},
+                    {
+                        "minimum": 0, "exclusiveMinimum": True, "maximum": 1,
+                        "exclusiveMaximum": True, **_IMPOSSIBLE_FOR_NON_NUMBERS,
+                    },
+                ],
+            }
+        }
+    ),
+    AfterValidator(_fraction_or_auto),
+]  # fmt: skip
+
+
 SAMPLING_UNTRUNCATED_RULE = CrossFieldRule(
     cel="self.topP == 1.0 && self.topK == -1",
     message="topP must be 1 and topK -1: the trainer's log-probs are those of the whole "
@@ -532,18 +576,19 @@ class RolloutSpec(_Spec):
         "the ranks of one worker (gpusPerWorker, or cpuRanksPerWorker on CPU). Immutable.",
         json_schema_extra=immutable("spec.rollout.tensorParallelSize"),
     )
-    mem_fraction_static: float = Field(
+    mem_fraction_static: MemFraction = Field(
         default=0.85,
-        gt=0,
-        lt=1,
         description="Fraction of device memory for the engine's weights plus KV cache "
         "(sglang's mem_fraction_static; verl: rollout.gpu_memory_utilization). Staged "
-        "wake-up makes 0.9-0.95 reachable.",
+        "wake-up makes 0.9-0.95 reachable. Auto: the memory plan picks, on the card the job "
+        "got, the fraction with the largest KV cache whose every stage fits within "
+        "spec.memoryPlan.margin (docs/zero-tuning.md).",
     )
-    wake_up: WakeUp = Field(
+    wake_up: WakeUpSetting = Field(
         default=WakeUp.STAGED,
         description="staged: resume weights, update them, free training params, then resume "
-        "the KV cache. single: resume weights and KV cache together (baseline).",
+        "the KV cache. single: resume weights and KV cache together (baseline). Auto: the "
+        "mode the memory plan gives the larger KV cache (staged on a tie).",
     )
     weight_sync_bucket_megabytes: int = Field(
         default=512,
@@ -1104,20 +1149,22 @@ SGLANG_NEEDS_GPU_RULE = CrossFieldRule(
     field_path=".resources.gpusPerWorker",
     check=lambda s: s.rollout.engine != EngineName.SGLANG or s.resources.gpus_per_worker >= 1,
 )
-OOM_MIN_FRACTION_RULE = CrossFieldRule(
-    cel="self.oomPolicy.maxRetries == 0 || "
-    "self.oomPolicy.minFraction <= self.rollout.memFractionStatic",
-    message="oomPolicy.minFraction must not exceed rollout.memFractionStatic (retries only "
-    "lower the fraction)",
-    field_path=".oomPolicy.minFraction",
-    check=lambda s: (
-        s.oom_policy.max_retries == 0 or s.oom_policy.min_fraction <= s.rollout.mem_fraction_static
-    ),
-)
+
+
+def _min_fraction_problem(s: RLJobSpec) -> str | None:
+    """Checked by the models only: CEL cannot read memFractionStatic (an untyped field)."""
+    fraction = s.rollout.mem_fraction_static
+    if s.oom_policy.max_retries == 0 or fraction == AUTO or s.oom_policy.min_fraction <= fraction:
+        return None
+    return (
+        "spec.oomPolicy.minFraction: oomPolicy.minFraction must not exceed "
+        "rollout.memFractionStatic (retries only lower the fraction)"
+    )
+
+
 SPEC_RULES: tuple[CrossFieldRule, ...] = (
     TP_DIVIDES_RANKS_RULE,
     SGLANG_NEEDS_GPU_RULE,
-    OOM_MIN_FRACTION_RULE,
     MOUNTS_NAME_VOLUMES_RULE,
 )
 
@@ -1125,6 +1172,12 @@ SPEC_RULES: tuple[CrossFieldRule, ...] = (
 class MisfitAction(StrEnum):
     REJECT = "Reject"
     WARN = "Warn"
+
+
+# The plan's largest |error| per stage peak on the current tree's GPU runs is 2.79% (and that one
+# an over-prediction); every stored run's, 4.88%, came from trees since fixed (the cuBLAS
+# workspace pinning freed training memory): bench/results/plan-accuracy.md.
+DEFAULT_PLAN_MARGIN = 0.03
 
 
 class MemoryPlanSpec(_Spec):
@@ -1139,6 +1192,15 @@ class MemoryPlanSpec(_Spec):
         default=None,
         description="Memory of one GPU (e.g. 80Gi, or 85017493504) for the operator's plan "
         "before any pod runs; the driver reads the real GPU and plans again before starting.",
+    )
+    margin: float = Field(
+        default=DEFAULT_PLAN_MARGIN,
+        ge=0,
+        lt=0.5,
+        description="For rollout Auto: the share of the GPU every stage's predicted peak leaves "
+        "free (the plan's error). The default 0.03 covers the plan's largest error on the "
+        "current tree's GPU runs (2.8%, docs/zero-tuning.md). An OOM retry raises it by the "
+        "overshoot it measured.",
     )
 
 
@@ -1283,6 +1345,9 @@ class RLJobSpec(_Spec):
     @model_validator(mode="after")
     def _cross_field(self) -> RLJobSpec:
         _check_rules(self, SPEC_RULES, "spec")
+        problem = _min_fraction_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @property
@@ -1321,10 +1386,14 @@ class AttemptKnobs(_Spec):
     """The memory knobs one attempt runs with (the OOM policy changes them between attempts;
     the spec keeps what the user wrote). The training knobs are None where the spec's stand."""
 
-    mem_fraction_static: float = Field(gt=0, lt=1)
-    wake_up: WakeUp
+    mem_fraction_static: MemFraction
+    wake_up: WakeUpSetting
     micro_batch_size: int | None = Field(default=None, ge=1)
     gradient_checkpointing: bool | None = None
+    # Under Auto the knobs keep "Auto" (the driver resolves it on the real card) and carry the
+    # margin explicitly: an OOM retry raises it by the overshoot it measured, so the next
+    # attempt's choice is lower by what the last one lacked. None: spec.memoryPlan.margin.
+    margin: float | None = Field(default=None, ge=0, lt=0.5)
 
     def apply(self, spec: RLJobSpec) -> RLJobSpec:
         """`spec` as this attempt runs it: the user's, with these knobs in place."""
@@ -1336,8 +1405,15 @@ class AttemptKnobs(_Spec):
             training["micro_batch_size"] = self.micro_batch_size
         if self.gradient_checkpointing is not None:
             training["gradient_checkpointing"] = self.gradient_checkpointing
+        memory_plan = spec.memory_plan
+        if self.margin is not None:
+            memory_plan = memory_plan.model_copy(update={"margin": self.margin})
         return spec.model_copy(
-            update={"rollout": rollout, "training": spec.training.model_copy(update=training)}
+            update={
+                "rollout": rollout,
+                "training": spec.training.model_copy(update=training),
+                "memory_plan": memory_plan,
+            }
         )
 
 
@@ -1346,8 +1422,13 @@ class Attempt(_Spec):
 
     attempt: int = Field(ge=1)
     ray_job: str = Field(default="", description="The RayJob of this attempt.")
-    mem_fraction_static: float
-    wake_up: WakeUp | None = None
+    mem_fraction_static: MemFraction
+    wake_up: WakeUpSetting | None = None
+    margin: float | None = Field(
+        default=None,
+        description="Auto: spec.memoryPlan.margin as this attempt ran it (an OOM retry raises "
+        "it by the overshoot it measured).",
+    )
     result: str = Field(
         default="", description="Running, Succeeded, Failed, CUDAOutOfMemory or OOMKilled."
     )
@@ -1379,6 +1460,36 @@ class PlannedStage(_Spec):
     peak_fraction: float = Field(ge=0)
 
 
+class PlanCandidate(_Spec):
+    """One (wakeUp, memFractionStatic) the Auto choice planned."""
+
+    wake_up: WakeUp
+    mem_fraction_static: float
+    worst_stage: Stage
+    peak_bytes: int = Field(ge=0, description="The worst stage's predicted peak.")
+    kv_tokens: int = Field(ge=0)
+    kv_pool_bytes: int = Field(ge=0)
+    fits: bool = Field(description="Every stage within the limit (capacity less the margin).")
+
+
+MAX_PLAN_CANDIDATES = 8
+
+
+class AutoStatus(_Spec):
+    """What rollout Auto chose, against what, and why (rljob/plan.py auto_choice)."""
+
+    margin: float = Field(description="spec.memoryPlan.margin as this attempt ran it.")
+    limit_bytes: int = Field(ge=0, description="Capacity less the margin: no stage may pass it.")
+    planned: int = Field(ge=0, description="Candidates planned (wakeUp modes x fractions).")
+    reason: str = Field(default="", max_length=1024)
+    candidates: list[PlanCandidate] = Field(
+        default_factory=list,
+        max_length=MAX_PLAN_CANDIDATES,
+        description="Per wakeUp mode the chosen or best fitting candidate and the next one up "
+        "that does not fit (bounded).",
+    )
+
+
 class PlanStatus(_Spec):
     """`status.plan`, written by the job's driver before iteration 1 (rljob/plan.py)."""
 
@@ -1391,6 +1502,15 @@ class PlanStatus(_Spec):
     stages: list[PlannedStage]
     largest_fitting_fraction: dict[str, float | None] = Field(
         default_factory=dict, description="wakeUp mode -> largest memFractionStatic that fits."
+    )
+    auto: AutoStatus | None = Field(
+        default=None, description="Where rollout Auto chose the mode or fraction: how and why."
+    )
+    attempt: int | None = Field(
+        default=None,
+        ge=1,
+        description="The OOM policy's attempt this plan was made for (a retry's overshoot is "
+        "measured against its own attempt's plan only).",
     )
 
 

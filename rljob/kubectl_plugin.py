@@ -20,6 +20,7 @@ from rich.table import Table
 
 from rljob.api import GROUP, PLURAL, VERSION, RLJobStatus
 from rljob.curves import curve_title, metrics_table, plot_learning_curve
+from rljob.plan import auto_lines
 from rljob.report import STAGE_ORDER
 
 # One colour per canonical stage, in order (the same palette as `rljob run`'s timeline).
@@ -122,6 +123,8 @@ def describe(name: str, status: RLJobStatus, console: Console) -> None:
         console.print(metrics_table(status.metrics, f"RLJob {name}: metrics", rows=DESCRIBE_ROWS))
     else:
         console.print("no metrics reported yet")
+    for line in auto_lines(status.plan) if status.plan else []:
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
     console.print(oom_table(status))
 
 

@@ -7,13 +7,22 @@ writes status.attempts and Events); nothing here does I/O or imports kopf or tor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Literal
 
-from rljob.api import MAX_NAME_LENGTH, AttemptKnobs, MisfitAction, RLJobSpec, WakeUp, _quantity
-from rljob.plan import ModePlan, mode_plan, shape_for
+from rljob.api import (
+    AUTO,
+    MAX_NAME_LENGTH,
+    AttemptKnobs,
+    MisfitAction,
+    RLJobSpec,
+    WakeUp,
+    _quantity,
+)
+from rljob.plan import AutoRefused, GiB, ModePlan, auto_choice, is_auto, mode_plan, shape_for
 from rljob.report import Stage
 
 REASON_RETRIES_EXHAUSTED = "OOMRetriesExhausted"
@@ -36,6 +45,25 @@ class Outcome:
     rank: int | None = None
     pod: str = ""
     limit_bytes: int | None = None
+    # A CUDA OOM as measured (the allocator's request and the device's free bytes at the OOM),
+    # with the card and the plan's peak of that stage for the attempt that failed: together
+    # the measured overshoot a retry under rollout Auto raises the margin by.
+    requested_bytes: int | None = None
+    free_bytes: int | None = None
+    capacity_bytes: int | None = None
+    planned_peak_bytes: int | None = None
+
+    @property
+    def overshoot_bytes(self) -> int | None:
+        """How far the stage went past its plan: it held capacity - free and asked for
+        requested more, where the plan said planned_peak. None where a number is missing."""
+        known = (self.requested_bytes, self.free_bytes, self.capacity_bytes)
+        if self.planned_peak_bytes is None or any(v is None for v in known):
+            return None
+        assert self.requested_bytes is not None and self.free_bytes is not None
+        assert self.capacity_bytes is not None
+        needed = self.capacity_bytes - self.free_bytes + self.requested_bytes
+        return needed - self.planned_peak_bytes
 
 
 @dataclass(frozen=True)
@@ -46,11 +74,24 @@ class Decision:
     knobs: AttemptKnobs | None
     reason: str | None
     message: str
+    why: str = ""  # for status.attempts[].changed, after the knobs changed: the measurement
+
+    def changed(self, before: AttemptKnobs, spec: RLJobSpec) -> str:
+        """status.attempts[].changed of the retry: the knobs it changes and, where measured,
+        why by that much."""
+        if self.knobs is None:
+            return ""
+        text = changed_text(before, self.knobs, spec)
+        return (f"{text}: {self.why}" if self.why else text)[:512]
 
 
 def first_knobs(spec: RLJobSpec) -> AttemptKnobs:
+    """Attempt 1's knobs: the spec's; under rollout Auto with its margin explicit, the number
+    each OOM retry raises (the knobs keep "Auto": the driver resolves it on the card)."""
     return AttemptKnobs(
-        mem_fraction_static=spec.rollout.mem_fraction_static, wake_up=spec.rollout.wake_up
+        mem_fraction_static=spec.rollout.mem_fraction_static,
+        wake_up=spec.rollout.wake_up,
+        margin=spec.memory_plan.margin if is_auto(spec) else None,
     )
 
 
@@ -62,6 +103,8 @@ TRAINING_STAGES = (Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER)
 def knobs_text(knobs: AttemptKnobs) -> str:
     """The knobs one attempt ran with, as the messages name them."""
     text = f"memFractionStatic {knobs.mem_fraction_static}, wakeUp {knobs.wake_up}"
+    if knobs.margin is not None:
+        text += f", memoryPlan.margin {knobs.margin}"
     if knobs.micro_batch_size is not None:
         text += f", microBatchSize {knobs.micro_batch_size}"
     if knobs.gradient_checkpointing is not None:
@@ -85,6 +128,7 @@ def changed_text(before: AttemptKnobs, after: AttemptKnobs, spec: RLJobSpec) -> 
             str(old.training.gradient_checkpointing).lower(),
             str(new.training.gradient_checkpointing).lower(),
         ),
+        ("memoryPlan.margin", old.memory_plan.margin, new.memory_plan.margin),
     )
     return ", ".join(f"{name} {a} -> {b}" for name, a, b in pairs if a != b)
 
@@ -113,6 +157,34 @@ def _engine_candidates(spec: RLJobSpec, knobs: AttemptKnobs) -> list[AttemptKnob
             knobs.model_copy(update={"mem_fraction_static": float(fraction), "wake_up": wake_up})
         )
     return candidates
+
+
+# A retry under Auto raises the margin by the measured overshoot, and by at least one step of
+# the plan's fraction grid, so the next choice is lower even where the overshoot was tiny.
+AUTO_MIN_MARGIN_STEP = 0.01
+AUTO_MAX_MARGIN = 0.49  # MemoryPlanSpec.margin < 0.5
+
+
+def _auto_retry(spec: RLJobSpec, knobs: AttemptKnobs, outcome: Outcome) -> tuple[float, str]:
+    """(the next margin, why) after an engine-stage OOM under memFractionStatic Auto."""
+    margin = spec.memory_plan.margin if knobs.margin is None else knobs.margin
+    over = outcome.overshoot_bytes
+    if over is None or not outcome.capacity_bytes:
+        step = spec.oom_policy.fraction_step
+        why = (
+            f"the overshoot of {outcome.stage or '?'} was not measured (no plan or free bytes "
+            f"for this attempt), so spec.oomPolicy.fractionStep={step}"
+        )
+    else:
+        step = max(over / outcome.capacity_bytes, AUTO_MIN_MARGIN_STEP)
+        why = (
+            f"{outcome.stage} needed {over / GiB:.2f} GiB over its plan "
+            f"({outcome.planned_peak_bytes} bytes; requested {outcome.requested_bytes} with "
+            f"{outcome.free_bytes} free of {outcome.capacity_bytes}), "
+            f"{over / outcome.capacity_bytes:.2%} of the GPU"
+            + (f", at least {AUTO_MIN_MARGIN_STEP}" if step > over / outcome.capacity_bytes else "")
+        )
+    return round(margin + step, 4), why
 
 
 def _training_candidates(spec: RLJobSpec, knobs: AttemptKnobs) -> list[AttemptKnobs]:
@@ -175,6 +247,25 @@ def next_attempt(
             "retries used",
         )
     training = outcome.stage in TRAINING_STAGES
+    if knobs.mem_fraction_static == AUTO and not training:
+        margin, why = _auto_retry(spec, knobs, outcome)
+        if margin > AUTO_MAX_MARGIN:
+            return Decision(
+                False,
+                None,
+                REASON_RETRIES_EXHAUSTED,
+                f"{failed}; no knobs left: rollout Auto's margin would be {margin} (at most "
+                f"{AUTO_MAX_MARGIN}): {why}",
+            )
+        candidate = knobs.model_copy(update={"margin": margin})
+        return Decision(
+            True,
+            candidate,
+            REASON_OOM_RETRY,
+            f"{failed}; attempt {attempts_made + 1} runs with "
+            f"{changed_text(knobs, candidate, spec)} ({why})",
+            why,
+        )
     candidates = _training_candidates(spec, knobs) if training else _engine_candidates(spec, knobs)
     for candidate in candidates:
         if training or fits(candidate) is not False:
@@ -225,7 +316,31 @@ def plan_for_knobs(
         return None
     if knobs is not None:
         spec = knobs.apply(spec)
+    if is_auto(spec):
+        # What the driver will choose on a card of this size (AutoRefused: nothing fits).
+        return _auto_chosen(spec.model_dump_json(), capacity_bytes)
     return mode_plan(spec, shape, capacity_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _auto_chosen(spec_json: str, capacity_bytes: int) -> ModePlan:
+    """auto_choice's pick, memoised: it plans ~200 candidates (~0.2 s), and the operator admits
+    on every reconcile of a job whose spec and card have not changed."""
+    spec = RLJobSpec.model_validate_json(spec_json)
+    shape = shape_for(spec, read_config=False)
+    assert shape is not None  # plan_for_knobs checked it
+    return auto_choice(spec, shape, capacity_bytes).chosen
+
+
+def plan_fits(
+    spec: RLJobSpec, knobs: AttemptKnobs, capacity_bytes: int | None = None
+) -> bool | None:
+    """The plan's veto on a retry's knobs (OOM policy `fits`): None where it cannot plan."""
+    try:
+        planned = plan_for_knobs(spec, knobs, capacity_bytes)
+    except AutoRefused:
+        return False
+    return None if planned is None else planned.fits
 
 
 # A spec's gpuMemory this far from the card the ranks measured is said so (status, Event).
@@ -248,7 +363,21 @@ def capacity_note(spec: RLJobSpec, capacity_bytes: int | None) -> str:
 
 
 def admit(spec: RLJobSpec, knobs: AttemptKnobs | None = None) -> Admission:
-    m = plan_for_knobs(spec, knobs)
+    reject = spec.memory_plan.on_misfit is MisfitAction.REJECT
+    try:
+        m = plan_for_knobs(spec, knobs)
+    except AutoRefused as refused:
+        return Admission(
+            "False",
+            REASON_PLAN_MISFIT,
+            str(refused)
+            + (
+                "; not started (spec.memoryPlan.onMisfit=Reject)"
+                if reject
+                else "; started anyway (onMisfit=Warn): the driver plans again on the real GPU"
+            ),
+            not reject,
+        )
     if m is None:
         return Admission(
             "Unknown",
@@ -258,16 +387,17 @@ def admit(spec: RLJobSpec, knobs: AttemptKnobs | None = None) -> Admission:
             True,
         )
     worst = m.worst
+    chose = "Auto chose " if is_auto(knobs.apply(spec) if knobs else spec) else ""
     if m.fits:
         return Admission(
             "True",
             REASON_PLAN_FITS,
             f"predicted peak {worst.peak_bytes} bytes ({worst.fraction:.3f}) in {worst.stage}, "
-            f"wakeUp {m.wake_up} at memFractionStatic {m.mem_fraction_static}",
+            f"{chose}wakeUp {m.wake_up} at memFractionStatic {m.mem_fraction_static}"
+            + (" (the driver chooses again on the real GPU)" if chose else ""),
             True,
             m,
         )
-    reject = spec.memory_plan.on_misfit is MisfitAction.REJECT
     return Admission(
         "False",
         REASON_PLAN_MISFIT,

@@ -15,10 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from rljob.api import (
+    AUTO,
     BUILTIN_PREFIX,
+    MAX_PLAN_CANDIDATES,
     TINY_QWEN2,
+    AutoStatus,
     EngineName,
     OffloadMode,
+    PlanCandidate,
     PlannedStage,
     PlanStatus,
     RLJobSpec,
@@ -335,12 +339,13 @@ def kv_pool(
     rollout = spec.rollout
     dtype = DTYPE_BYTES[spec.model.dtype]
     per_token = shape.kv_bytes_per_token(dtype, rollout.tensor_parallel_size)
-    budget = int(rollout.mem_fraction_static * capacity_bytes) - engine_weights
+    fraction = resolved_rollout(spec)[1]
+    budget = int(fraction * capacity_bytes) - engine_weights
     if rollout.engine is EngineName.TORCH:
         tokens = max(budget, 0) // per_token // TORCH_KV_BLOCK_TOKENS * TORCH_KV_BLOCK_TOKENS
         return (tokens + TORCH_KV_BLOCK_TOKENS) * per_token, tokens
     budget -= CUDA_CONTEXT_BYTES + SGLANG_PROCESS_CONTEXT_BYTES
-    budget += int((1 - rollout.mem_fraction_static) * SGLANG_BOOTSTRAP_USED_BYTES)
+    budget += int((1 - fraction) * SGLANG_BOOTSTRAP_USED_BYTES)
     tokens = max(budget, 0) // per_token
     return tokens * per_token + SGLANG_CUDA_GRAPH_BYTES, tokens
 
@@ -495,6 +500,10 @@ class ModePlan:
     def fits(self) -> bool:
         return all(s.fits for s in self.stages)
 
+    def fits_under(self, limit_bytes: int) -> bool:
+        """Every stage's peak, plus the allocator's slack, within `limit_bytes`."""
+        return all(s.peak_bytes + ALLOCATOR_SLACK_BYTES <= limit_bytes for s in self.stages)
+
     @property
     def worst(self) -> StagePeak:
         return max(self.stages, key=lambda s: s.peak_bytes)
@@ -518,6 +527,7 @@ class MemoryPlan:
     shape: ModelShape
     requested: WakeUp
     modes: dict[WakeUp, ModePlan] = field(default_factory=dict)
+    auto: AutoChoice | None = None
 
     @property
     def chosen(self) -> ModePlan:
@@ -530,6 +540,11 @@ class MemoryPlan:
             "shape": self.shape.__dict__,
             "parameters": self.shape.parameters,
             "requested": str(self.requested),
+            "auto": (
+                self.auto.to_status().model_dump(by_alias=True, mode="json")
+                if self.auto is not None
+                else None
+            ),
             "modes": {
                 str(mode): {
                     "memFractionStatic": m.mem_fraction_static,
@@ -554,9 +569,10 @@ class MemoryPlan:
             },
         }
 
-    def to_status(self) -> PlanStatus:
+    def to_status(self, auto: AutoStatus | None = None) -> PlanStatus:
         m = self.chosen
         return PlanStatus(
+            auto=auto or (self.auto.to_status() if self.auto is not None else None),
             capacity_bytes=self.capacity_bytes,
             wake_up=m.wake_up,
             mem_fraction_static=m.mem_fraction_static,
@@ -592,22 +608,36 @@ def _offload_choices(spec: RLJobSpec) -> list[tuple[bool, bool]]:
 
 
 def mode_plan(
-    spec: RLJobSpec, shape: ModelShape, capacity_bytes: int, world: int | None = None
+    spec: RLJobSpec,
+    shape: ModelShape,
+    capacity_bytes: int,
+    world: int | None = None,
+    limit_bytes: int | None = None,
 ) -> ModePlan:
-    """The spec's own mode and fraction; with offload Auto the least offload that fits (or,
-    when none fits, everything the flags allow)."""
+    """The spec's own mode and fraction; with offload Auto the least offload that fits (under
+    `limit_bytes`, default the capacity; or, when none fits, everything the flags allow)."""
+    wake_up, fraction = resolved_rollout(spec)
     p = parts(spec, shape, capacity_bytes, world)
     choices = _offload_choices(spec)
     plans = []
     for optimizer, params in choices:
-        peaks = stage_peaks(p, spec.rollout.wake_up, optimizer, params)
+        peaks = stage_peaks(p, wake_up, optimizer, params)
         stages = tuple(StagePeak(s, b, capacity_bytes) for s, b in peaks.items())
-        plans.append(
-            ModePlan(
-                spec.rollout.wake_up, spec.rollout.mem_fraction_static, optimizer, params, stages, p
-            )
+        plans.append(ModePlan(wake_up, fraction, optimizer, params, stages, p))
+    limit = capacity_bytes if limit_bytes is None else limit_bytes
+    return next((m for m in plans if m.fits_under(limit)), plans[-1])
+
+
+def resolved_rollout(spec: RLJobSpec) -> tuple[WakeUp, float]:
+    """(wakeUp, memFractionStatic) of a spec whose Auto is resolved (auto_choice)."""
+    wake_up, fraction = spec.rollout.wake_up, spec.rollout.mem_fraction_static
+    if wake_up == AUTO or fraction == AUTO:
+        raise ValueError(
+            "rollout Auto is not resolved: plan it with auto_choice on the card first "
+            "(rljob/plan.py)"
         )
-    return next((m for m in plans if m.fits), plans[-1])
+    assert isinstance(wake_up, WakeUp) and not isinstance(fraction, str)
+    return wake_up, fraction
 
 
 def largest_fitting_fraction(
@@ -631,14 +661,22 @@ def plan(
 ) -> MemoryPlan:
     """Both wake-up modes at the spec's fraction, each with its largest fitting fraction."""
     world = world or spec.world_size
+    auto = None
+    if is_auto(spec):
+        auto = auto_choice(spec, shape, capacity_bytes, world)
+        spec = auto.resolve(spec)
+    requested, fraction = resolved_rollout(spec)
     modes = {}
     for mode in (WakeUp.STAGED, WakeUp.SINGLE):
-        m = mode_plan(
-            _with(spec, mode, spec.rollout.mem_fraction_static), shape, capacity_bytes, world
-        )
+        m = mode_plan(_with(spec, mode, fraction), shape, capacity_bytes, world)
         best = largest_fitting_fraction(spec, shape, capacity_bytes, mode, world)
         modes[mode] = replace(m, largest_fitting_fraction=best)
-    return MemoryPlan(capacity_bytes, world, shape, spec.rollout.wake_up, modes)
+    if auto is not None:
+        # The mode Auto chose, with the offload it chose under the margin's limit.
+        modes[requested] = replace(
+            auto.chosen, largest_fitting_fraction=modes[requested].largest_fitting_fraction
+        )
+    return MemoryPlan(capacity_bytes, world, shape, requested, modes, auto)
 
 
 def plan_for_point(
@@ -659,6 +697,200 @@ def plan_line(spec: RLJobSpec, config: Mapping[str, Any], capacity_bytes: int, r
         f"plan {m.wake_up} {m.mem_fraction_static:.2f}: {verdict}, KV {m.parts.kv_tokens} "
         f"tokens, peaks {{{peaks}}} GiB"
     )
+
+
+# -- rollout Auto: the largest KV cache that fits within the margin -----------------------------
+
+# The fractions Auto tries: the plan's grid (largest_fitting_fraction's), 0.01 to 0.99.
+AUTO_FRACTION_STEP = 0.01
+
+
+class AutoRefused(ValueError):
+    """No candidate fits: the message names the closest one's stage and the bytes it is short."""
+
+
+def is_auto(spec: RLJobSpec) -> bool:
+    return spec.rollout.wake_up == AUTO or spec.rollout.mem_fraction_static == AUTO
+
+
+def auto_candidates(spec: RLJobSpec) -> list[tuple[WakeUp, float]]:
+    """(wakeUp, memFractionStatic) pairs Auto plans: each Auto knob over all its values, the
+    other as the spec says."""
+    wake_up, fraction = spec.rollout.wake_up, spec.rollout.mem_fraction_static
+    modes = [WakeUp.STAGED, WakeUp.SINGLE] if wake_up == AUTO else [WakeUp(wake_up)]
+    steps = round(1 / AUTO_FRACTION_STEP)
+    fractions = (
+        [round(i * AUTO_FRACTION_STEP, 4) for i in range(1, steps)]
+        if fraction == AUTO
+        else [float(fraction)]
+    )
+    return [(m, f) for m in modes for f in fractions]
+
+
+def _short_bytes(m: ModePlan, limit_bytes: int) -> tuple[StagePeak, int]:
+    """The worst stage of `m` and the bytes it passes the limit by (<= 0: it fits)."""
+    worst = m.worst
+    return worst, worst.peak_bytes + ALLOCATOR_SLACK_BYTES - limit_bytes
+
+
+def _usable(m: ModePlan, limit_bytes: int) -> bool:
+    # A candidate without one KV token would fit a card smaller than the weights: the engine
+    # could not serve a request, so it is never chosen.
+    return m.parts.kv_tokens > 0 and m.fits_under(limit_bytes)
+
+
+def choose(candidates: Sequence[ModePlan], limit_bytes: int) -> ModePlan:
+    """The candidate with the largest KV pool whose every stage fits under `limit_bytes`; on a
+    tie staged (its peaks are lower), then the lower fraction (more headroom). None fitting:
+    AutoRefused naming the closest candidate's stage and the bytes it is short."""
+    fitting = [m for m in candidates if _usable(m, limit_bytes)]
+    if fitting:
+        return max(
+            fitting,
+            key=lambda m: (m.parts.kv_tokens, m.wake_up is WakeUp.STAGED, -m.mem_fraction_static),
+        )
+    if not candidates:
+        raise AutoRefused("rollout Auto: no candidate to plan")
+    closest = min(candidates, key=lambda m: _short_bytes(m, limit_bytes)[1])
+    stage, short = _short_bytes(closest, limit_bytes)
+    text = (
+        f"rollout Auto: nothing fits {limit_bytes / GiB:.2f} GiB (the GPU less "
+        f"spec.memoryPlan.margin); closest: wakeUp {closest.wake_up} at memFractionStatic "
+        f"{closest.mem_fraction_static:.2f}, where {stage.stage} needs "
+        f"{stage.peak_bytes / GiB:.2f} GiB ({max(short, 0) / GiB:.2f} GiB short)"
+    )
+    if closest.parts.kv_tokens <= 0:
+        text += (
+            f" and the engine's weights ({closest.parts.engine_weights / GiB:.2f} GiB) leave no "
+            "KV cache"
+        )
+    raise AutoRefused(
+        text + "; use more GPUs (FSDP shards training state), offload, a smaller "
+        "micro-batch or gradient checkpointing, or a lower spec.memoryPlan.margin"
+    )
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What rollout Auto chose on one card, from which candidates, under which limit."""
+
+    chosen: ModePlan
+    margin: float
+    capacity_bytes: int
+    limit_bytes: int
+    candidates: tuple[ModePlan, ...]
+
+    def resolve(self, spec: RLJobSpec) -> RLJobSpec:
+        """`spec` with the chosen mode and fraction in place of Auto (what the ranks run)."""
+        return _with(spec, self.chosen.wake_up, self.chosen.mem_fraction_static)
+
+    @property
+    def reason(self) -> str:
+        m = self.chosen
+        stage = m.worst
+        return (
+            f"the largest KV cache ({m.parts.kv_tokens} tokens) of {len(self.candidates)} candidates whose "
+            f"every stage stays under {self.limit_bytes / GiB:.2f} GiB (margin "
+            f"{self.margin:.1%} of {self.capacity_bytes / GiB:.2f} GiB); worst stage "
+            f"{stage.stage} at {stage.peak_bytes / GiB:.2f} GiB"
+        )
+
+    def recorded(self) -> list[ModePlan]:
+        """The bounded record: per mode, the chosen or best fitting candidate and the next
+        fraction up that does not fit (why Auto stopped there)."""
+        out: list[ModePlan] = []
+        for mode in (WakeUp.STAGED, WakeUp.SINGLE):
+            mine = [m for m in self.candidates if m.wake_up is mode]
+            fitting = [m for m in mine if _usable(m, self.limit_bytes)]
+            best = (
+                self.chosen
+                if self.chosen.wake_up is mode
+                else (choose(fitting, self.limit_bytes) if fitting else None)
+            )
+            above = [
+                m
+                for m in mine
+                if not _usable(m, self.limit_bytes)
+                and (best is None or m.mem_fraction_static > best.mem_fraction_static)
+            ]
+            if best is not None:
+                out.append(best)
+            if above:
+                out.append(min(above, key=lambda m: m.mem_fraction_static))
+        return out[:MAX_PLAN_CANDIDATES]
+
+    def to_status(self) -> AutoStatus:
+        return AutoStatus(
+            margin=self.margin,
+            limit_bytes=self.limit_bytes,
+            planned=len(self.candidates),
+            reason=self.reason[:1024],
+            candidates=[
+                PlanCandidate(
+                    wake_up=m.wake_up,
+                    mem_fraction_static=m.mem_fraction_static,
+                    worst_stage=m.worst.stage,
+                    peak_bytes=m.worst.peak_bytes,
+                    kv_tokens=m.parts.kv_tokens,
+                    kv_pool_bytes=m.parts.kv_pool,
+                    fits=_usable(m, self.limit_bytes),
+                )
+                for m in self.recorded()
+            ],
+        )
+
+
+def auto_lines(plan_status: PlanStatus) -> list[str]:
+    """rollout Auto's choice as text lines (rljob run, kubectl rljob describe, rljob plan):
+    what it chose and why, then the recorded candidates; [] where Auto was not used."""
+    auto = plan_status.auto
+    if auto is None:
+        return []
+    lines = [
+        f"rollout Auto chose wakeUp {plan_status.wake_up}, memFractionStatic "
+        f"{plan_status.mem_fraction_static:.2f}: {auto.reason}",
+        f"  {'wakeUp':<8}{'fraction':>9}{'worst stage':>16}{'peak GiB':>10}{'KV tokens':>11}"
+        f"{'KV GiB':>8}  fits",
+    ]
+    for c in auto.candidates:
+        lines.append(
+            f"  {c.wake_up!s:<8}{c.mem_fraction_static:>9.2f}{c.worst_stage!s:>16}"
+            f"{c.peak_bytes / GiB:>10.2f}{c.kv_tokens:>11}{c.kv_pool_bytes / GiB:>8.2f}  "
+            f"{'yes' if c.fits else 'no'}"
+        )
+    return lines
+
+
+def auto_limit_bytes(capacity_bytes: int, margin: float) -> int:
+    """No stage's predicted peak may pass this: the card less `margin` of it."""
+    return int(capacity_bytes * (1 - margin))
+
+
+def auto_choice(
+    spec: RLJobSpec, shape: ModelShape, capacity_bytes: int, world: int | None = None
+) -> AutoChoice:
+    """Plan every Auto candidate on a card of `capacity_bytes` and choose (see `choose`);
+    AutoRefused when none fits. Pure: every rank given the same inputs chooses the same."""
+    margin = spec.memory_plan.margin
+    limit = auto_limit_bytes(capacity_bytes, margin)
+    planned = tuple(
+        mode_plan(_with(spec, mode, fraction), shape, capacity_bytes, world, limit)
+        for mode, fraction in auto_candidates(spec)
+    )
+    return AutoChoice(choose(planned, limit), margin, capacity_bytes, limit, planned)
+
+
+def resolved_spec(spec: RLJobSpec, memory_plan: MemoryPlan | None) -> RLJobSpec:
+    """The spec the ranks run: Auto replaced by the plan's choice (unchanged without Auto)."""
+    if not is_auto(spec):
+        return spec
+    if memory_plan is None or memory_plan.auto is None:
+        raise AutoRefused(
+            "rollout Auto needs the memory plan: the model's shape (a builtin model, "
+            "spec.model.shape or a config.json) and the GPU's memory (on CPU: "
+            "spec.memoryPlan.gpuMemory or the host's)"
+        )
+    return memory_plan.auto.resolve(spec)
 
 
 def rank_plan(

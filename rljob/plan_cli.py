@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from rljob.api import _quantity, load_manifest
-from rljob.plan import GiB, MemoryPlan, plan, shape_for
+from rljob.plan import AutoRefused, GiB, MemoryPlan, auto_lines, plan, shape_for
 
 # A GPU's memory, not a host's: the largest GPUs have a few hundred GiB.
 MAX_GPU_BYTES = 16 * 2**40
@@ -57,8 +57,16 @@ def table(name: str, memory_plan: MemoryPlan) -> str:
         f"{memory_plan.world_size} rank(s), GPU {capacity / GiB:.2f} GiB ({capacity} bytes); "
         f"per rank (rank 0, the largest shard), steady iteration",
     ]
+    if memory_plan.auto is not None:
+        lines += ["", *auto_lines(memory_plan.to_status())]
     for mode, m in memory_plan.modes.items():
-        chosen = " (the spec's)" if mode == memory_plan.requested else ""
+        chosen = (
+            ""
+            if mode != memory_plan.requested
+            else " (Auto's choice)"
+            if memory_plan.auto is not None
+            else " (the spec's)"
+        )
         lines += [
             "",
             f"wakeUp {mode}{chosen} at memFractionStatic {_fraction(m.mem_fraction_static)}: "
@@ -113,7 +121,11 @@ def main(argv: list[str]) -> int:
         parser.error(
             "no GPU memory: pass --gpu-memory (e.g. 80Gi) or set spec.memoryPlan.gpuMemory"
         )
-    memory_plan = plan(spec, shape, capacity)
+    try:
+        memory_plan = plan(spec, shape, capacity)
+    except AutoRefused as refused:
+        print(f"rljob plan: RLJob {name}: {refused}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"name": name, **memory_plan.to_dict()}, indent=2))
     else:

@@ -20,7 +20,6 @@ from rljob.api import Attempt, AttemptKnobs, RLJobSpec
 from rljob.oom_policy import (
     Decision,
     Outcome,
-    changed_text,
     first_knobs,
     next_attempt,
     rayjob_name,
@@ -73,6 +72,7 @@ def entry(
         wake_up=knobs.wake_up,
         micro_batch_size=knobs.micro_batch_size,
         gradient_checkpointing=knobs.gradient_checkpointing,
+        margin=knobs.margin,
         changed=changed or None,
         result=result,
     )
@@ -81,10 +81,11 @@ def entry(
 
 def _knobs(spec: RLJobSpec, last: Mapping[str, Any]) -> AttemptKnobs:
     return AttemptKnobs(
-        mem_fraction_static=float(last["memFractionStatic"]),
+        mem_fraction_static=last["memFractionStatic"],  # a number, or "Auto"
         wake_up=last.get("wakeUp") or spec.rollout.wake_up,
         micro_batch_size=last.get("microBatchSize"),
         gradient_checkpointing=last.get("gradientCheckpointing"),
+        margin=last.get("margin"),
     )
 
 
@@ -148,7 +149,10 @@ def _seconds(text: str) -> datetime.datetime | None:
 
 
 def outcome(
-    rayjob: Mapping[str, Any], oom_events: Sequence[Mapping[str, Any]], number: int | None = None
+    rayjob: Mapping[str, Any],
+    oom_events: Sequence[Mapping[str, Any]],
+    number: int | None = None,
+    plan: Mapping[str, Any] | None = None,
 ) -> Outcome:
     """How failed attempt `number` ended: its first OOM (CUDA from the driver, OOMKilled from
     the kubelet), else a plain failure.
@@ -157,7 +161,9 @@ def outcome(
     entries, the operator the pod's attempt label on OOMKilled ones), whatever the clocks of
     the driver's node and the apiserver say. Only an entry without a number (written by an
     older driver or operator) is placed by time: strictly after the RayJob's creation, in whole
-    seconds.
+    seconds. `plan` (status.plan) gives the card and the failed stage's planned peak, where the
+    driver stamped it with this attempt's number: with the OOM's requested and free bytes, the
+    overshoot a retry under rollout Auto measures.
     """
     start = _seconds(str(rayjob.get("metadata", {}).get("creationTimestamp") or ""))
     found: list[tuple[datetime.datetime, int, Mapping[str, Any]]] = []
@@ -178,12 +184,22 @@ def outcome(
     _, _, first = min(found, key=lambda f: (f[0], f[1]))
     rank = first.get("rank")
     limit = first.get("limitBytes")
+    planned: dict[str, Any] = {}
+    if plan and number is not None and plan.get("attempt") == number:
+        peaks = {s.get("name"): s.get("peakBytes") for s in plan.get("stages") or []}
+        planned = {
+            "capacity_bytes": plan.get("capacityBytes"),
+            "planned_peak_bytes": peaks.get(first.get("stage")),
+        }
     return Outcome(
         "CUDAOutOfMemory" if first["kind"] == "CUDAOutOfMemory" else "OOMKilled",
         stage=first.get("stage"),
         rank=int(rank) if rank is not None else None,
         pod=str(first.get("pod") or ""),
         limit_bytes=int(limit) if limit is not None else None,
+        requested_bytes=first.get("requestedBytes"),
+        free_bytes=first.get("freeBytes"),
+        **planned,
     )
 
 
@@ -222,7 +238,7 @@ def advance(
     if result != FAILED:
         last["result"] = result
         return Step(attempts)
-    out = outcome(rayjob, list(status.get("oomEvents") or []), number)
+    out = outcome(rayjob, list(status.get("oomEvents") or []), number, status.get("plan"))
     last["result"] = out.kind
     if out.kind == FAILED:
         return Step(attempts)
@@ -234,8 +250,8 @@ def advance(
     decision = next_attempt(spec, knobs, number, out, fits)
     last["message"] = (decision.message + (note if decision.retry else ""))[:1024]
     if decision.retry and decision.knobs is not None:
-        changed = changed_text(knobs, decision.knobs, spec)
-        attempts.append(entry(job, number + 1, decision.knobs, changed=changed[:512]))
+        changed = decision.changed(knobs, spec)
+        attempts.append(entry(job, number + 1, decision.knobs, changed=changed))
         retry = Current(number + 1, rayjob_name(job, number + 1), decision.knobs)
         return Step(attempts, retry=retry, decision=decision)
     if decision.reason is None:

@@ -21,6 +21,7 @@ from rljob.api import (
     PLURAL,
     SHORT_NAMES,
     SINGULAR,
+    UNTYPED_SCHEMA,
     VERSION,
     RLJobSpec,
     RLJobStatus,
@@ -75,12 +76,22 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         # Siblings of $ref (default, description) win over the referenced schema's own.
         node = {**copy.deepcopy(target), **node}
     if "anyOf" in node:
-        # `X | None` is the only union the models use: it becomes X with nullable: true.
         options = node.pop("anyOf")
         kept = [o for o in options if o.get("type") != "null"]
+        nullable = len(kept) < len(options)
+        if UNTYPED_SCHEMA in node:
+            # A number or "Auto" (api.MemFraction): structural schemas cannot type it, so the
+            # model gives its untyped schema (value validations only) to use as it is.
+            untyped = node.pop(UNTYPED_SCHEMA)
+            return {**{k: v for k, v in node.items() if k in ("default", "description")}, **untyped}
+        kept = [defs[o["$ref"].split("/")[-1]] if "$ref" in o else o for o in kept]
+        if len(kept) > 1 and all(o.get("type") == "string" for o in kept):
+            # A string enum or a literal (WakeUp | Literal["Auto"]): one enum of every value.
+            values = [v for o in kept for v in o.get("enum", [o.get("const")])]
+            kept = [{"type": "string", "enum": values}]
         if len(kept) != 1:
             raise ValueError(f"cannot make a structural schema of a union: {options}")
-        return _structural({**kept[0], **node, "_nullable": len(kept) < len(options)}, defs)
+        return _structural({**kept[0], **node, "_nullable": nullable}, defs)
     nullable = bool(node.pop("_nullable", False))
     out: dict[str, Any] = {k: v for k, v in node.items() if k in _KEPT}
     if "const" in node:

@@ -35,7 +35,7 @@ from rljob.api import (
     OOMEvent,
     RLJobSpec,
 )
-from rljob.oom_policy import REASON_OOM_RETRY, admit, capacity_note, plan_for_knobs
+from rljob.oom_policy import REASON_OOM_RETRY, admit, capacity_note, plan_fits
 from rljob_operator import attempts, causes, identity, kube, metrics, oom, render, status
 
 RAYJOB_LABELS = {render.JOB_LABEL: kopf.PRESENT}
@@ -171,11 +171,7 @@ def _fits(spec: RLJobSpec, capacity_bytes: int | None) -> Callable[[AttemptKnobs
     """The plan's veto on a retry's knobs, where the operator can plan (else None: no veto):
     on the card the ranks measured (status.memory.capacityBytes) where they reported it."""
 
-    def fits(knobs: AttemptKnobs) -> bool | None:
-        planned = plan_for_knobs(spec, knobs, capacity_bytes)
-        return None if planned is None else planned.fits
-
-    return fits
+    return lambda knobs: plan_fits(spec, knobs, capacity_bytes)
 
 
 @dataclass(frozen=True)

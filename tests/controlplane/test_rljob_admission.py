@@ -146,6 +146,30 @@ def test_a_valid_neighbour_of_each_malformed_kind_applies(plane: Any, namespace:
     assert stored["spec"]["reward"]["function"] == "/data/rewards/gsm8k.py:compute_score"
 
 
+def test_rollout_auto_is_admitted_and_stored_as_written(
+    custom: client.CustomObjectsApi, namespace: str
+) -> None:
+    """Issue 35: memFractionStatic takes a number or Auto (a schema-less scalar checked by CEL),
+    wakeUp takes Auto; a number still works, with an OOM policy's minFraction beside Auto."""
+    auto = {
+        "rollout": {"memFractionStatic": "Auto", "wakeUp": "Auto"},
+        "memoryPlan": {"margin": 0.05},
+        "oomPolicy": {"maxRetries": 2, "minFraction": 0.9},
+    }
+    stored: dict[str, Any] = custom.create_namespaced_custom_object(  # type: ignore[assignment]
+        GROUP, VERSION, namespace, PLURAL, rljob("auto", auto)
+    )
+    assert stored["spec"]["rollout"]["memFractionStatic"] == "Auto"
+    assert stored["spec"]["rollout"]["wakeUp"] == "Auto"
+    assert stored["spec"]["memoryPlan"]["margin"] == 0.05
+    number = {"rollout": {"memFractionStatic": 0.91}}
+    stored = custom.create_namespaced_custom_object(  # type: ignore[assignment]
+        GROUP, VERSION, namespace, PLURAL, rljob("num", number)
+    )
+    assert stored["spec"]["rollout"]["memFractionStatic"] == 0.91
+    assert stored["spec"]["memoryPlan"]["margin"] == 0.03
+
+
 def test_defaults_fill_the_stored_spec(custom: client.CustomObjectsApi, namespace: str) -> None:
     stored: dict[str, Any] = custom.create_namespaced_custom_object(  # type: ignore[assignment]
         GROUP, VERSION, namespace, PLURAL, rljob("d")

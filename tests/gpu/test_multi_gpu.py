@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rljob.api import parse_manifest
+from rljob.api import WakeUp, parse_manifest
 from rljob.report import Stage
 from rljob_worker.driver.local import run_local
 from rljob_worker.stages import stage_order
@@ -40,6 +40,7 @@ def test_two_ranks_on_nccl_run_staged_iterations_with_a_memory_report_per_rank()
     run = run_local(spec, RANKS, "cuda", verify_weights=True)
     assert run.ok, (run.errors, run.ooms)
 
+    assert isinstance(spec.rollout.wake_up, WakeUp)  # not Auto: the manifest names it
     staged = [str(s) for s in stage_order(spec.rollout.wake_up)]
     for iteration in range(1, ITERATIONS + 1):
         items = [i for i in run.iterations if i.iteration == iteration]

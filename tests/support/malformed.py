@@ -284,6 +284,20 @@ MALFORMED: list[Malformed] = [
         {"envFrom": [{"secretRef": {"name": "s"}, "configMapRef": {"name": "c"}}]},
         "spec.envFrom[0]",
     ),
+    # Issue 35: rollout Auto is spelled exactly; a fraction stays in (0, 1).
+    Malformed(
+        "fraction-auto-lower-case",
+        {"rollout": {"memFractionStatic": "auto"}},
+        "spec.rollout.memFractionStatic",
+    ),
+    Malformed(
+        "fraction-one", {"rollout": {"memFractionStatic": 1.0}}, "spec.rollout.memFractionStatic"
+    ),
+    Malformed(
+        "fraction-list", {"rollout": {"memFractionStatic": [0.9]}}, "spec.rollout.memFractionStatic"
+    ),
+    Malformed("wake-up-automatic", {"rollout": {"wakeUp": "automatic"}}, "spec.rollout.wakeUp"),
+    Malformed("margin-half", {"memoryPlan": {"margin": 0.5}}, "spec.memoryPlan.margin"),
     Malformed("name-starts-with-digit", {}, "metadata.name", name="1job"),
     Malformed("name-with-dots", {}, "metadata.name", name="job.v2"),
 ]

@@ -435,7 +435,7 @@ def test_the_retry_plans_on_the_card_the_ranks_measured_and_says_when_the_spec_i
 def test_policy_skips_fractions_the_plan_says_do_not_fit() -> None:
     current = AttemptKnobs(mem_fraction_static=0.9, wake_up=WakeUp.STAGED)
     decision = next_attempt(
-        policy_spec(), current, 1, OOM, fits=lambda k: k.mem_fraction_static <= 0.75
+        policy_spec(), current, 1, OOM, fits=lambda k: k.mem_fraction_static in (0.75, 0.7, 0.65)
     )
     assert decision.knobs == AttemptKnobs(mem_fraction_static=0.75, wake_up=WakeUp.STAGED)
 

@@ -31,6 +31,7 @@ from rljob.api import (
     load_manifest,
 )
 from rljob.curves import curve_title, metrics_table, plot_learning_curve
+from rljob.plan import auto_lines
 from rljob.report import (
     STAGE_ORDER,
     IterationReport,
@@ -365,10 +366,9 @@ def main(argv: list[str]) -> int:
     from rljob.oom_policy import (
         Outcome,
         capacity_note,
-        changed_text,
         first_knobs,
         next_attempt,
-        plan_for_knobs,
+        plan_fits,
     )
 
     publisher = None
@@ -387,15 +387,14 @@ def main(argv: list[str]) -> int:
         """The plan's veto, where it can plan without the GPU (a builtin model or
         spec.model.shape): this process must not hold a CUDA context. On the card the ranks
         measured where they reported it, else on spec.memoryPlan.gpuMemory."""
-        planned = plan_for_knobs(spec, knobs, capacity[0] if capacity else None)
-        return None if planned is None else planned.fits
+        return plan_fits(spec, knobs, capacity[0] if capacity else None)
 
     # Locally this command is the operator too: it applies spec.oomPolicy (README: the OOM
     # policy) between attempts, each a fresh set of rank processes. --inject-oom applies to the
     # first attempt only, so a policy can be tried on the CPU.
     knobs = first_knobs(spec)
     attempts: list[Attempt] = []
-    attempts_knobs: list[AttemptKnobs] = []
+    changed = ""  # the retry's status.attempts[].changed (Decision.changed)
     earlier_ooms: list[OOMRecord] = []  # the OOMs of the attempts before the last
     while True:
         number = len(attempts) + 1
@@ -414,21 +413,30 @@ def main(argv: list[str]) -> int:
             wake_up=knobs.wake_up,
             micro_batch_size=knobs.micro_batch_size,
             gradient_checkpointing=knobs.gradient_checkpointing,
-            changed=changed_text(attempts_knobs[-1], knobs, spec) if attempts_knobs else "",
+            margin=knobs.margin,
+            changed=changed,
             result=result,
             oom_stage=oom.stage if oom else None,
             oom_rank=oom.rank if oom else None,
         )
         attempts.append(attempt)
-        attempts_knobs.append(knobs)
         if run.ok or oom is None:
             break
         memory = run.status().memory
         if memory is not None and memory.capacity_bytes:
             capacity[:] = [memory.capacity_bytes]
-        decision = next_attempt(
-            spec, knobs, number, Outcome("CUDAOutOfMemory", oom.stage, oom.rank), fits
+        status_now = run.status()
+        planned = {s.name: s.peak_bytes for s in status_now.plan.stages} if status_now.plan else {}
+        measured = Outcome(
+            "CUDAOutOfMemory",
+            oom.stage,
+            oom.rank,
+            requested_bytes=oom.requested_bytes,
+            free_bytes=oom.free_bytes,
+            capacity_bytes=status_now.plan.capacity_bytes if status_now.plan else None,
+            planned_peak_bytes=planned.get(oom.stage) if oom.stage else None,
         )
+        decision = next_attempt(spec, knobs, number, measured, fits)
         if decision.retry:
             decision = dataclasses.replace(
                 decision,
@@ -440,6 +448,7 @@ def main(argv: list[str]) -> int:
                 console.print(f"[red]{decision.reason}: {escape(decision.message)}[/red]")
             break
         console.print(f"[yellow]{decision.reason}: {escape(decision.message)}[/yellow]")
+        changed = decision.changed(knobs, spec)
         knobs = decision.knobs
         earlier_ooms.extend(run.ooms)
         if publisher is not None:
@@ -456,10 +465,13 @@ def main(argv: list[str]) -> int:
     if len(attempts) > 1 or spec.oom_policy.max_retries:
         status.attempts = attempts
     written = write_outputs(out, name, status, reports, spec.algorithm.seed)
+    table_console = Console()
     if status.metrics:
-        Console().print(metrics_table(status.metrics, f"RLJob {name}: per iteration"))
+        table_console.print(metrics_table(status.metrics, f"RLJob {name}: per iteration"))
     if status.memory is not None:
-        Console().print(memory_table(status.memory, reports))
+        table_console.print(memory_table(status.memory, reports))
+    for line in auto_lines(status.plan) if status.plan else []:
+        table_console.print(line, soft_wrap=True, markup=False, highlight=False)
     mismatched = [
         (i.rank, i.iteration, i.weights.mismatched)
         for i in run.iterations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rljob.api import MisfitAction, PlanStatus, RLJobSpec
-from rljob.plan import offload_choice, rank_plan
+from rljob.plan import is_auto, offload_choice, rank_plan, resolved_rollout, resolved_spec
 from rljob.report import OOMRecord, StageSample
 from rljob_worker import allocator_report
 from rljob_worker.engines import make_engine
@@ -236,6 +237,22 @@ class _Rollout:
         )  # fmt: skip
 
 
+def _auto_capacity(
+    spec: RLJobSpec, capacity: int | None, device: torch.device, world: int
+) -> int | None:
+    """The card rollout Auto plans on: the smallest GPU of all ranks (so all choose alike, and
+    the choice fits each). On CPU there is no card: spec.memoryPlan.gpuMemory where given (to
+    rehearse a GPU job's choice), else the host's memory; the torch engine on CPU sizes its KV
+    pool without the fraction, so there the choice is recorded and run, not a limit."""
+    if capacity is None and spec.memory_plan.gpu_memory is None:
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if capacity is not None and world > 1 and dist.is_available() and dist.is_initialized():
+        smallest = torch.tensor([capacity], dtype=torch.int64, device=device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+        capacity = int(smallest.item())
+    return capacity
+
+
 def run_rank(
     spec: RLJobSpec, config: RankConfig, emit: Callable[[RankEvent], None] | None = None
 ) -> RankResult:
@@ -257,7 +274,12 @@ def run_rank(
     # The plan on the real GPU, before any engine starts: a misfit with onMisfit Reject fails
     # fast here; with offload Auto it decides what the stages offload.
     capacity = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
+    if is_auto(spec):
+        capacity = _auto_capacity(spec, capacity, device, config.world_size)
     memory_plan = rank_plan(spec, capacity, config.world_size, model_path)
+    # rollout Auto: every rank planned on the same (smallest) card with the same spec and
+    # shape, so each resolves the same mode and fraction (AutoRefused: nothing fits).
+    spec = resolved_spec(spec, memory_plan)
     if (
         memory_plan is not None
         and not memory_plan.chosen.fits
@@ -309,7 +331,7 @@ def run_rank(
         engine,
         meter,
         rollout,
-        wake_up=spec.rollout.wake_up,
+        wake_up=resolved_rollout(spec)[0],
         bucket_bytes=spec.rollout.weight_sync_bucket_megabytes << 20,
         engine_dtype=torch_dtype(spec.model.dtype),
         offload_optimizer=offload_optimizer,

@@ -216,7 +216,8 @@ class StatusPublisher:
             status, self._history, self._held_ooms, self._held_oom_count, self.attempt
         )
         if self.plan is not None:
-            fields["plan"] = self.plan.model_dump(by_alias=True, mode="json")
+            stamped = self.plan.model_copy(update={"attempt": self.attempt})
+            fields["plan"] = stamped.model_dump(by_alias=True, mode="json")
         meta = {"name": self.name, "namespace": self.namespace}
         if self.job_uid is not None:
             meta["uid"] = self.job_uid  # a precondition: 409 unless the RLJob is still that object

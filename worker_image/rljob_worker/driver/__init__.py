@@ -111,6 +111,7 @@ def driver_status(
     iteration (after an OOM: the one that failed, with the stages it reached); metrics are
     those of the finished iterations, the newest MAX_METRICS.
     """
+    iterations = list(iterations)
     ranks_done: dict[int, set[int]] = {}
     for item in iterations:
         ranks_done.setdefault(item.iteration, set()).add(item.rank)
@@ -124,4 +125,6 @@ def driver_status(
         metrics=metrics_with([], finished),
         oom_events=[OOMEvent.model_validate(o) for o in newest_ooms(ooms)],
         oom_counts=dict(Counter(o.kind for o in ooms)),
+        # Rank 0's plan (with rollout Auto's choice), as the cluster's status.plan has it.
+        plan=next((i.plan for i in iterations if i.plan is not None), None),
     )

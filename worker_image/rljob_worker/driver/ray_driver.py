@@ -20,7 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rljob.api import RLJobSpec, RLJobStatus, WakeUp
+from rljob.api import AUTO, RLJobSpec, RLJobStatus, WakeUp
 from rljob.report import IterationReport, OOMRecord
 from rljob_worker.driver.failure import (
     FailureKind,
@@ -220,7 +220,8 @@ def run_ray(
     run = RayRun(
         world_size=world,
         device="cuda" if gpu else "cpu",
-        wake_up=spec.rollout.wake_up,
+        # wakeUp Auto: staged until rank 0's plan says what it chose (take() below).
+        wake_up=WakeUp.STAGED if spec.rollout.wake_up == AUTO else WakeUp(spec.rollout.wake_up),
         last_iteration=spec.algorithm.iterations,
     )
     group = placement_group(_bundles(spec), strategy="PACK", name=f"{job}-ranks")
@@ -291,6 +292,8 @@ def _watch(
         if on_event is not None:
             on_event(event)
         if isinstance(event, RankIteration):
+            if event.plan is not None:  # the mode the ranks run (Auto's choice)
+                run.wake_up = event.plan.wake_up
             done[event.iteration] = done.get(event.iteration, 0) + 1
             if done[event.iteration] == run.world_size and on_iteration is not None:
                 reports = run.reports

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rljob.api import EngineName, RLJobSpec
+from rljob.plan import resolved_rollout
 from rljob_worker.engines.base import RolloutEngine
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ def make_engine(
     from rljob_worker.model import resolve_model_path
 
     rollout = spec.rollout
+    fraction = resolved_rollout(spec)[1]  # the driver resolved Auto on the card (loop.py)
     model_path = str(resolve_model_path(spec.model.path))
     if rollout.engine is EngineName.SGLANG:
         from rljob_worker.engines import sglang_engine, tensor_parallel
@@ -53,7 +55,7 @@ def make_engine(
             return sglang_engine.SGLangEngine(
                 model_path=model_path,
                 dtype=spec.model.dtype,
-                mem_fraction_static=rollout.mem_fraction_static,
+                mem_fraction_static=fraction,
                 tp_size=tp_size,
                 base_gpu_id=base_gpu_id,
                 seed=spec.algorithm.seed,
@@ -81,7 +83,7 @@ def make_engine(
             model_path,
             device=device,
             dtype=spec.model.dtype,
-            mem_fraction_static=rollout.mem_fraction_static,
+            mem_fraction_static=fraction,
             eos_token_ids=eos_token_ids,
             saver=saver,
         )

@@ -1,0 +1,60 @@
+"""`rljob run` with rollout Auto on the builtin model (issue 35), CPU: 2 ranks on gloo, 2
+iterations. On CPU Auto plans against spec.memoryPlan.gpuMemory (else the host's memory): it
+picks, records the choice in status.plan, runs it, and a retry after an OOM raises the margin."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rljob.api import AUTO
+from rljob.report import STAGE_ORDER, Stage
+
+pytestmark = pytest.mark.worker
+
+REPO = Path(__file__).parents[2]
+
+
+def test_rljob_run_with_auto_picks_records_runs_and_retries_with_a_larger_margin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rljob_worker.cli_run import main
+
+    doc = yaml.safe_load((REPO / "examples" / "tiny-local.yaml").read_text())
+    doc["spec"]["rollout"].update({"memFractionStatic": AUTO, "wakeUp": AUTO})
+    doc["spec"]["memoryPlan"] = {"gpuMemory": "80Gi"}
+    doc["spec"]["oomPolicy"] = {"maxRetries": 1}
+    manifest = tmp_path / "tiny-auto.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "out"
+    argv = [str(manifest), "--out", str(out), "--ranks", "2"]
+    assert main([*argv, "--inject-oom", "wake_kv_cache@rank=1@iteration=1"]) == 0
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "Succeeded"
+    plan = status["plan"]
+    auto = plan["auto"]
+    # Planned on the declared card, with the default margin raised once by the retry.
+    assert plan["capacityBytes"] == 80 << 30
+    assert auto["margin"] > 0.03 and auto["limitBytes"] == int((80 << 30) * (1 - auto["margin"]))
+    assert auto["planned"] == 2 * 99
+    chosen = [
+        c
+        for c in auto["candidates"]
+        if (c["wakeUp"], c["memFractionStatic"]) == (plan["wakeUp"], plan["memFractionStatic"])
+    ]
+    assert chosen and chosen[0]["fits"]
+    # The tiny model's KV pool fits whole at any fraction: staged, at the lowest fraction that
+    # gives the largest pool (ties go to the lower fraction).
+    assert plan["wakeUp"] == "staged"
+    # The ranks ran the choice: staged's stages, every iteration.
+    assert [s["name"] for s in status["memory"]["stages"]] == [str(s) for s in STAGE_ORDER]
+    first, second = status["attempts"]
+    assert (first["memFractionStatic"], first["wakeUp"], first["margin"]) == (AUTO, AUTO, 0.03)
+    assert (first["result"], first["oomStage"]) == ("CUDAOutOfMemory", str(Stage.WAKE_KV_CACHE))
+    assert second["margin"] == auto["margin"] and second["result"] == "Succeeded"
+    assert second["changed"].startswith(f"memoryPlan.margin 0.03 -> {auto['margin']}: ")
+    printed = capsys.readouterr().out
+    assert "rollout Auto chose wakeUp staged" in printed
