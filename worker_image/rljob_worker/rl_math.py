@@ -22,18 +22,20 @@ KL_CLAMP = 10.0
 def group_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6
 ) -> torch.Tensor:
-    """GRPO: each reward minus its group's mean, over the group's std (0 for a flat group)."""
-    advantages = torch.zeros_like(rewards)
+    """GRPO: each reward minus its group's mean, over the group's std (0 for a flat group).
+
+    In float64, and a group whose rewards are all equal gets exactly 0: in float32 the mean of
+    eight rewards of 0.1 is off by one ulp, its std is ~7e-9, and (r - mean) / (std + 1e-6)
+    came out -0.0074 for every member, a push on responses that earned nothing different."""
+    advantages = torch.zeros_like(rewards, dtype=torch.float64)
     for group in group_ids.unique():
         members = group_ids == group
-        group_rewards = rewards[members]
-        std = (
-            group_rewards.std(unbiased=False)
-            if group_rewards.numel() > 1
-            else rewards.new_tensor(0.0)
-        )
+        group_rewards = rewards[members].double()
+        if group_rewards.numel() < 2 or bool((group_rewards == group_rewards[0]).all()):
+            continue  # flat or alone: nothing to learn from
+        std = group_rewards.std(unbiased=False)
         advantages[members] = (group_rewards - group_rewards.mean()) / (std + eps)
-    return advantages
+    return advantages.to(rewards.dtype)
 
 
 def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
