@@ -10,6 +10,7 @@ import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from rljob.api import MisfitAction, PlanStatus, RLJobSpec
 from rljob.plan import offload_choice, rank_plan
 from rljob.report import OOMRecord, StageSample
 from rljob_worker import allocator_report
+from rljob_worker import checkpoint as checkpoints
 from rljob_worker.engines import make_engine
 from rljob_worker.engines.base import ALL_TAGS, RolloutEngine, SamplingParams
 from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM
@@ -127,6 +129,12 @@ class RankIteration:
     train: TrainStats | None = None
     # Reward calls that failed and scored 0 (spec.reward.onError Zero).
     reward_errors: int = 0
+    # The first iteration of a run resumed from this iteration's checkpoint (its train is in
+    # the checkpoint, so the report has no train figures).
+    resumed_from: int | None = None
+    # This iteration's checkpoint (this rank's part) and export (rank 0), where written.
+    checkpoint: checkpoints.SavedCheckpoint | None = None
+    export_path: str | None = None
 
 
 RankEvent = StageSample | RankIteration | OOMRecord
@@ -304,6 +312,22 @@ def run_rank(
             checks[name] = (tensor_digest(tensor), tensor_digest(held[name]))
 
     rollout = _Rollout(spec, config, engine, tokenizer, task, scorer)
+    saved: list[checkpoints.SavedCheckpoint] = []  # this iteration's, if one was due
+    exported: list[str] = []
+
+    def save_checkpoint(iteration: int) -> None:
+        saved.append(checkpoints.save(trainer.model, trainer.optimizer, spec, iteration))
+        if spec.export is not None and spec.export.with_checkpoints:
+            target = Path(spec.export.path) / f"{checkpoints.PREFIX}{iteration:08d}"
+            _export(target)
+
+    def _export(target: Path) -> None:
+        path = checkpoints.export(
+            trainer.model, spec, model_path, target, torch_dtype(spec.model.dtype)
+        )
+        if path is not None:
+            exported.append(path)
+
     machine = StageMachine(
         trainer,
         engine,
@@ -315,13 +339,27 @@ def run_rank(
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,
         after_weight_update=check_weights if config.verify_weights else None,
+        checkpoint=save_checkpoint if spec.checkpoint is not None else None,
+        checkpoint_every=spec.checkpoint.every_iterations if spec.checkpoint else 0,
     )
+    # A new attempt, or the same manifest run again, continues from the newest complete
+    # checkpoint: its iteration N is trained, so the run starts with N's second half.
+    start = 0
+    found = checkpoints.resume_point(spec)
+    if found is not None:
+        start = checkpoints.load(trainer.model, trainer.optimizer, spec, found[1])
+        log.info("rank %d: resumed from %s", config.rank, found[1])
     try:
-        for iteration in range(spec.algorithm.iterations + 1):
+        for iteration in range(start, spec.algorithm.iterations + 1):
             checks.clear()
+            saved.clear()
+            exported.clear()
             machine.weight_sync_seconds = None
             machine.weight_handoff_seconds = None
-            outcome = machine.run_iteration(iteration)
+            resumed = found is not None and iteration == start
+            outcome = machine.run_iteration(iteration, prologue=iteration == 0 or resumed)
+            if iteration == spec.algorithm.iterations and spec.export is not None:
+                _export(Path(spec.export.path))  # the policy as its last update left it
             experience = outcome.experience
             assert experience is not None  # every iteration ends with a rollout
             report = RankIteration(
@@ -347,6 +385,9 @@ def run_rank(
                 plan=plan_status if iteration == 0 else None,
                 rollout=rollout_stats(experience, spec.data.max_response_length, eos_ids),
                 train=outcome.train,
+                resumed_from=start if resumed else None,
+                checkpoint=saved[-1] if saved else None,
+                export_path=exported[-1] if exported else None,
             )
             result.iterations.append(report)
             send(report)

@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TypeVar
 
-from rljob.api import OOMEvent, RLJobStatus
+from rljob.api import CheckpointStatus, ExportStatus, OOMEvent, RLJobStatus
 from rljob.report import IterationReport, OOMRecord, StageSample, summarize
 from rljob_worker.loop import RankIteration, RolloutStats
 from rljob_worker.train import TrainStats
@@ -110,11 +110,15 @@ def driver_status(
     iteration (after an OOM: the one that failed, with the stages it reached).
     """
     ranks_done: dict[int, set[int]] = {}
+    iterations = list(iterations)
     for item in iterations:
         ranks_done.setdefault(item.iteration, set()).add(item.rank)
     finished = [r for r in reports if len(ranks_done.get(r.iteration, ())) == world_size]
     last = finished[-1] if finished else None
+    items = list(iterations)
     return RLJobStatus(
+        checkpoint=checkpoint_status(items, world_size),
+        export=export_status(items),
         iteration=last.iteration if last else None,
         reward_mean=last.reward_mean if last else None,
         kl_mean=next((r.kl_mean for r in reversed(finished) if r.kl_mean is not None), None),
@@ -122,3 +126,35 @@ def driver_status(
         oom_events=[OOMEvent.model_validate(o) for o in newest_ooms(ooms)],
         oom_counts=dict(Counter(o.kind for o in ooms)),
     )
+
+
+def checkpoint_status(
+    iterations: Iterable[RankIteration], world_size: int
+) -> CheckpointStatus | None:
+    """status.checkpoint: the newest checkpoint every rank saved (rank 0 wrote its marker, so
+    it is complete); bytes of all ranks' parts, seconds of the slowest rank."""
+    by_iteration: dict[int, list[RankIteration]] = {}
+    for item in iterations:
+        if item.checkpoint is not None:
+            by_iteration.setdefault(item.iteration, []).append(item)
+    done = [i for i, items in by_iteration.items() if len(items) == world_size]
+    if not done:
+        return None
+    parts = [item.checkpoint for item in by_iteration[max(done)] if item.checkpoint]
+    first = next(p for p in parts if p.completed_at)
+    return CheckpointStatus(
+        iteration=first.iteration,
+        path=first.path,
+        completed_at=first.completed_at or "",
+        bytes=sum(p.bytes for p in parts),
+        seconds=max(p.seconds for p in parts),
+    )
+
+
+def export_status(iterations: Iterable[RankIteration]) -> ExportStatus | None:
+    """status.export: the newest export (rank 0 writes it and reports its path)."""
+    exports = [(i.iteration, i.export_path) for i in iterations if i.export_path]
+    if not exports:
+        return None
+    iteration, path = max(exports)
+    return ExportStatus(path=path, iteration=iteration)
