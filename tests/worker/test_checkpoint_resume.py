@@ -26,6 +26,7 @@ from rljob_worker.loop import tensor_digest
 
 pytestmark = pytest.mark.worker
 
+REPO = Path(__file__).resolve().parents[2]
 ITERATIONS = 4
 STOP = 2
 
@@ -185,3 +186,33 @@ def test_two_ranks_checkpoint_resumes_resharded_on_one_rank(
     ours = load_file(str(tmp_path / "export" / "model.safetensors"))
     theirs = load_file(str(root / "export-at-2" / "model.safetensors"))
     assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+
+
+def test_oom_retry_resumes_from_the_newest_checkpoint_with_the_new_knobs(tmp_path: Path) -> None:
+    import json
+
+    import yaml
+
+    from rljob_worker.cli_run import main
+
+    doc = yaml.safe_load((REPO / "examples" / "checkpoint-resume.yaml").read_text())
+    doc["spec"]["checkpoint"]["path"] = str(tmp_path / "ckpt")
+    doc["spec"]["export"]["path"] = str(tmp_path / "export")
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "out"
+    assert main([str(manifest), "--out", str(out), "--inject-oom", "train@iteration=3"]) == 0
+    status = json.loads((out / "status.json").read_text())
+    first, second = status["attempts"]
+    assert (first["result"], first["oomStage"]) == ("CUDAOutOfMemory", "train")
+    assert "resumedFrom" not in first
+    # Iteration 3's train failed before its checkpoint: the retry continues from 2, not 0.
+    assert (second["result"], second["resumedFrom"], second["microBatchSize"]) == (
+        "Succeeded",
+        2,
+        1,
+    )
+    assert status["checkpoint"]["iteration"] == 4
+    assert status["export"] == {"path": str(tmp_path / "export"), "iteration": 4}
+    reports = json.loads((out / "reports.json").read_text())
+    assert [r["iteration"] for r in reports] == [2, 3, 4]

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from rljob.api import RLJobSpec
+from rljob.api import ResumeMode, RLJobSpec
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def resume_point(spec: RLJobSpec) -> tuple[int, Path] | None:
     """The checkpoint this run continues from, the same on every rank (rank 0 looks; a
     filesystem seen slightly differently by two ranks must not split them), or None."""
     checkpoint = spec.checkpoint
-    if checkpoint is None or checkpoint.resume != "Auto":
+    if checkpoint is None or checkpoint.resume is ResumeMode.NEVER:
         return None
     rank, _ = _rank()
     found: list[Any] = [newest_complete(Path(checkpoint.path)) if rank == 0 else None]
