@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rljob.api import ResumeMode, RLJobSpec
+from rljob_worker.model import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -270,3 +271,48 @@ def export(model: torch.nn.Module, spec: RLJobSpec, model_path: Path | str, targ
     staging.rename(target)
     shutil.rmtree(old, ignore_errors=True)
     return str(target)
+
+
+class Keeper:
+    """What one rank's loop asks of checkpoints: resume at the start, save when due (the
+    checkpoint stage), export at the end; `take` hands over what the iteration wrote."""
+
+    def __init__(self, spec: RLJobSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 model_path: Path | str) -> None:  # fmt: skip
+        self.spec, self.model, self.optimizer, self.model_path = spec, model, optimizer, model_path
+        self.saved: SavedCheckpoint | None = None
+        self.exported: str | None = None
+
+    def resume(self) -> int | None:
+        """Load the newest complete checkpoint (spec.checkpoint.resume Auto); its iteration."""
+        found = resume_point(self.spec)
+        if found is None:
+            return None
+        iteration, directory = found
+        if iteration > self.spec.algorithm.iterations:
+            raise ValueError(
+                f"the newest checkpoint under spec.checkpoint.path, {directory}, is past "
+                f"spec.algorithm.iterations={self.spec.algorithm.iterations}: raise iterations "
+                "to train on, or set spec.checkpoint.resume=Never to start over"
+            )
+        log.info("resuming from %s", directory)
+        return load(self.model, self.optimizer, self.spec, directory)
+
+    def save(self, iteration: int) -> None:
+        self.saved = save(self.model, self.optimizer, self.spec, iteration)
+        if self.spec.export is not None and self.spec.export.with_checkpoints:
+            self._export(Path(self.spec.export.path) / f"{PREFIX}{iteration:08d}")
+
+    def take(self) -> tuple[SavedCheckpoint | None, str | None]:
+        """This iteration's checkpoint part and export path (None: none), then forgets them."""
+        taken = (self.saved, self.exported)
+        self.saved = self.exported = None
+        return taken
+
+    def export_final(self) -> None:
+        if self.spec.export is not None:
+            self._export(Path(self.spec.export.path))
+
+    def _export(self, target: Path) -> None:
+        dtype = torch_dtype(self.spec.model.dtype)
+        self.exported = export(self.model, self.spec, self.model_path, target, dtype)

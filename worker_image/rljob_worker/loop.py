@@ -10,7 +10,6 @@ import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -312,22 +311,7 @@ def run_rank(
             checks[name] = (tensor_digest(tensor), tensor_digest(held[name]))
 
     rollout = _Rollout(spec, config, engine, tokenizer, task, scorer)
-    saved: list[checkpoints.SavedCheckpoint] = []  # this iteration's, if one was due
-    exported: list[str] = []
-
-    def save_checkpoint(iteration: int) -> None:
-        saved.append(checkpoints.save(trainer.model, trainer.optimizer, spec, iteration))
-        if spec.export is not None and spec.export.with_checkpoints:
-            target = Path(spec.export.path) / f"{checkpoints.PREFIX}{iteration:08d}"
-            _export(target)
-
-    def _export(target: Path) -> None:
-        path = checkpoints.export(
-            trainer.model, spec, model_path, target, torch_dtype(spec.model.dtype)
-        )
-        if path is not None:
-            exported.append(path)
-
+    keeper = checkpoints.Keeper(spec, trainer.model, trainer.optimizer, model_path)
     machine = StageMachine(
         trainer,
         engine,
@@ -339,27 +323,23 @@ def run_rank(
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,
         after_weight_update=check_weights if config.verify_weights else None,
-        checkpoint=save_checkpoint if spec.checkpoint is not None else None,
+        checkpoint=keeper.save if spec.checkpoint is not None else None,
         checkpoint_every=spec.checkpoint.every_iterations if spec.checkpoint else 0,
     )
     # A new attempt, or the same manifest run again, continues from the newest complete
     # checkpoint: its iteration N is trained, so the run starts with N's second half.
-    start = 0
-    found = checkpoints.resume_point(spec)
-    if found is not None:
-        start = checkpoints.load(trainer.model, trainer.optimizer, spec, found[1])
-        log.info("rank %d: resumed from %s", config.rank, found[1])
     try:
+        resumed_from = keeper.resume()
+        start = resumed_from or 0
         for iteration in range(start, spec.algorithm.iterations + 1):
             checks.clear()
-            saved.clear()
-            exported.clear()
             machine.weight_sync_seconds = None
             machine.weight_handoff_seconds = None
-            resumed = found is not None and iteration == start
+            resumed = resumed_from is not None and iteration == start
             outcome = machine.run_iteration(iteration, prologue=iteration == 0 or resumed)
-            if iteration == spec.algorithm.iterations and spec.export is not None:
-                _export(Path(spec.export.path))  # the policy as its last update left it
+            if iteration == spec.algorithm.iterations:
+                keeper.export_final()  # the policy as its last update left it
+            saved, exported = keeper.take()
             experience = outcome.experience
             assert experience is not None  # every iteration ends with a rollout
             report = RankIteration(
@@ -386,8 +366,8 @@ def run_rank(
                 rollout=rollout_stats(experience, spec.data.max_response_length, eos_ids),
                 train=outcome.train,
                 resumed_from=start if resumed else None,
-                checkpoint=saved[-1] if saved else None,
-                export_path=exported[-1] if exported else None,
+                checkpoint=saved,
+                export_path=exported,
             )
             result.iterations.append(report)
             send(report)
