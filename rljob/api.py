@@ -1244,6 +1244,48 @@ class OOMPolicySpec(_Spec):
     )
 
 
+class ResumeMode(StrEnum):
+    AUTO = "Auto"
+    NEVER = "Never"
+
+
+class CheckpointSpec(_Spec):
+    """Where and how often the job saves what a resumed run needs (docs/checkpoints.md)."""
+
+    path: str = Field(
+        min_length=1,
+        description="A directory (in a mounted volume on a cluster): each checkpoint is a "
+        "subdirectory iteration-NNNNNNNN, complete once its COMPLETE marker is written.",
+    )
+    every_iterations: int = Field(
+        default=1, ge=1, description="Save after the train stage of every N-th iteration."
+    )
+    keep: int = Field(
+        default=2,
+        ge=1,
+        description="The newest N complete checkpoints stay; an older one is deleted only after "
+        "a newer one is complete.",
+    )
+    resume: ResumeMode = Field(
+        default=ResumeMode.AUTO,
+        description="Auto: a new attempt (or run) continues from the newest complete checkpoint "
+        "under path. Never: always start at iteration 0.",
+    )
+
+
+class ExportSpec(_Spec):
+    """The trained policy as a Hugging Face directory (safetensors, config.json, tokenizer)."""
+
+    path: str = Field(
+        min_length=1,
+        description="Directory written at the end of the run (replaced atomically); with "
+        "withCheckpoints, also as iteration-NNNNNNNN/ under it with each checkpoint.",
+    )
+    with_checkpoints: bool = Field(
+        default=False, description="Also export the policy with every checkpoint."
+    )
+
+
 DEFAULT_STARTUP_TIMEOUT_SECONDS = 900
 
 # KubeRay names the RayCluster after the RayJob (which carries the RLJob's name) plus a suffix,
@@ -1340,6 +1382,14 @@ class RLJobSpec(_Spec):
     oom_policy: OOMPolicySpec = Field(
         default_factory=OOMPolicySpec,
         description="Bounded retries after a CUDA OOM (a container OOMKilled is not retried).",
+    )
+    checkpoint: CheckpointSpec | None = Field(
+        default=None,
+        description="Periodic checkpoints and resume from the newest (docs/checkpoints.md).",
+    )
+    export: ExportSpec | None = Field(
+        default=None,
+        description="The trained policy as a Hugging Face directory (docs/checkpoints.md).",
     )
 
     @model_validator(mode="after")
@@ -1449,6 +1499,12 @@ class Attempt(_Spec):
     started_at: str | None = Field(
         default=None,
         description="RFC 3339: when this attempt's RayJob was created.",
+    )
+    resumed_from: int | None = Field(
+        default=None,
+        ge=0,
+        description="The iteration of the checkpoint this attempt resumed from (absent: it "
+        "started at iteration 0).",
     )
 
 
@@ -1593,6 +1649,23 @@ def history_with(history: list[MemoryPoint], memory: MemorySummary | None) -> li
     return sorted([*kept, point], key=lambda p: p.iteration)[-MAX_MEMORY_HISTORY:]
 
 
+class CheckpointStatus(_Spec):
+    """`status.checkpoint` (driver): the newest complete checkpoint."""
+
+    iteration: int = Field(ge=0)
+    path: str
+    completed_at: str = Field(description="RFC 3339: when its COMPLETE marker was written.")
+    bytes: int = Field(ge=0, description="Every rank's files together.")
+    seconds: float = Field(ge=0, description="The checkpoint stage's time (slowest rank).")
+
+
+class ExportStatus(_Spec):
+    """`status.export` (driver): the newest exported Hugging Face directory."""
+
+    path: str
+    iteration: int = Field(ge=0)
+
+
 class RLJobStatus(_Spec):
     """Observed state. One writer per field: the operator owns phase, conditions, rayJob,
     attempts and OOMKilled entries; the job's driver owns iteration, memory, metrics and CUDA
@@ -1646,6 +1719,12 @@ class RLJobStatus(_Spec):
     )
     plan: PlanStatus | None = Field(
         default=None, description="The memory plan the driver computed before iteration 1."
+    )
+    checkpoint: CheckpointStatus | None = Field(
+        default=None, description="The newest complete checkpoint (driver)."
+    )
+    export: ExportStatus | None = Field(
+        default=None, description="The newest export of the trained policy (driver)."
     )
     # Derived by the operator from memory and oomCounts, so `kubectl get` can show them
     # (printer columns take one scalar path each).

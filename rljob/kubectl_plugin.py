@@ -21,10 +21,7 @@ from rich.table import Table
 from rljob.api import GROUP, PLURAL, VERSION, RLJobStatus
 from rljob.curves import curve_title, metrics_table, plot_learning_curve
 from rljob.plan import auto_lines
-from rljob.report import STAGE_ORDER
-
-# One colour per canonical stage, in order (the same palette as `rljob run`'s timeline).
-STAGE_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
+from rljob.report import STAGE_COLOURS, STAGE_ORDER
 
 
 def _bytes(n: int | None) -> str:

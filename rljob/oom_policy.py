@@ -97,7 +97,7 @@ def first_knobs(spec: RLJobSpec) -> AttemptKnobs:
 
 # Stages that run while the engine's weights and KV cache are released: an OOM there is the
 # training state's and activations', which no engine knob can make smaller.
-TRAINING_STAGES = (Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER)
+TRAINING_STAGES = (Stage.TRAIN, Stage.CHECKPOINT, Stage.OFFLOAD_OPTIMIZER)
 
 
 def knobs_text(knobs: AttemptKnobs) -> str:

@@ -428,7 +428,11 @@ def parts(
 
 
 def stage_peaks(
-    p: Parts, wake_up: WakeUp, offload_optimizer: bool, offload_params: bool
+    p: Parts,
+    wake_up: WakeUp,
+    offload_optimizer: bool,
+    offload_params: bool,
+    checkpoint: bool = False,
 ) -> dict[Stage, int]:
     """Device-wide peak per stage of a steady iteration (1+), following stages.py. A stage's
     peak includes what it started with (the bench samples at the boundary), and memory freed
@@ -447,6 +451,10 @@ def stage_peaks(
         + p.fsdp_buffers
     )
     peaks[Stage.TRAIN] = train
+    if checkpoint:
+        # The same as train: it starts with train's cache and state, frees nothing, and the
+        # save copies one tensor at a time to host memory (docs/checkpoints.md).
+        peaks[Stage.CHECKPOINT] = train
     peaks[Stage.OFFLOAD_OPTIMIZER] = train  # starts with train's cache; frees after
     resident = p.context + p.train_params + optimizer
     single = wake_up is WakeUp.SINGLE
@@ -621,7 +629,7 @@ def mode_plan(
     choices = _offload_choices(spec)
     plans = []
     for optimizer, params in choices:
-        peaks = stage_peaks(p, wake_up, optimizer, params)
+        peaks = stage_peaks(p, wake_up, optimizer, params, checkpoint=spec.checkpoint is not None)
         stages = tuple(StagePeak(s, b, capacity_bytes) for s, b in peaks.items())
         plans.append(ModePlan(wake_up, fraction, optimizer, params, stages, p))
     limit = capacity_bytes if limit_bytes is None else limit_bytes

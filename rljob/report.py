@@ -20,6 +20,9 @@ class Stage(StrEnum):
     """
 
     TRAIN = "train"
+    # Only on iterations where spec.checkpoint is due: the training state is still on the
+    # device, so nothing moves just to be saved (docs/checkpoints.md).
+    CHECKPOINT = "checkpoint"
     OFFLOAD_OPTIMIZER = "offload_optimizer"
     WAKE_WEIGHTS = "wake_weights"
     OFFLOAD_TRAIN = "offload_train"
@@ -29,6 +32,18 @@ class Stage(StrEnum):
 
 
 STAGE_ORDER: tuple[Stage, ...] = tuple(Stage)
+
+# One colour per stage, in STAGE_ORDER, for every plot (rljob run's timeline, kubectl rljob plot).
+STAGE_COLOURS = (
+    "#4c72b0",
+    "#8c8c8c",
+    "#dd8452",
+    "#55a868",
+    "#c44e52",
+    "#8172b3",
+    "#937860",
+    "#da8bc3",
+)
 
 
 class _Model(BaseModel):

@@ -59,6 +59,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     },
     {"name": "OOMs", "type": "integer", "jsonPath": ".status.oomTotal"},
     {
+        "name": "Checkpoint",
+        "type": "integer",
+        "jsonPath": ".status.checkpoint.iteration",
+        "description": "Iteration of the newest complete checkpoint (docs/checkpoints.md).",
+    },
+    {
         "name": "Cause",
         "type": "string",
         "jsonPath": ".status.cause",

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rljob.api import AttemptKnobs, EngineName, RLJobSpec, WakeUp
+from rljob.api import AttemptKnobs, CheckpointSpec, EngineName, RLJobSpec, WakeUp
 from rljob.oom_policy import (
     Outcome,
     admit,
@@ -266,11 +266,20 @@ def test_plan_reports_both_modes_and_wraps_into_status() -> None:
     p = plan(bench_spec(fraction=0.97), SHAPE_3B, H100)
     assert set(p.modes) == {WakeUp.STAGED, WakeUp.SINGLE}
     status = p.to_status()
-    assert [s.name for s in status.stages] == list(Stage)
+    # No spec.checkpoint: no checkpoint stage in the plan.
+    assert [s.name for s in status.stages] == [s for s in Stage if s is not Stage.CHECKPOINT]
     assert status.largest_fitting_fraction["staged"] == 0.97
     assert [s["name"] for s in p.to_dict()["modes"]["single"]["stages"]] == [
         "train", "offload_optimizer", "wake_weights", "offload_train", "rollout", "sleep",
     ]  # fmt: skip
+
+
+def test_checkpoint_stage_is_planned_at_trains_peak_when_the_job_checkpoints() -> None:
+    spec = bench_spec(fraction=0.9)
+    spec = spec.model_copy(update={"checkpoint": CheckpointSpec(path="/ckpt")})
+    stages = {s.stage: s.peak_bytes for s in mode_plan(spec, SHAPE_3B, H100).stages}
+    assert list(stages)[:3] == [Stage.TRAIN, Stage.CHECKPOINT, Stage.OFFLOAD_OPTIMIZER]
+    assert stages[Stage.CHECKPOINT] == stages[Stage.TRAIN]
 
 
 def test_builtin_model_shape_is_the_built_model() -> None:

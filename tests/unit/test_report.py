@@ -31,6 +31,7 @@ def sample(stage: Stage, rank: int, peak_gib: float, total_gib: float = 80) -> S
 def test_stage_names_are_the_designs_canonical_order() -> None:
     assert [s.value for s in STAGE_ORDER] == [
         "train",
+        "checkpoint",
         "offload_optimizer",
         "wake_weights",
         "offload_train",

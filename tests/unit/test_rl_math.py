@@ -236,4 +236,3 @@ def test_a_flat_group_of_inexact_rewards_gets_exactly_zero_advantage() -> None:
     rewards = torch.full((8,), 0.1, dtype=torch.float32)
     advantages = group_advantages(rewards, torch.zeros(8, dtype=torch.long))
     assert advantages.dtype == torch.float32 and bool((advantages == 0).all())
-

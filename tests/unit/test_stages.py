@@ -107,7 +107,10 @@ class RecordingEngine:
 
 
 def _machine(
-    wake_up: WakeUp, inject: OOMInjection | None = None, fail_with: BaseException | None = None
+    wake_up: WakeUp,
+    inject: OOMInjection | None = None,
+    fail_with: BaseException | None = None,
+    checkpoint_every: int = 0,
 ) -> tuple[StageMachine, MemoryMeter, list[str]]:
     log: list[str] = []
 
@@ -124,6 +127,8 @@ def _machine(
         wake_up=wake_up,
         bucket_bytes=1 << 20,
         engine_dtype=torch.float32,
+        checkpoint=lambda iteration: log.append(f"save {iteration}"),
+        checkpoint_every=checkpoint_every,
     )
     return machine, meter, log
 
@@ -144,7 +149,8 @@ def test_machine_runs_stages_in_order_and_iteration_zero_skips_training(
 
 
 def test_staged_order_is_the_canonical_stage_order() -> None:
-    assert STAGED_ORDER == STAGE_ORDER
+    assert stage_order(WakeUp.STAGED, 1, checkpoint=True) == STAGE_ORDER
+    assert tuple(s for s in STAGE_ORDER if s is not Stage.CHECKPOINT) == STAGED_ORDER
     assert Stage.WAKE_KV_CACHE not in SINGLE_ORDER
 
 
@@ -182,6 +188,27 @@ def test_single_resumes_weights_and_kv_cache_together_while_params_are_resident(
     assert not [entry for entry in log if entry.startswith("resume:kv_cache")]
 
 
+@pytest.mark.parametrize("wake_up", list(WakeUp))
+def test_checkpoint_stage_runs_after_train_only_when_due(wake_up: WakeUp) -> None:
+    machine, meter, log = _machine(wake_up, checkpoint_every=2)
+    for iteration in range(5):
+        outcome = machine.run_iteration(iteration)
+        due = iteration in (2, 4)
+        assert (Stage.CHECKPOINT in outcome.stages) == due
+        if due:
+            assert outcome.stages[:3] == (Stage.TRAIN, Stage.CHECKPOINT, Stage.OFFLOAD_OPTIMIZER)
+    assert [entry for entry in log if entry.startswith("save")] == ["save 2", "save 4"]
+    assert [s.iteration for s in meter.samples if s.stage is Stage.CHECKPOINT] == [2, 4]
+
+
+def test_a_resumed_run_starts_with_the_second_half_of_its_checkpoints_iteration() -> None:
+    machine, _, log = _machine(WakeUp.STAGED, checkpoint_every=1)
+    outcome = machine.run_iteration(2, prologue=True)
+    assert outcome.stages == stage_order(WakeUp.STAGED, 0)
+    assert outcome.train is None and "save 2" not in log
+    assert Stage.CHECKPOINT in machine.run_iteration(3).stages
+
+
 def test_train_without_a_first_rollout_is_refused() -> None:
     machine, _, _ = _machine(WakeUp.STAGED)
     with pytest.raises(RuntimeError, match="iteration 0"):
@@ -191,7 +218,7 @@ def test_train_without_a_first_rollout_is_refused() -> None:
 @pytest.mark.parametrize("stage", list(STAGE_ORDER))
 def test_oom_injected_in_a_stage_is_reported_with_that_stage(stage: Stage) -> None:
     inject = OOMInjection(stage=stage, iteration=1, requested_bytes=3 << 30)
-    machine, meter, _ = _machine(WakeUp.STAGED, inject=inject)
+    machine, meter, _ = _machine(WakeUp.STAGED, inject=inject, checkpoint_every=1)
     machine.run_iteration(0)
     with pytest.raises(StageOOM) as caught:
         machine.run_iteration(1)
@@ -202,7 +229,7 @@ def test_oom_injected_in_a_stage_is_reported_with_that_stage(stage: Stage) -> No
     assert record.free_bytes is not None and record.free_bytes > 0
     assert str(stage) in str(caught.value)
     # Nothing measured before the OOM is lost, and the failing stage is measured too.
-    reached = STAGED_ORDER[: STAGED_ORDER.index(stage) + 1]
+    reached = STAGE_ORDER[: STAGE_ORDER.index(stage) + 1]
     assert [s.stage for s in meter.samples if s.iteration == 1] == list(reached)
     assert len([s for s in meter.samples if s.iteration == 0]) == 5
 

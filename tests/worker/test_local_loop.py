@@ -17,11 +17,11 @@ import yaml
 from support.model_cache import fresh_model_cache
 
 from rljob.api import RLJobSpec, WakeUp, parse_manifest
-from rljob.report import STAGE_ORDER, Stage
+from rljob.report import Stage
 from rljob_worker.driver.local import LocalRun, run_local
 from rljob_worker.memory import OOMInjection
 from rljob_worker.model import load_causal_lm, resolve_model_path
-from rljob_worker.stages import stage_order
+from rljob_worker.stages import STAGED_ORDER, stage_order
 
 REPO = Path(__file__).resolve().parents[2]
 RANKS = 2
@@ -80,7 +80,8 @@ def test_each_rank_runs_the_staged_order_every_iteration(staged_run: LocalRun) -
         for iteration in range(ITERATIONS + 1):
             expected = list(stage_order(WakeUp.STAGED, iteration))
             assert _stages(staged_run, rank, iteration) == expected
-    assert list(stage_order(WakeUp.STAGED, 1)) == list(STAGE_ORDER)
+    # No spec.checkpoint: no checkpoint stage (test_checkpoint_resume.py has it).
+    assert list(stage_order(WakeUp.STAGED, 1)) == list(STAGED_ORDER)
 
 
 def test_report_has_every_stage_for_every_rank(staged_run: LocalRun) -> None:
@@ -88,7 +89,7 @@ def test_report_has_every_stage_for_every_rank(staged_run: LocalRun) -> None:
     assert [r.iteration for r in reports] == list(range(ITERATIONS + 1))
     for report in reports[1:]:
         seen = {(s.rank, s.stage) for s in report.samples}
-        assert seen == {(rank, stage) for rank in range(RANKS) for stage in STAGE_ORDER}
+        assert seen == {(rank, stage) for rank in range(RANKS) for stage in STAGED_ORDER}
         assert all(s.kind == "host" and s.device_total_bytes > 0 for s in report.samples)
 
 
@@ -112,7 +113,7 @@ def test_status_block_has_driver_fields_and_memory(staged_run: LocalRun) -> None
     assert status.reward_mean is not None and 0 <= status.reward_mean <= 1
     assert status.kl_mean is not None and status.kl_mean > 0  # the policy left the reference
     assert status.memory is not None and status.memory.kind == "host"
-    assert [s.name for s in status.memory.stages] == list(STAGE_ORDER)
+    assert [s.name for s in status.memory.stages] == list(STAGED_ORDER)
     assert status.oom_events == []
     dumped = status.model_dump(mode="json", by_alias=True, exclude_none=True)
     assert {"iteration", "rewardMean", "klMean", "memory", "oomEvents"} <= dumped.keys()
@@ -162,7 +163,7 @@ def test_cli_runs_the_example_and_writes_status_and_timeline(tmp_path: Path) -> 
     iterations = parse_manifest(yaml.safe_load(manifest.read_text()))[1]
     assert status["phase"] == "Succeeded"
     assert status["iteration"] == iterations.algorithm.iterations
-    assert [s["name"] for s in status["memory"]["stages"]] == [str(s) for s in STAGE_ORDER]
+    assert [s["name"] for s in status["memory"]["stages"]] == [str(s) for s in STAGED_ORDER]
     # The history `kubectl rljob plot` draws, as the driver keeps it in the cluster.
     history = status["memoryHistory"]
     assert [p["iteration"] for p in history] == list(range(status["iteration"] + 1))
@@ -219,7 +220,7 @@ def test_cli_retries_an_oom_with_the_policys_knobs_and_records_both_attempts(
     assert (oom["stage"], oom["rank"], oom["iteration"]) == ("wake_weights", 1, 1)
     # The completed attempt's own iterations and stages: staged order.
     assert status["iteration"] == 2
-    assert [s["name"] for s in status["memory"]["stages"]] == [str(s) for s in STAGE_ORDER]
+    assert [s["name"] for s in status["memory"]["stages"]] == [str(s) for s in STAGED_ORDER]
 
 
 def test_cli_without_retries_fails_on_the_oom_and_records_no_second_attempt(

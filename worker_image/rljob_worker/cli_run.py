@@ -33,6 +33,7 @@ from rljob.api import (
 from rljob.curves import curve_title, metrics_table, plot_learning_curve
 from rljob.plan import auto_lines
 from rljob.report import (
+    STAGE_COLOURS,
     STAGE_ORDER,
     IterationReport,
     MemorySummary,
@@ -41,9 +42,6 @@ from rljob.report import (
     StageSample,
     summarize,
 )
-
-# Stage colours of the timeline; one per canonical stage, in order.
-STAGE_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
 
 
 def _positive(text: str) -> int:
@@ -418,6 +416,7 @@ def main(argv: list[str]) -> int:
             result=result,
             oom_stage=oom.stage if oom else None,
             oom_rank=oom.rank if oom else None,
+            resumed_from=run.resumed_from,
         )
         attempts.append(attempt)
         if run.ok or oom is None:
@@ -462,7 +461,7 @@ def main(argv: list[str]) -> int:
     # Locally this command is the operator too, so it also sets the phase and the attempts.
     status.phase = Phase.SUCCEEDED if run.ok else Phase.FAILED
     status.cause = _cause(run)
-    if len(attempts) > 1 or spec.oom_policy.max_retries:
+    if len(attempts) > 1 or spec.oom_policy.max_retries or run.resumed_from is not None:
         status.attempts = attempts
     written = write_outputs(out, name, status, reports, spec.algorithm.seed)
     table_console = Console()

@@ -20,6 +20,7 @@ from rljob.api import MisfitAction, PlanStatus, RLJobSpec
 from rljob.plan import is_auto, offload_choice, rank_plan, resolved_rollout, resolved_spec
 from rljob.report import OOMRecord, StageSample
 from rljob_worker import allocator_report
+from rljob_worker import checkpoint as checkpoints
 from rljob_worker.engines import make_engine
 from rljob_worker.engines.base import ALL_TAGS, RolloutEngine, SamplingParams
 from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM
@@ -128,6 +129,12 @@ class RankIteration:
     train: TrainStats | None = None
     # Reward calls that failed and scored 0 (spec.reward.onError Zero).
     reward_errors: int = 0
+    # The first iteration of a run resumed from this iteration's checkpoint (its train is in
+    # the checkpoint, so the report has no train figures).
+    resumed_from: int | None = None
+    # This iteration's checkpoint (this rank's part) and export (rank 0), where written.
+    checkpoint: checkpoints.SavedCheckpoint | None = None
+    export_path: str | None = None
 
 
 RankEvent = StageSample | RankIteration | OOMRecord
@@ -326,6 +333,7 @@ def run_rank(
             checks[name] = (tensor_digest(tensor), tensor_digest(held[name]))
 
     rollout = _Rollout(spec, config, engine, tokenizer, task, scorer)
+    keeper = checkpoints.Keeper(spec, trainer.model, trainer.optimizer, model_path)
     machine = StageMachine(
         trainer,
         engine,
@@ -337,13 +345,23 @@ def run_rank(
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,
         after_weight_update=check_weights if config.verify_weights else None,
+        checkpoint=keeper.save if spec.checkpoint is not None else None,
+        checkpoint_every=spec.checkpoint.every_iterations if spec.checkpoint else 0,
     )
+    # A new attempt, or the same manifest run again, continues from the newest complete
+    # checkpoint: its iteration N is trained, so the run starts with N's second half.
     try:
-        for iteration in range(spec.algorithm.iterations + 1):
+        resumed_from = keeper.resume()
+        start = resumed_from or 0
+        for iteration in range(start, spec.algorithm.iterations + 1):
             checks.clear()
             machine.weight_sync_seconds = None
             machine.weight_handoff_seconds = None
-            outcome = machine.run_iteration(iteration)
+            resumed = resumed_from is not None and iteration == start
+            outcome = machine.run_iteration(iteration, prologue=iteration == 0 or resumed)
+            if iteration == spec.algorithm.iterations:
+                keeper.export_final()  # the policy as its last update left it
+            saved, exported = keeper.take()
             experience = outcome.experience
             assert experience is not None  # every iteration ends with a rollout
             report = RankIteration(
@@ -369,6 +387,9 @@ def run_rank(
                 plan=plan_status if iteration == 0 else None,
                 rollout=rollout_stats(experience, spec.data.max_response_length, eos_ids),
                 train=outcome.train,
+                resumed_from=start if resumed else None,
+                checkpoint=saved,
+                export_path=exported,
             )
             result.iterations.append(report)
             send(report)

@@ -47,6 +47,10 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
+def _dump(model: Any) -> Any:
+    return model.model_dump(by_alias=True, mode="json") if model is not None else None
+
+
 def driver_fields(
     status: RLJobStatus,
     history: list[MemoryPoint],
@@ -82,6 +86,8 @@ def driver_fields(
         ]
         or None,
         "oomEvents": [o.model_dump(by_alias=True, exclude_none=True, mode="json") for o in cuda],
+        "checkpoint": _dump(status.checkpoint),
+        "export": _dump(status.export),
     }
     count = held_count + int(status.oom_counts.get(CUDA_OOM, 0))
     if count:

@@ -53,11 +53,21 @@ SINGLE_ORDER: tuple[Stage, ...] = (
 _TRAINING_STAGES = (Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER)
 
 
-def stage_order(wake_up: WakeUp, iteration: int = 1) -> tuple[Stage, ...]:
-    """The stages of an iteration for the spec's rollout.wakeUp (iteration 0: the prologue)."""
+def stage_order(
+    wake_up: WakeUp, iteration: int = 1, *, checkpoint: bool = False, prologue: bool | None = None
+) -> tuple[Stage, ...]:
+    """The stages of an iteration for the spec's rollout.wakeUp (iteration 0: the prologue).
+
+    `checkpoint` adds the checkpoint stage right after train: the training state (params and
+    AdamW moments) is still on the device there, before offload_optimizer moves the moments
+    away, so the save reads it where it is. `prologue` (default: iteration 0) also serves a run
+    resumed from iteration N's checkpoint: N's train is in the checkpoint, its rollout is not.
+    """
     order = STAGED_ORDER if wake_up == WakeUp.STAGED else SINGLE_ORDER
-    if iteration == 0:
+    if (iteration == 0) if prologue is None else prologue:
         return tuple(stage for stage in order if stage not in _TRAINING_STAGES)
+    if checkpoint:
+        return (order[0], Stage.CHECKPOINT, *order[1:])
     return order
 
 
@@ -111,6 +121,8 @@ class StageMachine:
         offload_optimizer: bool = True,
         offload_params: bool = True,
         after_weight_update: Callable[[int, NamedTensors], None] | None = None,
+        checkpoint: Callable[[int], None] | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         self.trainer = trainer
         self.engine = engine
@@ -123,6 +135,9 @@ class StageMachine:
         self.offload_params_enabled = offload_params
         # Test hook: sees every bucket right after the engine took it (weights equality check).
         self.after_weight_update = after_weight_update
+        # Saves iteration N's checkpoint (checkpoint.save) on every checkpoint_every-th one.
+        self.checkpoint_fn = checkpoint
+        self.checkpoint_every = checkpoint_every
         self.experience: Experience | None = None
         self.weight_sync_seconds: float | None = None
         # The part of it spent in engine.update_weights (the hand-off to the engine); the rest
@@ -132,6 +147,7 @@ class StageMachine:
         self._iteration = 0
         self._actions: dict[Stage, Callable[[], None]] = {
             Stage.TRAIN: self.train,
+            Stage.CHECKPOINT: self.checkpoint,
             Stage.OFFLOAD_OPTIMIZER: self.offload_optimizer,
             Stage.WAKE_WEIGHTS: self.wake_weights,
             Stage.OFFLOAD_TRAIN: self.offload_train,
@@ -140,12 +156,23 @@ class StageMachine:
             Stage.SLEEP: self.sleep,
         }
 
-    def run_iteration(self, iteration: int) -> IterationOutcome:
-        """One iteration in the spec's wake-up order; iteration 0 is the prologue (see above).
+    def checkpoint_due(self, iteration: int) -> bool:
+        return (
+            self.checkpoint_fn is not None
+            and self.checkpoint_every > 0
+            and iteration > 0
+            and iteration % self.checkpoint_every == 0
+        )
+
+    def run_iteration(self, iteration: int, prologue: bool | None = None) -> IterationOutcome:
+        """One iteration in the spec's wake-up order; iteration 0 is the prologue (see above),
+        and so is the first iteration of a resumed run (prologue=True).
 
         Expects the engine released and the training state on the device, and leaves them so.
         """
-        order = stage_order(self.wake_up, iteration)
+        order = stage_order(
+            self.wake_up, iteration, checkpoint=self.checkpoint_due(iteration), prologue=prologue
+        )
         self._iteration, self._train_stats = iteration, None
         for stage in order:
             with self.meter.stage(stage, iteration):
@@ -158,6 +185,10 @@ class StageMachine:
         if self.experience is None:
             raise RuntimeError("train stage without experience: run iteration 0 first")
         self._train_stats = self.trainer.train_step(self.experience)
+
+    def checkpoint(self) -> None:
+        assert self.checkpoint_fn is not None  # in the order only when due
+        self.checkpoint_fn(self._iteration)
 
     def offload_optimizer(self) -> None:
         if self.offload_optimizer_enabled:

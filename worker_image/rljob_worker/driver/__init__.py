@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TypeVar
 
-from rljob.api import OOMEvent, RLJobStatus
+from rljob.api import CheckpointStatus, ExportStatus, OOMEvent, RLJobStatus
 from rljob.report import IterationReport, OOMRecord, StageSample, metrics_with, summarize
 from rljob_worker.loop import RankIteration, RolloutStats
 from rljob_worker.train import TrainStats
@@ -118,6 +118,8 @@ def driver_status(
     finished = [r for r in reports if len(ranks_done.get(r.iteration, ())) == world_size]
     last = finished[-1] if finished else None
     return RLJobStatus(
+        checkpoint=checkpoint_status(iterations, world_size),
+        export=export_status(iterations),
         iteration=last.iteration if last else None,
         reward_mean=last.reward_mean if last else None,
         kl_mean=next((r.kl_mean for r in reversed(finished) if r.kl_mean is not None), None),
@@ -128,3 +130,35 @@ def driver_status(
         # Rank 0's plan (with rollout Auto's choice), as the cluster's status.plan has it.
         plan=next((i.plan for i in iterations if i.plan is not None), None),
     )
+
+
+def checkpoint_status(
+    iterations: Iterable[RankIteration], world_size: int
+) -> CheckpointStatus | None:
+    """status.checkpoint: the newest checkpoint every rank saved (rank 0 wrote its marker, so
+    it is complete); bytes of all ranks' parts, seconds of the slowest rank."""
+    by_iteration: dict[int, list[RankIteration]] = {}
+    for item in iterations:
+        if item.checkpoint is not None:
+            by_iteration.setdefault(item.iteration, []).append(item)
+    done = [i for i, items in by_iteration.items() if len(items) == world_size]
+    if not done:
+        return None
+    parts = [item.checkpoint for item in by_iteration[max(done)] if item.checkpoint]
+    first = next(p for p in parts if p.completed_at)
+    return CheckpointStatus(
+        iteration=first.iteration,
+        path=first.path,
+        completed_at=first.completed_at or "",
+        bytes=sum(p.bytes for p in parts),
+        seconds=max(p.seconds for p in parts),
+    )
+
+
+def export_status(iterations: Iterable[RankIteration]) -> ExportStatus | None:
+    """status.export: the newest export (rank 0 writes it and reports its path)."""
+    exports = [(i.iteration, i.export_path) for i in iterations if i.export_path]
+    if not exports:
+        return None
+    iteration, path = max(exports)
+    return ExportStatus(path=path, iteration=iteration)

@@ -52,6 +52,11 @@ class LocalRun:
         return not self.ooms and not self.errors
 
     @property
+    def resumed_from(self) -> int | None:
+        """The checkpoint's iteration this run continued from (None: it started at 0)."""
+        return next((i.resumed_from for i in self.iterations if i.resumed_from is not None), None)
+
+    @property
     def reports(self) -> list[IterationReport]:
         return iteration_reports(self.samples, self.iterations)
 

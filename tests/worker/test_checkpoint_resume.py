@@ -1,0 +1,218 @@
+"""Checkpoints on the CPU (2 ranks, FSDP2 on gloo, the builtin tiny model, torch engine).
+
+One straight run of 4 iterations (checkpoint every iteration, keep 2, export) against the same
+job run to iteration 2 and then run again to 4 (it resumes from iteration 2's checkpoint): the
+trained weights are bit-identical and the rewards per iteration equal. The runs are shared by
+the tests below (module fixtures), so the whole file costs five short runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support.model_cache import fresh_model_cache
+
+from rljob.api import RLJobSpec, parse_manifest
+from rljob.report import Stage
+from rljob_worker.checkpoint import MARKER, checkpoint_dir, complete_checkpoints
+from rljob_worker.driver.local import LocalRun, run_local
+from rljob_worker.loop import tensor_digest
+
+pytestmark = pytest.mark.worker
+
+REPO = Path(__file__).resolve().parents[2]
+ITERATIONS = 4
+STOP = 2
+
+
+def _spec(root: Path, iterations: int, keep: int = 2, **extra: Any) -> RLJobSpec:
+    doc = {
+        "apiVersion": "rljob.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": "ckpt"},
+        "spec": {
+            # float32: the export holds the master weights bit for bit.
+            "model": {"path": "builtin:tiny-qwen2", "dtype": "float32"},
+            "algorithm": {
+                "name": "grpo",
+                "groupSize": 2,
+                "iterations": iterations,
+                "learningRate": 1e-2,
+                "klCoef": 0.05,
+                "seed": 3,
+            },
+            "data": {"source": "builtin:digit", "trainBatchSize": 4, "maxResponseLength": 3},
+            # Temperature 1: the rollout samples, so equal rewards need equal RNG use too.
+            "rollout": {"engine": "torch", "weightSyncBucketMegabytes": 1},
+            "training": {"microBatchSize": 2},
+            "resources": {"workers": 1, "gpusPerWorker": 0},
+            "checkpoint": {"path": str(root / "ckpt"), "everyIterations": 1, "keep": keep},
+            "export": {"path": str(root / "export")},
+            **extra,
+        },
+    }
+    return parse_manifest(doc)[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield from fresh_model_cache(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LocalRun]:
+    root = tmp_path_factory.mktemp("straight")
+    run = run_local(_spec(root, ITERATIONS), 2, "cpu", verify_weights=True)
+    assert run.ok, run.errors
+    return root, run
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, LocalRun, LocalRun]:
+    root = tmp_path_factory.mktemp("resumed")
+    first = run_local(_spec(root, STOP, keep=10), 2, "cpu")
+    assert first.ok, first.errors
+    shutil.copytree(root / "export", root / "export-at-2")
+    # A save of iteration 3 that died before its marker: resume must not pick it.
+    broken = checkpoint_dir(root / "ckpt", STOP + 1)
+    shutil.copytree(checkpoint_dir(root / "ckpt", STOP), broken)
+    (broken / MARKER).unlink()
+    second = run_local(_spec(root, ITERATIONS, keep=10), 2, "cpu")
+    assert second.ok, second.errors
+    return root, first, second
+
+
+def _rewards(run: LocalRun) -> dict[int, float | None]:
+    return {r.iteration: r.reward_mean for r in run.reports}
+
+
+def test_resumed_run_ends_with_the_straight_runs_weights_and_rewards(
+    straight: tuple[Path, LocalRun], stopped_and_resumed: tuple[Path, LocalRun, LocalRun]
+) -> None:
+    (straight_root, straight_run), (root, first, second) = straight, stopped_and_resumed
+    assert second.resumed_from == STOP
+    assert first.resumed_from is None
+    # The resumed run starts with iteration 2's second half (its train is in the checkpoint).
+    assert sorted({i.iteration for i in second.iterations}) == list(range(STOP, ITERATIONS + 1))
+    rewards = _rewards(straight_run)
+    assert {**_rewards(first), **_rewards(second)} == rewards
+    assert len(set(rewards.values())) > 1  # the rewards moved: equal is not trivially equal
+    ours = load_file(str(root / "export" / "model.safetensors"))
+    theirs = load_file(str(straight_root / "export" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    at_two = load_file(str(root / "export-at-2" / "model.safetensors"))
+    assert any(not torch.equal(at_two[n], ours[n]) for n in ours)  # training moved them
+
+
+def test_an_unfinished_save_is_never_picked_and_is_replaced(
+    stopped_and_resumed: tuple[Path, LocalRun, LocalRun],
+) -> None:
+    root, _, second = stopped_and_resumed
+    assert second.resumed_from == STOP  # not 3, whose directory had no marker
+    # Iteration 3 was saved again, whole, over the broken one; keep=10 kept every one.
+    assert [i for i, _ in complete_checkpoints(root / "ckpt")] == [1, 2, 3, 4]
+
+
+def test_keep_leaves_the_newest_complete_checkpoints(straight: tuple[Path, LocalRun]) -> None:
+    root, run = straight
+    assert [i for i, _ in complete_checkpoints(root / "ckpt")] == [3, 4]
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == [
+        "iteration-00000003",
+        "iteration-00000004",
+    ]
+    status = run.status()
+    assert status.checkpoint is not None and status.checkpoint.iteration == ITERATIONS
+    assert status.checkpoint.bytes > 0 and status.checkpoint.seconds > 0
+    assert status.export is not None and status.export.iteration == ITERATIONS
+    # Every training iteration has a measured checkpoint stage, right after train.
+    for iteration in range(1, ITERATIONS + 1):
+        own = sorted(
+            (s for s in run.samples if s.rank == 0 and s.iteration == iteration),
+            key=lambda s: s.start_seconds,
+        )
+        assert [s.stage for s in own][:3] == [
+            Stage.TRAIN,
+            Stage.CHECKPOINT,
+            Stage.OFFLOAD_OPTIMIZER,
+        ]
+
+
+def test_export_loads_and_holds_the_engines_last_weights(straight: tuple[Path, LocalRun]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, run = straight
+    model: Any = AutoModelForCausalLM.from_pretrained(str(root / "export"))
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "export"))
+    assert model.dtype == torch.float32
+    # Bit for bit what the engine held after the last weight update (verify_weights digests).
+    last = next(i for i in run.iterations if i.rank == 0 and i.iteration == ITERATIONS)
+    assert last.weights is not None
+    held = dict(model.named_parameters())
+    for name, digest in last.weights.engine.items():
+        assert tensor_digest(held[name].detach()) == digest, name
+    # Greedy answers on fixed prompts: the exported model through transformers equals the
+    # torch engine given the same weights.
+    from rljob_worker.engines.base import SamplingParams
+    from rljob_worker.engines.torch_engine import TorchEngine
+
+    prompts = [tokenizer.encode(p) for p in ("say 7:", "say 3:", "1+2=")]
+    engine = TorchEngine(str(root / "export"), device="cpu", dtype=torch.float32)
+    engine.update_weights(list(held.items()))
+    answers = engine.generate_with_logprobs(
+        prompts, SamplingParams(max_new_tokens=4, temperature=0.0)
+    )
+    for prompt, answer in zip(prompts, answers, strict=True):
+        output = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+        assert output[0, len(prompt) :].tolist()[: len(answer.token_ids)] == list(answer.token_ids)
+
+
+def test_two_ranks_checkpoint_resumes_resharded_on_one_rank(
+    tmp_path: Path, stopped_and_resumed: tuple[Path, LocalRun, LocalRun]
+) -> None:
+    root, _, _ = stopped_and_resumed
+    shutil.copytree(checkpoint_dir(root / "ckpt", STOP), checkpoint_dir(tmp_path / "ckpt", STOP))
+    run = run_local(_spec(tmp_path, STOP), 1, "cpu")
+    assert run.ok, run.errors
+    assert run.resumed_from == STOP
+    ours = load_file(str(tmp_path / "export" / "model.safetensors"))
+    theirs = load_file(str(root / "export-at-2" / "model.safetensors"))
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+
+
+def test_oom_retry_resumes_from_the_newest_checkpoint_with_the_new_knobs(tmp_path: Path) -> None:
+    import json
+
+    import yaml
+
+    from rljob_worker.cli_run import main
+
+    doc = yaml.safe_load((REPO / "examples" / "checkpoint-resume.yaml").read_text())
+    doc["spec"]["checkpoint"]["path"] = str(tmp_path / "ckpt")
+    doc["spec"]["export"]["path"] = str(tmp_path / "export")
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "out"
+    assert main([str(manifest), "--out", str(out), "--inject-oom", "train@iteration=3"]) == 0
+    status = json.loads((out / "status.json").read_text())
+    first, second = status["attempts"]
+    assert (first["result"], first["oomStage"]) == ("CUDAOutOfMemory", "train")
+    assert "resumedFrom" not in first
+    # Iteration 3's train failed before its checkpoint: the retry continues from 2, not 0.
+    assert (second["result"], second["resumedFrom"], second["microBatchSize"]) == (
+        "Succeeded",
+        2,
+        1,
+    )
+    assert status["checkpoint"]["iteration"] == 4
+    assert status["export"] == {"path": str(tmp_path / "export"), "iteration": 4}
+    reports = json.loads((out / "reports.json").read_text())
+    assert [r["iteration"] for r in reports] == [2, 3, 4]

@@ -1,0 +1,318 @@
+"""Checkpoints (save, find the newest complete one, resume, keep N) and the Hugging Face export.
+
+Layout, completeness rule and where the stage machine saves: docs/checkpoints.md. Every function
+that takes a trainer is collective (all ranks call it together); the rest are plain file work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from rljob.api import ResumeMode, RLJobSpec
+from rljob_worker.model import torch_dtype
+
+log = logging.getLogger(__name__)
+
+# Written last, by rank 0, after every rank's files: a directory without it is not a checkpoint.
+MARKER = "COMPLETE"
+META = "meta.json"
+STATE = "state"  # torch.distributed.checkpoint's directory (one .distcp file per rank)
+PREFIX = "iteration-"
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that this spec must not load (another model)."""
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """One rank's account of one save (the driver sums bytes and takes the slowest seconds)."""
+
+    iteration: int
+    path: str
+    bytes: int  # this rank's files (rank 0 also counts the metadata and marker)
+    seconds: float
+    completed_at: str | None  # rank 0 only: when the marker was written
+
+
+def checkpoint_dir(root: Path, iteration: int) -> Path:
+    return root / f"{PREFIX}{iteration:08d}"
+
+
+def _iteration_of(path: Path) -> int | None:
+    suffix = path.name.removeprefix(PREFIX)
+    return int(suffix) if path.name.startswith(PREFIX) and suffix.isdigit() else None
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(iteration, directory) of every complete checkpoint under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(_iteration_of(p), p) for p in root.iterdir() if (p / MARKER).is_file()]
+    return sorted((i, p) for i, p in found if i is not None)
+
+
+def newest_complete(root: Path) -> tuple[int, Path] | None:
+    complete = complete_checkpoints(root)
+    return complete[-1] if complete else None
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete complete checkpoints older than the newest `keep`, and unfinished ones older
+    than the newest complete (a crashed save: never picked, never finished). Run only after a
+    save completed, so at least one complete checkpoint always remains. Returns the deleted."""
+    complete = complete_checkpoints(root)
+    if not complete:
+        return []
+    kept = {p for _, p in complete[-keep:]}
+    newest = complete[-1][0]
+    doomed = [p for _, p in complete if p not in kept]
+    doomed += [
+        p
+        for p in root.iterdir()
+        if (i := _iteration_of(p)) is not None and i < newest and not (p / MARKER).exists()
+    ]
+    for path in doomed:
+        # The marker first: a deletion cut short leaves a directory that is no longer picked.
+        (path / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    return sorted(doomed)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    staging = path.with_name(f".{path.name}.tmp")
+    with open(staging, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    staging.rename(path)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rank() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank_bytes(directory: Path, rank: int) -> int:
+    own = [*directory.glob(f"{STATE}/__{rank}_*"), directory / f"rng-rank{rank}.pt"]
+    if rank == 0:
+        own += [directory / STATE / ".metadata", directory / META, directory / MARKER]
+    return sum(p.stat().st_size for p in own if p.is_file())
+
+
+def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSpec,
+         iteration: int) -> SavedCheckpoint:  # fmt: skip
+    """Write iteration `iteration`'s checkpoint under spec.checkpoint.path (collective).
+
+    Each rank writes its own shard of model and optimizer (torch.distributed.checkpoint) and
+    its RNG states; after a barrier rank 0 writes meta.json and then the marker, so a save that
+    dies anywhere before leaves a directory resume ignores. Then older ones are pruned."""
+    assert spec.checkpoint is not None
+    started = time.perf_counter()
+    rank, world = _rank()
+    root = Path(spec.checkpoint.path)
+    directory = checkpoint_dir(root, iteration)
+    if rank == 0:
+        # What a save of this iteration that crashed left behind (it has no marker).
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+    _barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory / STATE)
+    torch.save(_rng_state(), directory / f"rng-rank{rank}.pt")
+    _barrier()  # every rank's part is on disk
+    completed_at = None
+    if rank == 0:
+        meta = {
+            "iteration": iteration,
+            "modelPath": spec.model.path,
+            "worldSize": world,
+            "spec": spec.model_dump(mode="json", by_alias=True),
+        }
+        _write_atomically(directory / META, json.dumps(meta, indent=1) + "\n")
+        completed_at = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        _write_atomically(directory / MARKER, completed_at + "\n")
+        deleted = prune(root, spec.checkpoint.keep)
+        if deleted:
+            log.info("checkpoint: deleted %s", ", ".join(p.name for p in deleted))
+    _barrier()  # no rank runs on (and may fail) before the checkpoint is complete
+    return SavedCheckpoint(
+        iteration, str(directory), _rank_bytes(directory, rank),
+        time.perf_counter() - started, completed_at,
+    )  # fmt: skip
+
+
+def check_compatible(meta: dict[str, Any], spec: RLJobSpec, directory: Path) -> None:
+    if meta.get("modelPath") != spec.model.path:
+        raise CheckpointMismatch(
+            f"checkpoint {directory} was made for spec.model.path={meta.get('modelPath')!r}, "
+            f"this job trains {spec.model.path!r}: point spec.checkpoint.path elsewhere, or set "
+            "spec.checkpoint.resume=Never to start from iteration 0"
+        )
+
+
+def resume_point(spec: RLJobSpec) -> tuple[int, Path] | None:
+    """The checkpoint this run continues from, the same on every rank (rank 0 looks; a
+    filesystem seen slightly differently by two ranks must not split them), or None."""
+    checkpoint = spec.checkpoint
+    if checkpoint is None or checkpoint.resume is ResumeMode.NEVER:
+        return None
+    rank, _ = _rank()
+    found: list[Any] = [newest_complete(Path(checkpoint.path)) if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSpec,
+         directory: Path) -> int:  # fmt: skip
+    """Load a complete checkpoint into this rank's shards (collective); returns its iteration.
+
+    torch.distributed.checkpoint reads whatever part of each tensor this rank's shard covers,
+    so a checkpoint of another world size loads resharded. RNG states: this rank's, or rank
+    0's where the checkpoint had fewer ranks (sampling seeds come from the iteration anyway)."""
+    meta = json.loads((directory / META).read_text())
+    check_compatible(meta, spec, directory)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # dcp.load fills these dicts' tensors in place.
+    dcp.load({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory / STATE)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    rank, _ = _rank()
+    own = directory / f"rng-rank{rank}.pt"
+    rng = torch.load(own if own.exists() else directory / "rng-rank0.pt", weights_only=False)
+    _set_rng_state(rng)
+    return int(meta["iteration"])
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    tied = getattr(model, "_tied_weights_keys", None) or ()
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return set()
+    return set(tied.keys() if isinstance(tied, dict) else tied)
+
+
+def export(model: torch.nn.Module, spec: RLJobSpec, model_path: Path | str, target: Path,
+           dtype: torch.dtype) -> str | None:  # fmt: skip
+    """The policy as a Hugging Face directory at `target` (collective; rank 0 writes).
+
+    The full state dict is gathered once to rank 0's host memory, cast to `dtype`, written as
+    model.safetensors beside the original config (its dtype set) and tokenizer; the directory
+    is built aside and renamed into place, so a reader never sees half an export. Returns the
+    path on rank 0, else None."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    rank, _ = _rank()
+    if rank != 0:
+        return None
+    tied = _tied_names(model)
+    tensors = {
+        n: t.to(dtype).contiguous()
+        for n, t in full.items()
+        if n not in tied and isinstance(t, torch.Tensor)  # a full state dict: plain tensors
+    }
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    config = AutoConfig.from_pretrained(str(model_path))
+    config.torch_dtype = dtype
+    config.save_pretrained(staging)
+    # A model without generation_config.json loads without one too.
+    with contextlib.suppress(OSError):
+        GenerationConfig.from_pretrained(str(model_path)).save_pretrained(staging)
+    AutoTokenizer.from_pretrained(str(model_path)).save_pretrained(staging)
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if target.exists():
+        target.rename(old)
+    staging.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+    return str(target)
+
+
+class Keeper:
+    """What one rank's loop asks of checkpoints: resume at the start, save when due (the
+    checkpoint stage), export at the end; `take` hands over what the iteration wrote."""
+
+    def __init__(self, spec: RLJobSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 model_path: Path | str) -> None:  # fmt: skip
+        self.spec, self.model, self.optimizer, self.model_path = spec, model, optimizer, model_path
+        self.saved: SavedCheckpoint | None = None
+        self.exported: str | None = None
+
+    def resume(self) -> int | None:
+        """Load the newest complete checkpoint (spec.checkpoint.resume Auto); its iteration."""
+        found = resume_point(self.spec)
+        if found is None:
+            return None
+        iteration, directory = found
+        if iteration > self.spec.algorithm.iterations:
+            raise ValueError(
+                f"the newest checkpoint under spec.checkpoint.path, {directory}, is past "
+                f"spec.algorithm.iterations={self.spec.algorithm.iterations}: raise iterations "
+                "to train on, or set spec.checkpoint.resume=Never to start over"
+            )
+        log.info("resuming from %s", directory)
+        return load(self.model, self.optimizer, self.spec, directory)
+
+    def save(self, iteration: int) -> None:
+        self.saved = save(self.model, self.optimizer, self.spec, iteration)
+        if self.spec.export is not None and self.spec.export.with_checkpoints:
+            self._export(Path(self.spec.export.path) / f"{PREFIX}{iteration:08d}")
+
+    def take(self) -> tuple[SavedCheckpoint | None, str | None]:
+        """This iteration's checkpoint part and export path (None: none), then forgets them."""
+        taken = (self.saved, self.exported)
+        self.saved = self.exported = None
+        return taken
+
+    def export_final(self) -> None:
+        if self.spec.export is not None:
+            self._export(Path(self.spec.export.path))
+
+    def _export(self, target: Path) -> None:
+        dtype = torch_dtype(self.spec.model.dtype)
+        self.exported = export(self.model, self.spec, self.model_path, target, dtype)
