@@ -197,6 +197,7 @@ class Observing:
     startup_expired: bool = False
     rayjob_name: str | None = None
     source_uid: str | None = None
+    causes_cleared: bool = False  # the pods' and RayCluster's causes all cleared just now
 
     def __call__(
         self, rljob: dict[str, Any]
@@ -208,6 +209,7 @@ class Observing:
                 return None
         current = dict(rljob.get("status") or {})
         meta = rljob["metadata"]
+        namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
         if self.source_uid is not None and self.source_uid != meta["uid"]:
             return None  # an earlier RLJob's RayJob (this name applied again): not this job's
         if self.rayjob is not None and identity.job_uid(self.rayjob) != meta["uid"]:
@@ -236,7 +238,7 @@ class Observing:
             problems=problems,
             memory=current.get("memory"),
             oom_counts=dict(current.get("oomCounts") or {}),
-            causes=CAUSES.current(meta["namespace"], meta["name"], meta["uid"]),
+            causes=[] if self.causes_cleared else CAUSES.current(namespace, name, uid),
             apply_failure=self.apply_failure,
             reconciled=self.reconciled,
             startup_expired=self.startup_expired,
@@ -412,7 +414,10 @@ def reconcile(
             # saw it): its RayJob and job config are the ones to apply.
             stored_rljob = kube.get_rljob(namespace, name)
             if stored_rljob is None or stored_rljob["metadata"]["uid"] != uid:
-                stored_rljob = dict(body)  # deleted (and maybe applied again) meanwhile
+                # Deleted (and maybe applied again) meanwhile: its children must not be made
+                # again for a job that is gone, nor held against the one of the same name.
+                logger.info(f"RLJob {namespace}/{name} (uid {uid}) is gone: nothing to apply")
+                return
             held = stored_rljob.get("status") or {}
             attempt = attempts.current(name, run_spec, held)
             # A job whose current RayJob has ended is not applied again (it would run again if
@@ -583,7 +588,12 @@ def _observe_causes(
                 return
             ray_job = attempts.current_ray_job(job, rljob.get("status") or {})
             rayjob = identity.own(kube.get_rayjob(namespace, ray_job), uid)
-            observing = Observing(None, APPLIED.read(namespace, job), rayjob)
+            # A job whose last cause just cleared is dropped from the book (current() None, "heard
+            # nothing: keep what status says"): say so, or PodsReady keeps the cleared cause.
+            cleared = CAUSES.current(namespace, job, uid) is None
+            observing = Observing(
+                None, APPLIED.read(namespace, job), rayjob, causes_cleared=cleared
+            )
             _write(namespace, job, observing, logger, uid=uid)
     except (ApiException, HTTPError) as exc:
         logger.warning(f"RLJob {namespace}/{job}: causes not recorded yet: {exc}")

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rljob.api import RLJobSpec
+from rljob.api import RLJobSpec, WakeUp
+from rljob.report import Stage, StageSample
 from rljob_worker.checkpoint import (
     MARKER,
     CheckpointMismatch,
@@ -17,8 +18,10 @@ from rljob_worker.checkpoint import (
     complete_checkpoints,
     newest_complete,
     prune,
+    resume_point,
 )
 from rljob_worker.driver import checkpoint_status, export_status
+from rljob_worker.driver.failure import position_at_failure
 from rljob_worker.loop import RankIteration
 from rljob_worker.publish import driver_fields
 
@@ -68,7 +71,7 @@ def test_keep_deletes_only_older_than_the_newest_complete(
 def test_a_checkpoint_of_another_model_is_refused_with_what_to_do(tmp_path: Path) -> None:
     spec = RLJobSpec.model_validate({"model": {"path": "Qwen/Qwen2.5-1.5B"}})
     check_compatible({"modelPath": "Qwen/Qwen2.5-1.5B"}, spec, tmp_path)
-    with pytest.raises(CheckpointMismatch, match=r"Qwen/Qwen2\.5-0\.5B.*resume=Never"):
+    with pytest.raises(CheckpointMismatch, match=r"Qwen/Qwen2\.5-0\.5B.*a directory of its own"):
         check_compatible({"modelPath": "Qwen/Qwen2.5-0.5B"}, spec, tmp_path)
 
 
@@ -100,3 +103,40 @@ def test_status_names_the_newest_checkpoint_every_rank_saved() -> None:
     fields = driver_fields(RLJobStatus(checkpoint=status, export=export), [])
     assert fields["checkpoint"]["completedAt"] == "2026-01-01T00:00:00Z"
     assert fields["export"] == {"path": "/export", "iteration": 3}
+
+
+def test_resume_never_beside_an_earlier_runs_checkpoints_is_refused(tmp_path: Path) -> None:
+    """keep ranks checkpoints by iteration: a new run saving iteration 2 beside an old run's
+    8..10 would have its own saves pruned, and a later resume: Auto would continue the old run."""
+    spec = RLJobSpec.model_validate(
+        {"checkpoint": {"path": str(tmp_path), "resume": "Never", "keep": 2}}
+    )
+    assert resume_point(spec) is None  # empty: start over
+    _make(tmp_path, 3, False)  # an unfinished save is nobody's checkpoint
+    assert resume_point(spec) is None
+    _make(tmp_path, 10, True)
+    with pytest.raises(CheckpointMismatch, match=r"earlier run.*iteration-0*10.*empty directory"):
+        resume_point(spec)
+    auto = spec.model_copy(
+        update={"checkpoint": spec.checkpoint.model_copy(update={"resume": "Auto"})}  # type: ignore[union-attr]
+    )
+    assert resume_point(auto) == (10, checkpoint_dir(tmp_path, 10))
+
+
+def test_a_rank_that_died_after_its_checkpoint_stage_is_placed_in_the_next_stage() -> None:
+    """The driver places a silent death in the stage after the last sample: after `checkpoint`
+    that is offload_optimizer (the stage order of a checkpoint iteration has it after train)."""
+    samples = [
+        StageSample.model_validate(
+            {"rank": 0, "iteration": 1, "stage": stage, "startSeconds": n, "seconds": 1.0,
+             "kind": "host", "device": "cpu",
+             "peakAllocatedBytes": 0, "peakReservedBytes": 0, "allocatedBytes": 0,
+             "reservedBytes": 0, "deviceUsedBytes": 0, "devicePeakUsedBytes": 0,
+             "deviceTotalBytes": 1}
+        )
+        for n, stage in enumerate((Stage.TRAIN, Stage.CHECKPOINT))
+    ]  # fmt: skip
+    assert position_at_failure(samples, WakeUp.STAGED, 3, raised=False) == (
+        1, Stage.OFFLOAD_OPTIMIZER,
+    )  # fmt: skip
+    assert position_at_failure(samples, WakeUp.STAGED, 3, raised=True) == (1, Stage.CHECKPOINT)

@@ -227,3 +227,28 @@ def test_a_lock_lives_while_a_handler_holds_or_waits_for_it_and_is_the_same_for_
         assert len(handlers.LOCKS) == 1
     thread.join(5)
     assert order == ["first", "second"] and len(handlers.LOCKS) == 0
+
+
+def test_a_cause_that_clears_leaves_pods_ready_saying_nothing_is_wrong(store: Store) -> None:
+    """The book drops a job whose last cause cleared (no state left behind); the status write of
+    that change must still say the cause is gone, not keep it (a review found PodsReady kept
+    ImagePullBackOff until the Ray job ran)."""
+    store.rljobs["clears"] = _rljob("clears", "uid-c")
+    rayjob = _rayjob("clears", "uid-c", job_status="")
+    rayjob["status"]["jobDeploymentStatus"] = "Initializing"  # pods not running yet
+    store.rayjobs["clears"] = rayjob
+    _rayjob_event("ADDED", rayjob)
+    _pod_event("MODIFIED", _pod("clears", "uid-c", oom_killed=False))
+
+    def pods_ready() -> dict[str, Any]:
+        conditions = store.rljobs["clears"]["status"]["conditions"]
+        return next(c for c in conditions if c["type"] == "PodsReady")
+
+    assert pods_ready()["reason"] == "ImagePullBackOff"
+    fixed = _pod("clears", "uid-c", oom_killed=False)
+    fixed["status"]["containerStatuses"][0]["state"] = {"running": {"startedAt": "t"}}
+    _pod_event("MODIFIED", fixed)
+    assert (
+        pods_ready()["status"] == "False" and "no pod reports a problem" in pods_ready()["message"]
+    )
+    assert len(handlers.CAUSES) == 0

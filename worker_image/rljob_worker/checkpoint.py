@@ -151,7 +151,9 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSp
     root = Path(spec.checkpoint.path)
     directory = checkpoint_dir(root, iteration)
     if rank == 0:
-        # What a save of this iteration that crashed left behind (it has no marker).
+        # What a save of this iteration that crashed left behind (it has no marker). The
+        # marker goes first: a crash inside rmtree must not leave a marker beside partial shards.
+        (directory / MARKER).unlink(missing_ok=True)
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True)
     _barrier()
@@ -184,8 +186,8 @@ def check_compatible(meta: dict[str, Any], spec: RLJobSpec, directory: Path) -> 
     if meta.get("modelPath") != spec.model.path:
         raise CheckpointMismatch(
             f"checkpoint {directory} was made for spec.model.path={meta.get('modelPath')!r}, "
-            f"this job trains {spec.model.path!r}: point spec.checkpoint.path elsewhere, or set "
-            "spec.checkpoint.resume=Never to start from iteration 0"
+            f"this job trains {spec.model.path!r}: point spec.checkpoint.path at a directory of "
+            "its own"
         )
 
 
@@ -193,13 +195,22 @@ def resume_point(spec: RLJobSpec) -> tuple[int, Path] | None:
     """The checkpoint this run continues from, the same on every rank (rank 0 looks; a
     filesystem seen slightly differently by two ranks must not split them), or None."""
     checkpoint = spec.checkpoint
-    if checkpoint is None or checkpoint.resume is ResumeMode.NEVER:
+    if checkpoint is None:
         return None
     rank, _ = _rank()
     found: list[Any] = [newest_complete(Path(checkpoint.path)) if rank == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0)
-    return found[0]
+    if checkpoint.resume is ResumeMode.NEVER and found[0] is not None:
+        # Starting over beside an earlier run's checkpoints would mix the two: `keep` ranks
+        # by iteration and would prune this run's saves in favour of the old run's newer ones,
+        # and a later resume: Auto would continue the old run.
+        raise CheckpointMismatch(
+            f"spec.checkpoint.path {checkpoint.path} holds complete checkpoints of an earlier "
+            f"run (the newest: {found[0][1]}), and spec.checkpoint.resume is Never: point the "
+            "path at an empty directory, or delete those checkpoints, to start over"
+        )
+    return None if checkpoint.resume is ResumeMode.NEVER else found[0]
 
 
 def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSpec,
@@ -293,7 +304,7 @@ class Keeper:
             raise ValueError(
                 f"the newest checkpoint under spec.checkpoint.path, {directory}, is past "
                 f"spec.algorithm.iterations={self.spec.algorithm.iterations}: raise iterations "
-                "to train on, or set spec.checkpoint.resume=Never to start over"
+                "to train on, or point spec.checkpoint.path at an empty directory to start over"
             )
         log.info("resuming from %s", directory)
         return load(self.model, self.optimizer, self.spec, directory)

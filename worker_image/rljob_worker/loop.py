@@ -384,7 +384,8 @@ def run_rank(
                 weight_handoff_seconds=machine.weight_handoff_seconds,
                 offload_optimizer=offload_optimizer,
                 offload_params=offload_params,
-                plan=plan_status if iteration == 0 else None,
+                # The run's first iteration: 0, or the one a resumed run starts with.
+                plan=plan_status if iteration == start else None,
                 rollout=rollout_stats(experience, spec.data.max_response_length, eos_ids),
                 train=outcome.train,
                 resumed_from=start if resumed else None,

@@ -60,7 +60,10 @@ def position_at_failure(
     last = max(samples, key=lambda s: (s.iteration, s.start_seconds))
     if raised:
         return last.iteration, last.stage
-    order = stage_order(wake_up, last.iteration)
+    # A checkpoint iteration has the checkpoint stage after train (stages.stage_order).
+    order = stage_order(wake_up, last.iteration, checkpoint=last.stage is Stage.CHECKPOINT)
+    if last.stage not in order:
+        return last.iteration, last.stage  # an order this rank did not run: say where it was
     following = order.index(last.stage) + 1
     if following < len(order):
         return last.iteration, order[following]
