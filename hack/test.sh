@@ -59,7 +59,12 @@ E2E=0
 case ${RLJOB_E2E:-} in
   1) E2E=1 ;;
   0) ;;
-  *) if [[ $# == 0 || " $* " == *e2e* ]]; then E2E=1; fi ;;
+  *)
+    if [[ $# == 0 ]]; then E2E=1; fi
+    for arg in "$@"; do  # an argument that names the layer, not one that leaves it out
+      if [[ $arg == *e2e* && $arg != --ignore* && $arg != --deselect* ]]; then E2E=1; fi
+    done
+    ;;
 esac
 if [[ $E2E == 1 ]]; then
   phase e2e-images bash hack/images.sh install
