@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rljob.api import AUTO
-from rljob.report import STAGE_ORDER, Stage
+from rljob.api import AUTO, WakeUp
+from rljob.report import Stage
+from rljob_worker.stages import stage_order
 
 pytestmark = pytest.mark.worker
 
@@ -50,7 +51,9 @@ def test_rljob_run_with_auto_picks_records_runs_and_retries_with_a_larger_margin
     # gives the largest pool (ties go to the lower fraction).
     assert plan["wakeUp"] == "staged"
     # The ranks ran the choice: staged's stages, every iteration.
-    assert [s["name"] for s in status["memory"]["stages"]] == [str(s) for s in STAGE_ORDER]
+    assert [s["name"] for s in status["memory"]["stages"]] == [
+        str(s) for s in stage_order(WakeUp.STAGED)
+    ]  # no spec.checkpoint: no checkpoint stage
     first, second = status["attempts"]
     assert (first["memFractionStatic"], first["wakeUp"], first["margin"]) == (AUTO, AUTO, 0.03)
     assert (first["result"], first["oomStage"]) == ("CUDAOutOfMemory", str(Stage.WAKE_KV_CACHE))
