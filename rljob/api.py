@@ -1467,6 +1467,19 @@ class AttemptKnobs(_Spec):
         )
 
 
+def status_apply_body(
+    namespace: str, name: str, status: dict[str, Any], uid: str | None = None
+) -> dict[str, Any]:
+    """The body of a server-side apply of RLJob `name`'s status (the operator's and the driver's
+    writes). With `uid` it is a precondition: the apiserver refuses the write (409) unless the
+    RLJob of that name is still that object, so status computed for a job never lands on one
+    applied again under its name meanwhile."""
+    meta: dict[str, Any] = {"name": name, "namespace": namespace}
+    if uid:
+        meta["uid"] = uid
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "status": status}
+
+
 class Attempt(_Spec):
     """One `status.attempts` entry (operator-owned): a RayJob run with its knobs and outcome."""
 
@@ -1506,6 +1519,19 @@ class Attempt(_Spec):
         description="The iteration of the checkpoint this attempt resumed from (absent: it "
         "started at iteration 0).",
     )
+
+    @classmethod
+    def ran_with(cls, number: int, knobs: AttemptKnobs, **fields: Any) -> Attempt:
+        """Attempt `number` as it ran with `knobs` (the operator's entries, `rljob run`'s)."""
+        return cls(
+            attempt=number,
+            mem_fraction_static=knobs.mem_fraction_static,
+            wake_up=knobs.wake_up,
+            micro_batch_size=knobs.micro_batch_size,
+            gradient_checkpointing=knobs.gradient_checkpointing,
+            margin=knobs.margin,
+            **fields,
+        )
 
 
 class PlannedStage(_Spec):

@@ -65,16 +65,8 @@ def entry(
     job: str, number: int, knobs: AttemptKnobs, result: str = RUNNING, changed: str = ""
 ) -> dict[str, Any]:
     """A status.attempts entry (camelCase, as stored)."""
-    attempt = Attempt(
-        attempt=number,
-        ray_job=rayjob_name(job, number),
-        mem_fraction_static=knobs.mem_fraction_static,
-        wake_up=knobs.wake_up,
-        micro_batch_size=knobs.micro_batch_size,
-        gradient_checkpointing=knobs.gradient_checkpointing,
-        margin=knobs.margin,
-        changed=changed or None,
-        result=result,
+    attempt = Attempt.ran_with(
+        number, knobs, ray_job=rayjob_name(job, number), changed=changed or None, result=result
     )
     return attempt.model_dump(by_alias=True, exclude_none=True, mode="json")
 

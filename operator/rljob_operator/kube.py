@@ -18,7 +18,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from rljob.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from rljob.api import API_VERSION, GROUP, KIND, PLURAL, VERSION, status_apply_body
 from rljob_operator import causes
 from rljob_operator.status import ApplyFailure
 
@@ -103,13 +103,9 @@ def apply(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_status(namespace: str, name: str, status: dict[str, Any], uid: str | None = None) -> None:
-    """Server-side apply the operator's status fields on the status subresource. With `uid`
-    the apiserver refuses the write (409) unless the RLJob of that name is still that object:
-    status computed for a job never lands on one applied again under its name meanwhile."""
-    meta: dict[str, Any] = {"name": name, "namespace": namespace}
-    if uid:
-        meta["uid"] = uid  # a precondition: metadata.uid in a patch must match the stored one
-    body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "status": status}
+    """Server-side apply the operator's status fields on the status subresource (with `uid`:
+    only while the RLJob of that name is still that object, api.status_apply_body)."""
+    body = status_apply_body(namespace, name, status, uid)
     response: Any = _custom().patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, name, body,
         field_manager=FIELD_MANAGER, force=True, _content_type=APPLY, _preload_content=False,

@@ -405,13 +405,9 @@ def main(argv: list[str]) -> int:
             oom.attempt = number
         oom = run.ooms[0] if run.ooms else None
         result = "Succeeded" if run.ok else "CUDAOutOfMemory" if oom else "Failed"
-        attempt = Attempt(
-            attempt=number,
-            mem_fraction_static=knobs.mem_fraction_static,
-            wake_up=knobs.wake_up,
-            micro_batch_size=knobs.micro_batch_size,
-            gradient_checkpointing=knobs.gradient_checkpointing,
-            margin=knobs.margin,
+        attempt = Attempt.ran_with(
+            number,
+            knobs,
             changed=changed,
             result=result,
             oom_stage=oom.stage if oom else None,

@@ -30,6 +30,7 @@ from rljob.api import (
     PlanStatus,
     RLJobStatus,
     history_with,
+    status_apply_body,
 )
 from rljob.report import OOMRecord
 
@@ -224,10 +225,7 @@ class StatusPublisher:
         if self.plan is not None:
             stamped = self.plan.model_copy(update={"attempt": self.attempt})
             fields["plan"] = stamped.model_dump(by_alias=True, mode="json")
-        meta = {"name": self.name, "namespace": self.namespace}
-        if self.job_uid is not None:
-            meta["uid"] = self.job_uid  # a precondition: 409 unless the RLJob is still that object
-        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "status": fields}
+        body = status_apply_body(self.namespace, self.name, fields, self.job_uid)
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, self.namespace, PLURAL, self.name, body,
             field_manager=FIELD_MANAGER, force=True, _content_type=APPLY,
