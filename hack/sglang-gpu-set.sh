@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Puts SGLang on a lent GPU machine, which reaches no package registry: run here (with PyPI),
-# then carry the pieces one call at a time (README, "GPU tests with SGLang").
+# then carry the pieces one call at a time (docs/development.md, "GPU tests with SGLang").
 #
 #   hack/sglang-gpu-set.sh lock   re-resolve requirements/gpu-sglang.txt: sglang $SGLANG_VERSION and
 #                                 exactly the packages (name and version) that the GPU machine,

@@ -1,6 +1,6 @@
 """Smoke check of an installed SGLang on a GPU machine: import it, start the adapter's engine on the
 builtin tiny Qwen2, generate greedily, release and resume every tag. Prints what it saw; exits
-non-zero on the first failure. Run after hack/sglang-gpu-install.sh (README, "GPU tests with SGLang").
+non-zero on the first failure. Run after hack/sglang-gpu-install.sh (docs/development.md, "GPU tests with SGLang").
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The real `sglang.Engine` on one GPU, next to an FSDP2 trainer (marker gpu).
 
 SGLang comes from the project's GPU set (hack/sglang-gpu-set.sh here, hack/sglang-gpu-install.sh
-on the GPU machine; README "GPU tests with SGLang"). With RLJOB_GPU_SGLANG=1 a missing sglang is an
-error, not a skip: that is how the README runs this layer.
+on the GPU machine; docs/development.md "GPU tests with SGLang"). With RLJOB_GPU_SGLANG=1 a missing sglang is an
+error, not a skip: that is how docs/development.md runs this layer.
 
 Device memory is measured by the driver (mem_get_info): sglang's schedulers are other processes,
 and what they map or unmap shows only there.

@@ -1,7 +1,7 @@
 """SGLang tensor parallel and the Ray driver on two GPUs of one host (issue 20; marker gpu).
 
 Runs on nvidia-h200-x2 with the project's GPU set on PYTHONPATH: the core, extra and ray groups
-of hack/sglang-gpu-install.sh (README, "GPU tests with SGLang"). Where fewer than two GPUs exist
+of hack/sglang-gpu-install.sh (docs/development.md, "GPU tests with SGLang"). Where fewer than two GPUs exist
 it is skipped with that reason; with RLJOB_GPU_SGLANG=1 a missing sglang or ray is an error.
 
 NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0, the device notes): set here before any
