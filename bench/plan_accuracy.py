@@ -98,6 +98,7 @@ def compare(path: Path) -> list[dict[str, Any]]:
                 "file": str(path.relative_to(ROOT)),
                 "current": path.name.startswith(CURRENT_RUNS),
                 "device": env["device"],
+                "capacity": env["device_total_bytes"],
                 "engine": settings.get("engine", "torch"),
                 "model": result["model"]["name"],
                 "ranks": ranks,
@@ -147,10 +148,21 @@ def render(rows: list[dict[str, Any]]) -> str:
             if r["plan_fits"] != r["completed"]
         ]
         errors = [abs(s["error"]) for r in subset for s in r["stages"].values()]
+        # What spec.memoryPlan.margin must cover: a stage that needed more than its plan, as a
+        # share of the card (the margin is one), not of the stage.
+        under = min(
+            (
+                ((s["predicted"] - s["measured"]) / r["capacity"], f"{r['file']} {stage}")
+                for r in subset
+                for stage, s in r["stages"].items()
+            ),
+            default=(0.0, "none"),
+        )
         return [
             f"stage peaks compared: {len(errors)}; largest |error| "
             f"{max(errors, default=0):.2%}; mean |error| "
             f"{(sum(errors) / len(errors) if errors else 0):.2%}",
+            f"largest under-prediction as a share of the GPU: {max(-under[0], 0):.2%} ({under[1]})",
             f"off by more than {TOLERANCE:.0%}: " + ("; ".join(off) if off else "none"),
             "plan's fit against the run (a completed point the plan calls a misfit, or an OOM "
             "it calls fitting): " + ("; ".join(disagree) if disagree else "none disagree"),

@@ -39,7 +39,7 @@ def test_rljob_run_with_auto_picks_records_runs_and_retries_with_a_larger_margin
     auto = plan["auto"]
     # Planned on the declared card, with the default margin raised once by the retry.
     assert plan["capacityBytes"] == 80 << 30
-    assert auto["margin"] > 0.03 and auto["limitBytes"] == int((80 << 30) * (1 - auto["margin"]))
+    assert auto["margin"] > 0.015 and auto["limitBytes"] == int((80 << 30) * (1 - auto["margin"]))
     assert auto["planned"] == 2 * 99
     chosen = [
         c
@@ -55,9 +55,9 @@ def test_rljob_run_with_auto_picks_records_runs_and_retries_with_a_larger_margin
         str(s) for s in stage_order(WakeUp.STAGED)
     ]  # no spec.checkpoint: no checkpoint stage
     first, second = status["attempts"]
-    assert (first["memFractionStatic"], first["wakeUp"], first["margin"]) == (AUTO, AUTO, 0.03)
+    assert (first["memFractionStatic"], first["wakeUp"], first["margin"]) == (AUTO, AUTO, 0.015)
     assert (first["result"], first["oomStage"]) == ("CUDAOutOfMemory", str(Stage.WAKE_KV_CACHE))
     assert second["margin"] == auto["margin"] and second["result"] == "Succeeded"
-    assert second["changed"].startswith(f"memoryPlan.margin 0.03 -> {auto['margin']}: ")
+    assert second["changed"].startswith(f"memoryPlan.margin 0.015 -> {auto['margin']}: ")
     printed = capsys.readouterr().out
     assert "rollout Auto chose wakeUp staged" in printed
