@@ -8,11 +8,11 @@ cd "$(dirname "$0")/.."
 out=${1:?OUT_DIR}
 manifest=${2:-bench/plans/checkpoint-sglang-1.5b-one-gpu.yaml}
 mkdir -p "$out"
-rm -rf /tmp/rljob-ckpt
+rm -rf /tmp/rljob-ckpt /tmp/rljob-ckpt-runs
 python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; import colocate; colocate.build_model('qwen2.5-1.5b', Path('/tmp/rljob-bench-models/qwen2.5-1.5b'))"
 # 1. Run, and kill the whole process group once iteration 2's checkpoint is complete.
 start=$SECONDS
-setsid python3 -m rljob.cli run "$manifest" --device cuda --out "$out/run1" > "$out/run1.log" 2>&1 &
+setsid python3 -m rljob.cli run "$manifest" --device cuda --out /tmp/rljob-ckpt-runs/run1 > "$out/run1.log" 2>&1 &
 leader=$!
 while kill -0 "$leader" 2> /dev/null; do
   if [[ -f /tmp/rljob-ckpt/checkpoints/iteration-00000002/COMPLETE ]]; then
@@ -29,11 +29,12 @@ for _ in $(seq 60); do  # the GPU is free once every process of run 1 is gone
   [[ $used -lt 2000 ]] && break
   sleep 1
 done
-ls -la /tmp/rljob-ckpt/checkpoints/* | head -40 > "$out/checkpoints-after-kill.txt"
+ls -la /tmp/rljob-ckpt/checkpoints/* | head -40 >> "$out/kill.txt"
 # 2. The same manifest again: it resumes.
-python3 -m rljob.cli run "$manifest" --device cuda --out "$out/run2" > "$out/run2.log" 2>&1
+python3 -m rljob.cli run "$manifest" --device cuda --out /tmp/rljob-ckpt-runs/run2 > "$out/run2.log" 2>&1
 echo "run 2 exit $?" | tee -a "$out/kill.txt"
-python3 - "$out/run2/status.json" <<'PY' | tee "$out/resume.txt"
+cp /tmp/rljob-ckpt-runs/run2/status.json "$out/run2-status.json"
+python3 - "$out/run2-status.json" <<'PY' | tee -a "$out/kill.txt"
 import json, sys
 s = json.load(open(sys.argv[1]))
 print("phase", s.get("phase"), "checkpoint", json.dumps(s.get("checkpoint")), "export", json.dumps(s.get("export")))
