@@ -114,6 +114,11 @@ def test_status_block_has_driver_fields_and_memory(staged_run: LocalRun) -> None
     assert status.kl_mean is not None and status.kl_mean > 0  # the policy left the reference
     assert status.memory is not None and status.memory.kind == "host"
     assert [s.name for s in status.memory.stages] == list(STAGED_ORDER)
+    # The start-up, measured once on every rank (its first iteration carries it).
+    assert {i.rank for i in staged_run.iterations if i.load is not None} == set(range(RANKS))
+    load = status.memory.load
+    assert load is not None and load.peak_bytes > 0 and load.host_peak_bytes > 0
+    assert load.rank in range(RANKS) and load.seconds > 0
     assert status.oom_events == []
     dumped = status.model_dump(mode="json", by_alias=True, exclude_none=True)
     assert {"iteration", "rewardMean", "klMean", "memory", "oomEvents"} <= dumped.keys()

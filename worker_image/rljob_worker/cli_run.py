@@ -136,6 +136,26 @@ def _bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def load_line(status: RLJobStatus) -> str | None:
+    """The start-up's measured peak (worst rank) against the plan's load row, one line."""
+    load = status.memory.load if status.memory is not None else None
+    if load is None:
+        return None
+    planned = status.plan.load if status.plan is not None else None
+    plan = (
+        f"; plan {_bytes(planned.peak_bytes)} ({planned.peak_fraction:.3f}), host "
+        f"{_bytes(planned.host_bytes_per_node)} per worker pod for the slices"
+        if planned is not None
+        else "; no plan"
+    )
+    return (
+        f"start-up load (models built and loaded): peak {_bytes(load.peak_bytes)} "
+        f"({load.peak_fraction:.3f}) device-wide on rank {load.rank}, torch allocated "
+        f"{_bytes(load.peak_allocated_bytes)}, host RSS peak {_bytes(load.host_peak_bytes)}, "
+        f"{load.seconds:.1f} s{plan}"
+    )
+
+
 def memory_table(summary: MemorySummary, reports: list[IterationReport]) -> Table:
     """Worst rank per stage of the latest iteration, with device and capacity in the title."""
     kind = (
@@ -465,6 +485,9 @@ def main(argv: list[str]) -> int:
         table_console.print(metrics_table(status.metrics, f"RLJob {name}: per iteration"))
     if status.memory is not None:
         table_console.print(memory_table(status.memory, reports))
+        line = load_line(status)
+        if line:
+            table_console.print(line, soft_wrap=True, markup=False, highlight=False)
     for line in auto_lines(status.plan) if status.plan else []:
         table_console.print(line, soft_wrap=True, markup=False, highlight=False)
     mismatched = [
