@@ -176,6 +176,10 @@ def test_cli_runs_the_example_and_writes_status_and_timeline(tmp_path: Path) -> 
         s["name"]: s["peakBytes"] for s in status["memory"]["stages"]
     }
     assert (out / "status.yaml").read_text().startswith("status:")
+    # Every rank's start-up in load.json; status.memory.load is the worst of them.
+    loads = json.loads((out / "load.json").read_text())
+    assert sorted(s["rank"] for s in loads) == list(range(RANKS))
+    assert status["memory"]["load"]["peakBytes"] == max(s["devicePeakUsedBytes"] for s in loads)
     png = (out / "memory-timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # status.metrics (what `kubectl rljob curve` draws), one entry per iteration, as reported.
