@@ -1542,6 +1542,17 @@ class PlannedStage(_Spec):
     peak_fraction: float = Field(ge=0)
 
 
+class PlannedLoad(_Spec):
+    """`status.plan.load`: the predicted start-up peak (models built and loaded, before
+    iteration 0) of the worst rank, and the host bytes loading takes per worker pod."""
+
+    peak_bytes: int = Field(ge=0)
+    peak_fraction: float = Field(ge=0)
+    host_bytes_per_node: int = Field(
+        ge=0, description="Per worker pod: its ranks' slice buffers while they read the files."
+    )
+
+
 class PlanCandidate(_Spec):
     """One (wakeUp, memFractionStatic) the Auto choice planned."""
 
@@ -1593,6 +1604,9 @@ class PlanStatus(_Spec):
         ge=1,
         description="The OOM policy's attempt this plan was made for (a retry's overshoot is "
         "measured against its own attempt's plan only).",
+    )
+    load: PlannedLoad | None = Field(
+        default=None, description="The start-up: policy and reference built and loaded."
     )
 
 

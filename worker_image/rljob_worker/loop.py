@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from rljob.api import MisfitAction, PlanStatus, RLJobSpec
 from rljob.plan import is_auto, offload_choice, rank_plan, resolved_rollout, resolved_spec
-from rljob.report import OOMRecord, StageSample
+from rljob.report import LoadSample, OOMRecord, StageSample
 from rljob_worker import allocator_report
 from rljob_worker import checkpoint as checkpoints
 from rljob_worker.engines import make_engine
@@ -124,6 +124,8 @@ class RankIteration:
     offload_params: bool | None = None
     # Rank 0, iteration 0: the memory plan on this rank's GPU, for status.plan (issue 19).
     plan: PlanStatus | None = None
+    # Every rank, its first iteration: its start-up (models built and loaded), measured.
+    load: LoadSample | None = None
     # This iteration's rollout and (from iteration 1) policy update, as combinable figures.
     rollout: RolloutStats | None = None
     train: TrainStats | None = None
@@ -312,7 +314,6 @@ def run_rank(
     engine.release([tag for tag in ALL_TAGS if tag not in released])
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    trainer = Trainer(spec, model_path, device, pad_id=tokenizer.pad_token_id)
 
     def on_sample(sample: StageSample) -> None:
         result.samples.append(sample)
@@ -325,6 +326,9 @@ def run_rank(
         inject=config.inject_oom or OOMInjection.from_env(),
         node=config.node,
     )
+    # The start-up, measured like a stage: status.memory.load against the plan's load row.
+    with meter.load():
+        trainer = Trainer(spec, model_path, device, pad_id=tokenizer.pad_token_id)
     checks: dict[str, tuple[str, str]] = {}
 
     def check_weights(_iteration: int, bucket: NamedTensors) -> None:
@@ -388,6 +392,7 @@ def run_rank(
                 offload_params=offload_params,
                 # The run's first iteration: 0, or the one a resumed run starts with.
                 plan=plan_status if iteration == start else None,
+                load=meter.load_sample if iteration == start else None,
                 rollout=rollout_stats(experience, spec.data.max_response_length, eos_ids),
                 train=outcome.train,
                 resumed_from=start if resumed else None,

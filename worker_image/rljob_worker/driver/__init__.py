@@ -12,7 +12,14 @@ from collections.abc import Iterable
 from typing import TypeVar
 
 from rljob.api import CheckpointStatus, ExportStatus, OOMEvent, RLJobStatus
-from rljob.report import IterationReport, OOMRecord, StageSample, metrics_with, summarize
+from rljob.report import (
+    IterationReport,
+    OOMRecord,
+    StageSample,
+    metrics_with,
+    summarize,
+    summarize_load,
+)
 from rljob_worker.loop import RankIteration, RolloutStats
 from rljob_worker.train import TrainStats
 
@@ -117,13 +124,16 @@ def driver_status(
         ranks_done.setdefault(item.iteration, set()).add(item.rank)
     finished = [r for r in reports if len(ranks_done.get(r.iteration, ())) == world_size]
     last = finished[-1] if finished else None
+    memory = summarize(reports[-1]) if reports else None
+    if memory is not None:  # the start-up, measured once per rank, travels with every summary
+        memory.load = summarize_load([i.load for i in iterations if i.load is not None])
     return RLJobStatus(
         checkpoint=checkpoint_status(iterations, world_size),
         export=export_status(iterations),
         iteration=last.iteration if last else None,
         reward_mean=last.reward_mean if last else None,
         kl_mean=next((r.kl_mean for r in reversed(finished) if r.kl_mean is not None), None),
-        memory=summarize(reports[-1]) if reports else None,
+        memory=memory,
         metrics=metrics_with([], finished),
         oom_events=[OOMEvent.model_validate(o) for o in newest_ooms(ooms)],
         oom_counts=dict(Counter(o.kind for o in ooms)),
