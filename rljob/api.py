@@ -1369,6 +1369,15 @@ class RLJobSpec(_Spec):
         "resumed) fails with reason StartupTimeout and the last cause seen; the operator then "
         "suspends its RayJob, so KubeRay deletes its pods (README: startup timeout).",
     )
+    backoff_limit: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="How many times KubeRay runs a failed Ray job again on a new Ray cluster "
+        "(the RayJob's backoffLimit): a lost pod, a crashed rank. With spec.checkpoint "
+        "(resume Auto) each run continues from the newest complete checkpoint "
+        "(docs/checkpoints.md). OOMs are the OOM policy's (spec.oomPolicy), not this.",
+    )
     memory_plan: MemoryPlanSpec = Field(
         default_factory=MemoryPlanSpec,
         description="Admission by the per-stage memory plan (README: memory plan).",

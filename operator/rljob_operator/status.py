@@ -13,7 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob.api import DEFAULT_STARTUP_TIMEOUT_SECONDS, Phase, RLJobSpec
+from rljob.api import (
+    DEFAULT_STARTUP_TIMEOUT_SECONDS,
+    REASON_CHECKPOINT_FAILED,
+    CheckpointFailure,
+    Phase,
+    RLJobSpec,
+)
 from rljob.oom_policy import (
     MEMORY_PLAN_FITS,
     REASON_HOST_OOM,
@@ -114,6 +120,8 @@ class Observed:
     attempts: list[dict[str, Any]] | None = None
     # The policy's final decision on a failed attempt: (reason, message) for Failed.
     oom_stop: tuple[str, str] | None = None
+    # The driver's status.checkpointFailure of the current attempt: Failed says CheckpointFailed.
+    checkpoint_failure: CheckpointFailure | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +227,8 @@ def _phase_and_reasons(obs: Observed) -> tuple[Phase, dict[str, tuple[bool, str,
     if outcome == attempts.FAILED:
         reason = REASON_JOB_STOPPED if job_status == "STOPPED" else REASON_JOB_FAILED
         message = detail or f"jobStatus {job_status or '-'}, jobDeploymentStatus {deployment}"
+        if obs.checkpoint_failure is not None:
+            reason, message = REASON_CHECKPOINT_FAILED, obs.checkpoint_failure.describe()
         conditions[FAILED] = (True, reason, message)
         conditions[RUNNING] = (False, reason, "")
         conditions[SUCCEEDED] = (False, reason, "")
@@ -412,7 +422,19 @@ def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
 
 # The operator's own status fields besides the OOM part (what a write that observes no RayJob
 # change carries over unchanged: under server-side apply a field left out is a field given up).
-CARRIED_FIELDS = ("phase", "observedGeneration", "conditions", "rayJob", "attempts", "cause")
+CARRIED_FIELDS = (
+    "phase", "observedGeneration", "conditions", "rayJob", "attempts", "cause", "announced",
+)  # fmt: skip
+
+
+def checkpoint_failure(current: Mapping[str, Any], attempt: int) -> CheckpointFailure | None:
+    """The driver's status.checkpointFailure if it is attempt `attempt`'s (an earlier attempt's
+    failure says nothing about this one)."""
+    found = current.get("checkpointFailure")
+    if not found:
+        return None
+    failure = CheckpointFailure.model_validate(found)
+    return failure if failure.attempt in (None, attempt) else None
 
 
 def carried(current: dict[str, Any]) -> dict[str, Any]:
