@@ -126,6 +126,15 @@ def current_ray_job(job: str, status: Mapping[str, Any]) -> str:
 ENDED_BADLY = ("FAILED", "STOPPED")
 
 
+def _may_retry(rayjob: Mapping[str, Any]) -> bool:
+    """KubeRay may still run this failed Ray job again (its backoffLimit is not used up, and its
+    deployment status is not final yet)."""
+    rj = rayjob.get("status") or {}
+    limit = int((rayjob.get("spec") or {}).get("backoffLimit") or 0)
+    final = rj.get("jobDeploymentStatus") in ("Failed", "ValidationFailed", "Complete")
+    return not final and int(rj.get("failed") or 0) < limit
+
+
 def ended(rayjob: Mapping[str, Any]) -> str:
     """RUNNING (not ended, pending included), SUCCEEDED or FAILED: how a RayJob's status reads
     (status.py's phase and the OOM policy's attempt results both come from here)."""
@@ -134,9 +143,10 @@ def ended(rayjob: Mapping[str, Any]) -> str:
     # KubeRay 1.6 marks a job stopped through Ray (`ray job stop`) Complete too: not a success.
     if job_status == "SUCCEEDED" or (deployment == "Complete" and job_status not in ENDED_BADLY):
         return SUCCEEDED
-    if deployment == "Retrying":
-        # spec.backoffLimit: KubeRay runs the failed Ray job again on a new Ray cluster (its
-        # jobStatus still says FAILED until then): the attempt goes on.
+    if deployment == "Retrying" or (job_status in ENDED_BADLY and _may_retry(rayjob)):
+        # spec.backoffLimit: KubeRay runs the failed Ray job again on a new Ray cluster. Its
+        # jobStatus says FAILED before its deployment status says Failed (that waits for the
+        # submitter), then Retrying and New: the attempt goes on until Failed is final.
         return RUNNING
     if job_status in ENDED_BADLY or deployment in ("Failed", "ValidationFailed"):
         return FAILED

@@ -491,7 +491,9 @@ def _time(text: str) -> datetime.datetime:
 def startup_deadline(rljob: Mapping[str, Any]) -> datetime.datetime | None:
     """When the job fails for not having started, or None while no deadline runs (it runs,
     finished, failed, or is suspended). The clock starts when the RLJob is created, again
-    when it is resumed (its Suspended condition turning False), and again with each OOM retry."""
+    when it is resumed (its Suspended condition turning False), again with each OOM retry, and
+    again when a job that ran stops running (its Running condition turning False: KubeRay's
+    retry)."""
     current = rljob.get("status") or {}
     if current.get("phase") not in (None, Phase.PENDING.value, Phase.STARTING.value):
         return None
@@ -503,6 +505,10 @@ def startup_deadline(rljob: Mapping[str, Any]) -> datetime.datetime | None:
         # An OOM retry starts the clock again: Created turned False when the retry was
         # recorded and True when its RayJob was made.
         if retried and c.get("type") == CREATED:
+            since = max(since, _time(str(c["lastTransitionTime"])))
+        # A job that ran and stopped running (KubeRay runs it again after a failure,
+        # spec.backoffLimit) starts the clock again when it stopped.
+        if c.get("type") == RUNNING and c.get("status") == "False":
             since = max(since, _time(str(c["lastTransitionTime"])))
     spec = rljob.get("spec") or {}
     timeout = int(spec.get("startupTimeoutSeconds") or DEFAULT_STARTUP_TIMEOUT_SECONDS)

@@ -23,6 +23,7 @@ from cluster import (
     tiny_job,
     wait_for,
 )
+from kubernetes import client
 
 from rljob.report import Stage
 
@@ -55,12 +56,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     setattr(item, f"rep_{call.when}", outcome.get_result())  # type: ignore[attr-defined]
 
 
-def finished(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+def finished(
+    cluster: Cluster, namespace: str, name: str, seconds: float = FINISH_SECONDS
+) -> dict[str, Any]:
     def probe() -> dict[str, Any] | None:
         status = cluster.status(namespace, name)
         return status if status.get("phase") in ("Succeeded", "Failed") else None
 
-    return wait_for(f"RLJob {name} to finish", probe, FINISH_SECONDS, every=5)
+    return wait_for(f"RLJob {name} to finish", probe, seconds, every=5)
 
 
 def ray_pods_running(cluster: Cluster, namespace: str) -> dict[str, str] | None:
@@ -389,7 +392,9 @@ def test_cluster_runs_kubelet_v1_34_on_two_ready_nodes(cluster: Cluster) -> None
 
 # The checkpoint job: enough iterations that the worker pod is deleted while it runs (after
 # iteration CUT's checkpoint), few enough that both Ray clusters' runs stay short.
-CKPT_ITERATIONS = 10
+# (About 2 s an iteration on the 2-CPU kind worker: a first run of 10 ended before the pod
+# deletion took effect.)
+CKPT_ITERATIONS = 30
 CUT = 2
 # Where the PersistentVolume lives on the kind worker node. The node image has no dynamic
 # provisioner (hack/images/default-storage.yaml: kubernetes.io/no-provisioner), so the claim
@@ -456,6 +461,9 @@ def checkpoint_claim(cluster: Cluster, namespace: str) -> Iterator[tuple[str, st
     _on_node(node, "rm", "-rf", directory)
 
 
+# Two Ray clusters start one after the other on one 2-CPU node: a loaded machine took 10 minutes
+# for one (the layer's per-test limit is 1200 s).
+@pytest.mark.timeout(2700)
 def test_worker_pod_deleted_mid_run_resumes_from_its_checkpoint_on_a_pvc_to_succeeded(
     cluster: Cluster, namespace: str, checkpoint_claim: tuple[str, str]
 ) -> None:
@@ -467,16 +475,17 @@ def test_worker_pod_deleted_mid_run_resumes_from_its_checkpoint_on_a_pvc_to_succ
     node, directory = checkpoint_claim
     name = "ckpt-e2e"
     secret_value = uuid.uuid4().hex
-    cluster.core.create_namespaced_secret(
-        namespace,
-        {"metadata": {"name": "e2e-secret"}, "stringData": {"token": secret_value}},
+    secret = client.V1Secret(
+        metadata=client.V1ObjectMeta(name="e2e-secret"), string_data={"token": secret_value}
     )
+    cluster.core.create_namespaced_secret(namespace, secret)
     job = tiny_job(name, cluster.worker_image)
     spec = job["spec"]
     spec["algorithm"]["iterations"] = CKPT_ITERATIONS
     spec["checkpoint"] = {"path": "/ckpt/checkpoints", "everyIterations": 1, "keep": 2}
     spec["export"] = {"path": "/ckpt/export"}
     spec["backoffLimit"] = 1
+    spec["startupTimeoutSeconds"] = 1800
     spec["volumes"] = [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}}]
     spec["volumeMounts"] = [{"name": "ckpt", "mountPath": "/ckpt"}]
     spec["env"] = [
@@ -500,9 +509,11 @@ def test_worker_pod_deleted_mid_run_resumes_from_its_checkpoint_on_a_pvc_to_succ
 
     cut_at = wait_for(f"checkpoint of iteration {CUT}", saved, FINISH_SECONDS, every=0.5)
     assert cut_at < CKPT_ITERATIONS, "the job finished before its worker pod could be deleted"
-    cluster.kubectl("delete", "pod", "-n", namespace, worker, "--wait=false")
+    # At once (no grace period): the ranks must not finish while the container stops.
+    cluster.kubectl("delete", "pod", "-n", namespace, worker, "--grace-period=0", "--force")
+    assert (cluster.status(namespace, name).get("iteration") or 0) < CKPT_ITERATIONS
 
-    status = finished(cluster, namespace, name)
+    status = finished(cluster, namespace, name, seconds=2 * FINISH_SECONDS)
     assert status["phase"] == "Succeeded", dump(status)
     assert status["iteration"] == CKPT_ITERATIONS, dump(status)
     resumed = status["resumedFrom"]

@@ -3,10 +3,13 @@ pure functions of status, so a re-read or a restart posts nothing twice."""
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
+import pytest
+
 from rljob_operator import attempts, notices
-from rljob_operator.status import checkpoint_failure
+from rljob_operator.status import checkpoint_failure, startup_deadline
 
 CHECKPOINT = {
     "iteration": 2, "path": "/c/iteration-00000002", "completedAt": "2026-11-26T05:00:00Z",
@@ -60,3 +63,37 @@ def test_a_checkpoint_failure_counts_only_for_its_own_attempt() -> None:
     assert checkpoint_failure({"checkpointFailure": FAILURE}, 2) is not None
     assert checkpoint_failure({"checkpointFailure": FAILURE}, 3) is None
     assert checkpoint_failure({}, 1) is None
+
+
+@pytest.mark.parametrize(
+    ("limit", "failed", "job_status", "deployment", "expected"),
+    [
+        (0, 0, "FAILED", "Running", attempts.FAILED),  # no backoffLimit: failed at once
+        (1, 0, "FAILED", "Running", attempts.RUNNING),  # KubeRay waits for the submitter
+        (1, 1, "FAILED", "Retrying", attempts.RUNNING),
+        (1, 1, "", "New", attempts.RUNNING),  # the new Ray cluster's run
+        (1, 1, "FAILED", "Running", attempts.FAILED),  # the retry failed too: none left
+        (1, 0, "FAILED", "Failed", attempts.FAILED),  # KubeRay's final word
+        (1, 1, "SUCCEEDED", "Complete", attempts.SUCCEEDED),
+    ],
+)
+def test_a_ray_job_kuberay_will_run_again_is_not_failed(
+    limit: int, failed: int, job_status: str, deployment: str, expected: str
+) -> None:
+    rayjob = {
+        "spec": {"backoffLimit": limit},
+        "status": {"jobStatus": job_status, "jobDeploymentStatus": deployment, "failed": failed},
+    }
+    assert attempts.ended(rayjob) == expected
+
+
+def test_the_startup_clock_starts_again_when_a_job_that_ran_stops_running() -> None:
+    """KubeRay's retry (spec.backoffLimit): the new Ray cluster gets the whole startup timeout
+    from when the job stopped running, not from the RLJob's creation."""
+    job: dict[str, Any] = {
+        "metadata": {"creationTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {"startupTimeoutSeconds": 60},
+        "status": {"phase": "Starting", "conditions": [
+            {"type": "Running", "status": "False", "lastTransitionTime": "2026-01-01T00:20:00Z"}]},
+    }  # fmt: skip
+    assert startup_deadline(job) == datetime.datetime(2026, 1, 1, 0, 21, tzinfo=datetime.UTC)
