@@ -1369,6 +1369,15 @@ class RLJobSpec(_Spec):
         "resumed) fails with reason StartupTimeout and the last cause seen; the operator then "
         "suspends its RayJob, so KubeRay deletes its pods (README: startup timeout).",
     )
+    backoff_limit: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="How many times KubeRay runs a failed Ray job again on a new Ray cluster "
+        "(the RayJob's backoffLimit): a lost pod, a crashed rank. With spec.checkpoint "
+        "(resume Auto) each run continues from the newest complete checkpoint "
+        "(docs/checkpoints.md). OOMs are the OOM policy's (spec.oomPolicy), not this.",
+    )
     memory_plan: MemoryPlanSpec = Field(
         default_factory=MemoryPlanSpec,
         description="Admission by the per-stage memory plan (README: memory plan).",
@@ -1480,6 +1489,41 @@ def status_apply_body(
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "status": status}
 
 
+class ResumePoint(_Spec):
+    """The checkpoint a run continued from (docs/checkpoints.md): `status.resumedFrom` (driver,
+    with its attempt) and `status.attempts[].resumedFrom` (operator, without)."""
+
+    iteration: int = Field(ge=0, description="The checkpoint's iteration.")
+    path: str = Field(description="The checkpoint's directory.")
+    attempt: int | None = Field(
+        default=None, ge=1, description="status.resumedFrom: the attempt whose driver resumed."
+    )
+
+
+class CheckpointFailure(_Spec):
+    """`status.checkpointFailure` (driver): a save that failed; the job ends Failed with reason
+    CheckpointFailed and this error (docs/checkpoints.md)."""
+
+    iteration: int = Field(ge=0, description="The iteration whose checkpoint failed.")
+    path: str = Field(description="The directory it was written to (it has no COMPLETE marker).")
+    rank: int = Field(ge=0, description="The first rank (lowest number) that failed.")
+    error: str = Field(
+        max_length=1024, description="The OS error, e.g. [Errno 28] No space left on device."
+    )
+    attempt: int | None = Field(default=None, ge=1, description="The attempt it happened in.")
+
+    def describe(self) -> str:
+        """One line for the Failed condition, status.cause and the driver's log."""
+        return (
+            f"the checkpoint of iteration {self.iteration} in {self.path} failed on rank "
+            f"{self.rank}: {self.error}"
+        )
+
+
+# The Failed condition's reason (and the Warning Event's) when a checkpoint save failed.
+REASON_CHECKPOINT_FAILED = "CheckpointFailed"
+
+
 class Attempt(_Spec):
     """One `status.attempts` entry (operator-owned): a RayJob run with its knobs and outcome."""
 
@@ -1513,11 +1557,10 @@ class Attempt(_Spec):
         default=None,
         description="RFC 3339: when this attempt's RayJob was created.",
     )
-    resumed_from: int | None = Field(
+    resumed_from: ResumePoint | None = Field(
         default=None,
-        ge=0,
-        description="The iteration of the checkpoint this attempt resumed from (absent: it "
-        "started at iteration 0).",
+        description="The checkpoint (iteration, path) this attempt last resumed from (absent: "
+        "it started at iteration 0).",
     )
 
     @classmethod
@@ -1765,6 +1808,18 @@ class RLJobStatus(_Spec):
     )
     export: ExportStatus | None = Field(
         default=None, description="The newest export of the trained policy (driver)."
+    )
+    resumed_from: ResumePoint | None = Field(
+        default=None, description="The checkpoint the current run continued from (driver)."
+    )
+    checkpoint_failure: CheckpointFailure | None = Field(
+        default=None, description="A checkpoint save that failed and ended the job (driver)."
+    )
+    announced: dict[str, str] = Field(
+        default_factory=dict,
+        description="The checkpoint news the operator has posted Events for, by kind (written "
+        "with the Events, so an operator restart does not post them again).",
+        json_schema_extra={"x-kubernetes-map-type": "granular"},
     )
     # Derived by the operator from memory and oomCounts, so `kubectl get` can show them
     # (printer columns take one scalar path each).

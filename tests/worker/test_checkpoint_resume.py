@@ -215,11 +215,13 @@ def test_oom_retry_resumes_from_the_newest_checkpoint_with_the_new_knobs(tmp_pat
     assert (first["result"], first["oomStage"]) == ("CUDAOutOfMemory", "train")
     assert "resumedFrom" not in first
     # Iteration 3's train failed before its checkpoint: the retry continues from 2, not 0.
+    resumed = {"iteration": 2, "path": str(checkpoint_dir(tmp_path / "ckpt", 2))}
     assert (second["result"], second["resumedFrom"], second["microBatchSize"]) == (
         "Succeeded",
-        2,
+        resumed,
         1,
     )
+    assert status["resumedFrom"] == resumed  # the driver's field: the last attempt's resume
     assert status["checkpoint"]["iteration"] == 4
     assert status["export"] == {"path": str(tmp_path / "export"), "iteration": 4}
     reports = json.loads((out / "reports.json").read_text())

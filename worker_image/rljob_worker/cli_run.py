@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rljob.api import (
+    REASON_CHECKPOINT_FAILED,
     Attempt,
     AttemptKnobs,
     Phase,
@@ -127,6 +128,8 @@ def _cause(run: Any) -> str | None:
     if run.ooms:
         oom = min(run.ooms, key=lambda o: o.time)
         return f"CUDAOutOfMemory in stage {oom.stage} (rank {oom.rank}, iteration {oom.iteration})"
+    if run.checkpoint_failures:
+        return f"{REASON_CHECKPOINT_FAILED}: {run.checkpoint_failures[0].describe()}"[:512]
     if run.errors:
         rank, error = min(run.errors.items())
         return f"rank {rank} failed: {headline(error)}"[:512]
@@ -431,7 +434,7 @@ def main(argv: list[str]) -> int:
             result=result,
             oom_stage=oom.stage if oom else None,
             oom_rank=oom.rank if oom else None,
-            resumed_from=run.resumed_from,
+            resumed_from=run.resume_point,
         )
         attempts.append(attempt)
         if run.ok or oom is None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rljob.api import MisfitAction, PlanStatus, RLJobSpec
+from rljob.api import CheckpointFailure, MisfitAction, PlanStatus, ResumePoint, RLJobSpec
 from rljob.plan import is_auto, offload_choice, rank_plan, resolved_rollout, resolved_spec
 from rljob.report import LoadSample, OOMRecord, StageSample
 from rljob_worker import allocator_report
@@ -134,12 +134,13 @@ class RankIteration:
     # The first iteration of a run resumed from this iteration's checkpoint (its train is in
     # the checkpoint, so the report has no train figures).
     resumed_from: int | None = None
+    resume_point: ResumePoint | None = None  # with the checkpoint's directory
     # This iteration's checkpoint (this rank's part) and export (rank 0), where written.
     checkpoint: checkpoints.SavedCheckpoint | None = None
     export_path: str | None = None
 
 
-RankEvent = StageSample | RankIteration | OOMRecord
+RankEvent = StageSample | RankIteration | OOMRecord | CheckpointFailure
 
 
 @dataclass
@@ -396,6 +397,7 @@ def run_rank(
                 rollout=rollout_stats(experience, spec.data.max_response_length, eos_ids),
                 train=outcome.train,
                 resumed_from=start if resumed else None,
+                resume_point=keeper.resumed if resumed else None,
                 checkpoint=saved,
                 export_path=exported,
             )
@@ -406,6 +408,11 @@ def run_rank(
         log.error("rank %d: %s", config.rank, oom)
         result.oom = oom.record
         send(oom.record)
+    except checkpoints.CheckpointFailed as failed:
+        # Every rank raises it together (checkpoint._agreed); the driver puts it in
+        # status.checkpointFailure, the job fails with reason CheckpointFailed.
+        send(failed.failure)
+        raise
     finally:
         engine.shutdown()
         scorer.close()

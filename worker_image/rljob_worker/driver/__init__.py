@@ -11,7 +11,13 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TypeVar
 
-from rljob.api import CheckpointStatus, ExportStatus, OOMEvent, RLJobStatus
+from rljob.api import (
+    CheckpointFailure,
+    CheckpointStatus,
+    ExportStatus,
+    OOMEvent,
+    RLJobStatus,
+)
 from rljob.report import (
     IterationReport,
     OOMRecord,
@@ -111,6 +117,7 @@ def driver_status(
     iterations: Iterable[RankIteration],
     ooms: list[OOMRecord],
     world_size: int,
+    checkpoint_failures: Iterable[CheckpointFailure] = (),
 ) -> RLJobStatus:
     """The fields of RLJob status the job's driver owns, computed from what the ranks reported.
 
@@ -130,6 +137,9 @@ def driver_status(
     return RLJobStatus(
         checkpoint=checkpoint_status(iterations, world_size),
         export=export_status(iterations),
+        resumed_from=next((i.resume_point for i in iterations if i.resume_point), None),
+        # Every rank reports the same agreed failure (checkpoint._agreed): the first of them.
+        checkpoint_failure=next(iter(checkpoint_failures), None),
         iteration=last.iteration if last else None,
         reward_mean=last.reward_mean if last else None,
         kl_mean=next((r.kl_mean for r in reversed(finished) if r.kl_mean is not None), None),
