@@ -262,3 +262,14 @@ def test_prefetch_issues_the_next_gather_before_handing_on_and_holds_two_at_most
                    "hand 3"]  # fmt: skip
     assert most_alive == 2
     assert alive == set()
+
+
+def test_without_overlap_each_gather_waits_for_the_previous_hand_off() -> None:
+    log: list[str] = []
+
+    def gather(index: int) -> Callable[[], int]:
+        return lambda: log.append(f"gather {index}") or index  # type: ignore[func-returns-value]
+
+    for index in prefetched((gather(i) for i in range(3)), ahead=False):
+        log.append(f"hand {index}")
+    assert log == ["gather 0", "hand 0", "gather 1", "hand 1", "gather 2", "hand 2"]

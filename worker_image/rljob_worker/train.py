@@ -26,7 +26,7 @@ from rljob_worker.model import load_causal_lm, torch_dtype
 from rljob_worker.policy_update import Experience as Experience
 from rljob_worker.policy_update import PolicyUpdate
 from rljob_worker.policy_update import TrainStats as TrainStats
-from rljob_worker.weight_sync import prefetched
+from rljob_worker.weight_sync import overlap_enabled, prefetched
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -350,4 +350,6 @@ class Trainer:
             # No detach: gather_full runs without autograd (a DTensor's detach is ~30 us each).
             return lambda: gather_full([(name, params[name]) for name in names], dtype)
 
-        yield from prefetched(gather(names) for names in plan_buckets(sizes, bucket_bytes))
+        yield from prefetched(
+            (gather(names) for names in plan_buckets(sizes, bucket_bytes)), overlap_enabled()
+        )

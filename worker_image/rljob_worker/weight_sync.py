@@ -10,6 +10,7 @@ costs no copy; tensors that do not share one buffer are packed into a new one (o
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -121,8 +122,18 @@ def _ready_marker() -> Callable[[], None]:
     return event.synchronize
 
 
-def prefetched(gathers: Iterable[Callable[[], T]]) -> Iterator[T]:
-    """The results of `gathers`, in order, each one's successor issued before it is yielded.
+# RLJOB_WEIGHT_SYNC_OVERLAP=0 gathers each bucket only after the previous one was handed over
+# (the path before issue 33), for measurements (bench/colocate.py --sync-path before).
+OVERLAP_ENV = "RLJOB_WEIGHT_SYNC_OVERLAP"
+
+
+def overlap_enabled() -> bool:
+    return os.environ.get(OVERLAP_ENV, "1").strip() != "0"
+
+
+def prefetched(gathers: Iterable[Callable[[], T]], ahead: bool = True) -> Iterator[T]:
+    """The results of `gathers`, in order, each one's successor issued before it is yielded
+    (`ahead`; else each gathered only once the previous one was handed back).
 
     A gather on the GPU only enqueues kernels (casts, the all-gather); the hand-off of the
     bucket yielded runs on the host (sglang's scheduler loads it from another process), so
@@ -131,6 +142,13 @@ def prefetched(gathers: Iterable[Callable[[], T]]) -> Iterator[T]:
     held here at once: the one yielded and the one being gathered; the consumer must drop its
     reference before asking for the next (the memory plan's gather term counts two buckets).
     """
+    if not ahead:
+        for gather in gathers:
+            result = gather()
+            _ready_marker()()
+            yield result
+            del result
+        return
     pending: tuple[T, Callable[[], None]] | None = None
     for gather in gathers:
         result = gather()
