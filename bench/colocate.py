@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -86,11 +85,12 @@ class Workload:
 
     Response lengths: the models are randomly initialised (no download), whose sampled answers
     never end on their own (EOS is one token in 151936). `eos_hazard` makes them end the way
-    answers of a task do, on EOS with a length cap: the model's EOS row of the LM head is set so
-    that, per generated token, EOS is drawn with this probability on average (calibrate_eos_row),
-    giving lengths around 1/hazard with a broad spread and a tail cut at the cap. Both engines
-    stop on EOS, so the rollout has the stragglers and the short answers a real batch has; the
-    report prints the lengths it got (mean, max, share at the cap)."""
+    answers of a task do, on EOS with a length cap: the model's config.json declares EOS and
+    about hazard x vocab other ids as its end-of-sequence ids (stop_set), so each generated
+    token ends the answer with about this probability: geometric lengths (mean ~1/hazard, ~370
+    tokens with the 1024 cap, ~8% cut at the cap). Both engines stop on them, so the rollout has
+    the stragglers and the short answers a real batch has; the report prints the lengths it got
+    (mean, max, share at the cap)."""
 
     prompts: int
     group_size: int
@@ -315,48 +315,25 @@ def _free_port() -> int:
 # -- the model ---------------------------------------------------------------------------------
 
 
-def calibrate_eos_row(model: Any, eos_id: int, hazard: float, seed: int = 0) -> float:
-    """Set the LM head's EOS row (the embedding's too, where tied) to a random direction whose
-    norm makes EOS drawn with probability `hazard` per token on average, at temperature 1, over
-    random inputs of this very model; the norm set.
-
-    A random model's final hidden states h are alike within a sequence, so EOS's logit h.w
-    varies more between sequences than between tokens: lengths come out a mixture of geometric
-    ones, broader than one geometric. The mean is what is calibrated (by bisection on the
-    model's own hidden states and the other tokens' log-sum-exp); the run reports what it got.
-    """
-    head = model.get_output_embeddings().weight
-    device = head.device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    ids = torch.randint(0, head.shape[0], (8, 256), generator=generator, device=device)
-    direction = torch.randn(head.shape[1], generator=generator, device=device)
-    direction /= direction.norm()
-    with torch.no_grad():
-        hidden = model.model(ids).last_hidden_state.flatten(0, 1).float()  # after the final norm
-        logits = hidden @ head.float().T
-        logits[:, eos_id] = -math.inf
-        others = logits.logsumexp(-1)
-        along = hidden @ direction
-        del logits
-
-        def mean_probability(norm: float) -> float:
-            return float(torch.sigmoid(norm * along - others).mean())
-
-        low, high = 0.0, 64.0
-        for _ in range(60):
-            middle = (low + high) / 2
-            low, high = (middle, high) if mean_probability(middle) < hazard else (low, middle)
-        norm = (low + high) / 2
-        head[eos_id] = (direction * norm).to(head.dtype)
-    return norm
+def stop_set(hazard: float, vocab: int, eos_id: int, first_free: int) -> list[int]:
+    """EOS and enough other ids that a random model ends an answer with probability `hazard`
+    per token: about hazard x vocab ids (their softmax mass sums to about that share, with
+    little spread, since each id's logit is an independent random row against the hidden state;
+    one rescaled EOS row was tried first and varied 1000-fold between answers). The extra ids
+    are drawn above `first_free`, past the tokenizer's own tokens, with a fixed seed."""
+    generator = torch.Generator().manual_seed(0)
+    extra = max(round(hazard * vocab) - 1, 0)
+    drawn = torch.randperm(vocab - first_free, generator=generator)[:extra] + first_free
+    return [eos_id, *sorted(int(i) for i in drawn)]
 
 
 def build_model(name: str, directory: Path, eos_hazard: float | None = None) -> int:
     """Save a randomly initialised Qwen2.5-architecture model (bf16) and a tokenizer; return #params.
 
     The tokenizer is the builtin task's (a few hundred tokens): ids beyond it decode to nothing,
-    which only affects rewards, not memory or speed. With `eos_hazard`, the LM head's EOS row
-    is set (calibrate_eos_row) so answers end on EOS after a geometric number of tokens.
+    which only affects rewards, not memory or speed. With `eos_hazard`, config.json's
+    eos_token_id lists EOS and about eos_hazard x vocab other ids (stop_set), so answers end
+    after a geometric number of tokens.
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -364,7 +341,13 @@ def build_model(name: str, directory: Path, eos_hazard: float | None = None) -> 
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
-        eos_token_id=tokenizer.eos_token_id,
+        # With eos_hazard, a list: sglang stops on every id of config.json's eos_token_id, and
+        # the loop (model.stop_token_ids) passes the same ids to the torch engine.
+        eos_token_id=tokenizer.eos_token_id
+        if eos_hazard is None
+        else stop_set(
+            eos_hazard, _QWEN25_COMMON["vocab_size"], tokenizer.eos_token_id, len(tokenizer)
+        ),
         pad_token_id=tokenizer.pad_token_id,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         **_QWEN25_COMMON,
@@ -374,8 +357,6 @@ def build_model(name: str, directory: Path, eos_hazard: float | None = None) -> 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         with torch.device(device):
             model = Qwen2ForCausalLM(config).bfloat16()
-        if eos_hazard is not None:
-            calibrate_eos_row(model, tokenizer.eos_token_id, eos_hazard)
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
         del model
@@ -646,13 +627,13 @@ def _engine_alone_main(spec_json: str, ranks: int, device: str) -> dict[str, Any
     seeds); seconds per rollout and tokens generated."""
     from rljob_worker.engines import make_engine
     from rljob_worker.loop import RankConfig, _Rollout
-    from rljob_worker.model import load_tokenizer, resolve_model_path
+    from rljob_worker.model import load_tokenizer, resolve_model_path, stop_token_ids
     from rljob_worker.reward import Scorer
     from rljob_worker.task import make_task
 
     spec = RLJobSpec.model_validate_json(spec_json)
     tokenizer = load_tokenizer(resolve_model_path(spec.model.path))
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    eos = stop_token_ids(tokenizer, resolve_model_path(spec.model.path))
     engine = make_engine(spec, device=device, eos_token_ids=eos)
     try:
         # The sglang adapter starts with every tag released (the stage machine wakes them);
@@ -1291,7 +1272,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model_name = args.model
         # A model whose answers end on EOS is another model: its own directory.
-        suffix = f"-eos{round(1 / args.eos_hazard)}" if args.eos_hazard else ""
+        suffix = f"-stop{round(1 / args.eos_hazard)}" if args.eos_hazard else ""
         directory = args.model_dir / f"{model_name}{suffix}"
         directory.mkdir(parents=True, exist_ok=True)
         n_params = build_model(model_name, directory, args.eos_hazard)
