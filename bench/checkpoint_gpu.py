@@ -76,7 +76,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from rljob_worker.model import load_causal_lm
-    from rljob_worker.train import _move, _shard
+    from rljob_worker.train import _shard
 
     root = Path(tempfile.mkdtemp(prefix="rljob-ckpt-bench-", dir=args.target))
     store = root / "store"
@@ -85,7 +85,7 @@ def main() -> None:
     )
     torch.cuda.set_device(0)
     model = load_causal_lm(args.model_dir, torch.float32)
-    _move(model, torch.device("cuda"))
+    torch.nn.Module.to(model, torch.device("cuda"))  # nn.Module's signature (transformers')
     _shard(model, init_device_mesh("cuda", (1,)), torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(0, 1000, (1, 16), device="cuda")

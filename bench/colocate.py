@@ -20,12 +20,21 @@ with activations; 7B's (~150 GB) does not. --kl-coef 0 drops the reference.
   python bench/colocate.py --merge a/colocate.json b/colocate.json   # one result from several calls
   python bench/colocate.py --engine sglang        # the same sweep with sglang.Engine
   python bench/colocate.py --smoke                # CPU: tiny model, checks the plumbing only
+  python bench/colocate.py --workload realistic --engine sglang --modes staged --fractions 0.9
+  python bench/colocate.py --engine sglang --modes staged --fractions 0.9 \
+      --sync-path before,tensors,flattened         # the weight-sync paths beside their floor
+
+Issue 33: --workload realistic runs 128 prompts x 8 samples with answers of varying length up to
+1024 tokens (Workload); every point prints each moving stage beside its floor measured in the
+same run (its bytes over the measured bandwidth, the rollout's tokens over the same engine
+alone) and their ratio (stage_floors).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -67,6 +76,36 @@ QWEN25: dict[str, dict[str, Any]] = {
 DEFAULT_FRACTIONS = [round(0.50 + 0.05 * i, 2) for i in range(10)]
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What one iteration does (issue 33). `small` is the quick point every stored figure before
+    issue 33 used; `realistic` is what the users of 7B-32B models run, scaled to one card: 128
+    prompts x 8 samples, responses up to 1024 tokens whose lengths vary, micro-batches of 4 with
+    gradient checkpointing (what a user sets for 1k-token sequences at these sizes).
+
+    Response lengths: the models are randomly initialised (no download), whose sampled answers
+    never end on their own (EOS is one token in 151936). `eos_hazard` makes them end the way
+    answers of a task do, on EOS with a length cap: the model's config.json declares EOS and
+    about hazard x vocab other ids as its end-of-sequence ids (stop_set), so each generated
+    token ends the answer with about this probability: geometric lengths (mean ~1/hazard, ~370
+    tokens with the 1024 cap, ~8% cut at the cap). Both engines stop on them, so the rollout has
+    the stragglers and the short answers a real batch has; the report prints the lengths it got
+    (mean, max, share at the cap)."""
+
+    prompts: int
+    group_size: int
+    response_length: int
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    eos_hazard: float | None
+
+
+WORKLOADS = {
+    "small": Workload(8, 8, 128, 4, False, None),
+    "realistic": Workload(128, 8, 1024, 4, True, 1 / 400),
+}
+
+
 # -- the machine's own limits ------------------------------------------------------------------
 
 
@@ -83,6 +122,27 @@ def _time_copy(dst: torch.Tensor, src: torch.Tensor, repeats: int = 10) -> float
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000)
     return statistics.median(times)
+
+
+def measure_host_bandwidths(size_bytes: int = 64 << 20, repeats: int = 5) -> dict[str, float]:
+    """On the CPU (--smoke): one host memcpy rate stands in for every link, so the floors and
+    their ratios are computed by the same code as on a GPU (the figures mean nothing there)."""
+    source = torch.randint(0, 255, (size_bytes,), dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - began)
+    rate = size_bytes / statistics.median(times)
+    return {
+        "d2d_copy_bytes_per_second": rate,
+        "hbm_read_write_bytes_per_second": 2 * rate,
+        "h2d_pinned_bytes_per_second": rate,
+        "d2h_pinned_bytes_per_second": rate,
+        "host_memcpy_stands_in": 1.0,
+    }
 
 
 def measure_bandwidths(size_bytes: int = 2 * GiB) -> dict[str, float]:
@@ -255,11 +315,25 @@ def _free_port() -> int:
 # -- the model ---------------------------------------------------------------------------------
 
 
-def build_model(name: str, directory: Path) -> int:
+def stop_set(hazard: float, vocab: int, eos_id: int, first_free: int) -> list[int]:
+    """EOS and enough other ids that a random model ends an answer with probability `hazard`
+    per token: about hazard x vocab ids (their softmax mass sums to about that share, with
+    little spread, since each id's logit is an independent random row against the hidden state;
+    one rescaled EOS row was tried first and varied 1000-fold between answers). The extra ids
+    are drawn above `first_free`, past the tokenizer's own tokens, with a fixed seed."""
+    generator = torch.Generator().manual_seed(0)
+    extra = max(round(hazard * vocab) - 1, 0)
+    drawn = torch.randperm(vocab - first_free, generator=generator)[:extra] + first_free
+    return [eos_id, *sorted(int(i) for i in drawn)]
+
+
+def build_model(name: str, directory: Path, eos_hazard: float | None = None) -> int:
     """Save a randomly initialised Qwen2.5-architecture model (bf16) and a tokenizer; return #params.
 
     The tokenizer is the builtin task's (a few hundred tokens): ids beyond it decode to nothing,
-    which only affects rewards, not memory or speed.
+    which only affects rewards, not memory or speed. With `eos_hazard`, config.json's
+    eos_token_id lists EOS and about eos_hazard x vocab other ids (stop_set), so answers end
+    after a geometric number of tokens.
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -267,7 +341,13 @@ def build_model(name: str, directory: Path) -> int:
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
-        eos_token_id=tokenizer.eos_token_id,
+        # With eos_hazard, a list: sglang stops on every id of config.json's eos_token_id, and
+        # the loop (model.stop_token_ids) passes the same ids to the torch engine.
+        eos_token_id=tokenizer.eos_token_id
+        if eos_hazard is None
+        else stop_set(
+            eos_hazard, _QWEN25_COMMON["vocab_size"], tokenizer.eos_token_id, len(tokenizer)
+        ),
         pad_token_id=tokenizer.pad_token_id,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         **_QWEN25_COMMON,
@@ -321,6 +401,15 @@ class Point:
     offload_optimizer: bool = True
     offload_params: bool = True
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    # Issue 33: the weight-sync path the point ran (SYNC_PATHS), the rollout's answers (rank 0,
+    # steady iterations), and each stage's floor beside its seconds (stage_floors).
+    sync_path: str = "default"
+    response_tokens: float | None = None  # generated per rollout, rank 0
+    response_length_mean: float | None = None
+    response_length_max: int | None = None
+    truncated_share: float | None = None  # answers cut at maxResponseLength
+    iteration_seconds: float | None = None  # the steady iteration, every stage
+    floors: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
 
 def make_spec(args: argparse.Namespace, model_path: str, mode: str, fraction: float) -> RLJobSpec:
@@ -333,7 +422,8 @@ def make_spec(args: argparse.Namespace, model_path: str, mode: str, fraction: fl
                      "max_response_length": args.response_length},
             "rollout": {"engine": args.engine, "wake_up": mode, "mem_fraction_static": fraction,
                         "tensor_parallel_size": args.tp},
-            "training": {"micro_batch_size": args.micro_batch_size},
+            "training": {"micro_batch_size": args.micro_batch_size,
+                         "gradient_checkpointing": args.gradient_checkpointing},
             # One worker with the ranks' GPUs: a tensor-parallel group lies within one worker.
             "resources": {"gpus_per_worker": args.ranks if args.tp > 1 else 1},
             # Always by default, as every stored point was measured: offload as
@@ -446,8 +536,23 @@ def summarize_point(
     point.offload_seconds = summed(Stage.OFFLOAD_OPTIMIZER, Stage.OFFLOAD_TRAIN)
     point.onload_seconds = summed(Stage.SLEEP)
     rollout = summed(Stage.ROLLOUT)
-    if rollout:
+    stats = {i.iteration: i.rollout for i in iterations if i.rollout is not None}
+    if stats:
+        point.response_tokens = _steady({k: float(v.response_tokens) for k, v in stats.items()})
+        responses = sum(v.responses for v in stats.values())
+        point.response_length_mean = sum(v.response_tokens for v in stats.values()) / responses
+        point.response_length_max = max(v.response_length_max for v in stats.values())
+        point.truncated_share = sum(v.truncated for v in stats.values()) / responses
+    rollouts = per_stage.get(str(Stage.ROLLOUT), {})
+    if stats and rollouts:
+        # The tokens this rank generated (answers end on EOS), not prompts x samples x cap.
+        point.rollout_tokens_per_second = _steady(
+            {i: stats[i].response_tokens / t for i, t in rollouts.items() if i in stats and t}
+        )
+    elif rollout:
         point.rollout_tokens_per_second = model["tokens_per_rollout"] / rollout
+    if point.stage_seconds:
+        point.iteration_seconds = sum(point.stage_seconds.values())
     last = max((s.iteration for s in samples), default=0)
     ordered = sorted((s for s in samples if s.iteration == last), key=lambda s: s.start_seconds)
     point.timeline = [
@@ -522,13 +627,13 @@ def _engine_alone_main(spec_json: str, ranks: int, device: str) -> dict[str, Any
     seeds); seconds per rollout and tokens generated."""
     from rljob_worker.engines import make_engine
     from rljob_worker.loop import RankConfig, _Rollout
-    from rljob_worker.model import load_tokenizer, resolve_model_path
+    from rljob_worker.model import load_tokenizer, resolve_model_path, stop_token_ids
     from rljob_worker.reward import Scorer
     from rljob_worker.task import make_task
 
     spec = RLJobSpec.model_validate_json(spec_json)
     tokenizer = load_tokenizer(resolve_model_path(spec.model.path))
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    eos = stop_token_ids(tokenizer, resolve_model_path(spec.model.path))
     engine = make_engine(spec, device=device, eos_token_ids=eos)
     try:
         # The sglang adapter starts with every tag released (the stage machine wakes them);
@@ -569,20 +674,133 @@ def engine_alone(spec: RLJobSpec, ranks: int, device: str, point: dict[str, Any]
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         alone = pool.submit(_engine_alone_main, spec.model_dump_json(), ranks, device).result()
     seconds = {int(k): v for k, v in alone["seconds"].items()}
-    steady = _steady(seconds)
+    tokens = {int(k): v for k, v in alone["tokens"].items()}
+    # Tokens per second of each steady rollout: the answers' lengths vary between rollouts.
+    steady = _steady({i: seconds[i] / max(tokens[i], 1) for i in seconds})
     figure: dict[str, Any] = {
         "mode": point["mode"],
         "fraction": point["fraction"],
         "rollout_seconds": seconds,
         "generated_tokens": alone["tokens"],
         "kv_capacity_tokens": alone["kv_capacity_tokens"],
-        "rollout_tokens_per_second": model["tokens_per_rollout"] / steady if steady else None,
+        "rollout_tokens_per_second": 1 / steady if steady else None,
         "wall_seconds": time.monotonic() - began,
     }
     colocated = point.get("rollout_tokens_per_second")
     if colocated and figure["rollout_tokens_per_second"]:
         figure["colocated_over_alone"] = colocated / figure["rollout_tokens_per_second"]
     return figure
+
+
+# -- floors (issue 33) -------------------------------------------------------------------------
+
+# --sync-path: the weight sync's hand-off and overlap, set for the point's rank processes.
+# before: one tensor per parameter, each bucket gathered after the last was handed over (main
+# before issue 33); tensors: the same hand-off, the next gather overlapping it; flattened: one
+# buffer per bucket (sglang's flattened_bucket), overlapped. default: what the worker picks.
+SYNC_PATHS: dict[str, dict[str, str]] = {
+    "default": {},
+    "before": {"RLJOB_SGLANG_WEIGHT_SYNC": "tensors", "RLJOB_WEIGHT_SYNC_OVERLAP": "0"},
+    "tensors": {"RLJOB_SGLANG_WEIGHT_SYNC": "tensors", "RLJOB_WEIGHT_SYNC_OVERLAP": "1"},
+    "flattened": {"RLJOB_SGLANG_WEIGHT_SYNC": "flattened_bucket", "RLJOB_WEIGHT_SYNC_OVERLAP": "1"},
+}
+
+
+class environment_set:
+    """os.environ updated for a block (the rank processes run_local starts inherit it)."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+        self.before: dict[str, str | None] = {}
+
+    def __enter__(self) -> None:
+        self.before = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *_: object) -> None:
+        for key, value in self.before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def weight_sync_floor_bytes(model: dict[str, Any]) -> int:
+    """HBM bytes the weight sync cannot do without, per rank: its fp32 shard of the policy read
+    once, the engine's bf16 weights (its TP shard) written once."""
+    # The fp32 policy shard: the params offloaded, less the reference where there is one
+    # (computed so, results stored before issue 33 merge too).
+    policy = model["train_param_bytes"] // (2 if model["reference"] else 1)
+    return policy + model["engine_weight_bytes"] // model.get("tp", 1)
+
+
+def stage_floors(point: dict[str, Any], model: dict[str, Any], bandwidths: dict[str, float],
+                 alone: dict[str, Any] | None) -> dict[str, dict[str, float | None]]:  # fmt: skip
+    """Each moving stage's seconds beside its floor (its bytes over the link's bandwidth measured
+    in the same run; the rollout's tokens over the same engine alone), and their ratio."""
+    if not bandwidths or not point["completed"]:
+        return {}
+    optimizer = model["optimizer_bytes"] if point.get("offload_optimizer", True) else 0
+    params = model["train_param_bytes"] if point.get("offload_params", True) else 0
+    seconds = point["stage_seconds"]
+    rows: dict[str, tuple[float | None, float, float | None]] = {
+        "offload_optimizer": (seconds.get("offload_optimizer"), optimizer,
+                              bandwidths["d2h_pinned_bytes_per_second"]),
+        "weight_sync": (point.get("weight_sync_seconds"), weight_sync_floor_bytes(model),
+                        bandwidths["hbm_read_write_bytes_per_second"]),
+        "offload_train": (seconds.get("offload_train"), params,
+                          bandwidths["d2h_pinned_bytes_per_second"]),
+        "sleep": (seconds.get("sleep"), optimizer + params,
+                  bandwidths["h2d_pinned_bytes_per_second"]),
+    }  # fmt: skip
+    floors: dict[str, dict[str, float | None]] = {}
+    for name, (measured, moved, bandwidth) in rows.items():
+        floor = moved / bandwidth if bandwidth else None
+        floors[name] = {"seconds": measured, "bytes": float(moved), "floor_seconds": floor,
+                        "ratio": measured / floor if measured and floor else None}  # fmt: skip
+    same = alone and (alone.get("mode"), alone.get("fraction")) == (
+        point["mode"],
+        point["fraction"],
+    )
+    alone_rate = alone.get("rollout_tokens_per_second") if same and alone else None
+    tokens = point.get("response_tokens")
+    floor = tokens / alone_rate if tokens and alone_rate else None
+    measured = seconds.get("rollout")
+    floors["rollout"] = {"seconds": measured, "tokens": tokens, "floor_seconds": floor,
+                         "ratio": measured / floor if measured and floor else None}  # fmt: skip
+    return floors
+
+
+def _floor_lines(result: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for p in sorted(result["points"], key=_place):
+        floors = p.get("floors") or {}
+        if not floors:
+            continue
+        lines += [
+            "",
+            f"Floors of {_label(p)} at {p['fraction']:.2f}: iteration {_num(p.get('iteration_seconds'))}"
+            f" s, staging tax {_share(p.get('staging_tax'))}, rollout "
+            f"{_num(p.get('rollout_tokens_per_second'), 0)} tok/s, answers mean "
+            f"{_num(p.get('response_length_mean'), 0)} tokens (max {p.get('response_length_max')}, "
+            f"{_share(p.get('truncated_share'))} at the cap)",
+            "",
+            "| stage | seconds | moves | floor s | x floor |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for name, row in floors.items():
+            if "tokens" in row:
+                moved = "-" if row["tokens"] is None else f"{row['tokens']:.0f} tokens"
+            else:
+                moved = f"{(row['bytes'] or 0) / 1e9:.2f} GB"
+            lines.append(f"| {name} | {_num(row['seconds'], 3)} | {moved} | "
+                         f"{_num(row['floor_seconds'], 3)} | {_num(row['ratio'])} |")  # fmt: skip
+    return lines
+
+
+def _label(point: dict[str, Any]) -> str:
+    path = point.get("sync_path", "default")
+    return f"{point['mode']}{_offload_note(point)}" + ("" if path == "default" else f" [{path}]")
 
 
 # -- outputs -----------------------------------------------------------------------------------
@@ -604,9 +822,9 @@ def _offload(point: dict[str, Any]) -> str:
     return str(point.get("offload", "Always"))  # points stored before --offload ran Always
 
 
-def _place(point: dict[str, Any]) -> tuple[str, float, str]:
-    """What makes two points the same measurement: mode, fraction and offload."""
-    return point["mode"], point["fraction"], _offload(point)
+def _place(point: dict[str, Any]) -> tuple[str, float, str, str]:
+    """What makes two points the same measurement: mode, fraction, offload and sync path."""
+    return point["mode"], point["fraction"], _offload(point), point.get("sync_path", "default")
 
 
 def _offload_note(point: dict[str, Any]) -> str:
@@ -666,10 +884,21 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"params; training state on the device {_gib(model['training_state_bytes'])} GiB "
         f"(fp32 params + grads + AdamW{', + fp32 reference' if model['reference'] else ''}); "
         f"engine weights {_gib(model['engine_weight_bytes'])} GiB bf16",
-        f"- workload per iteration: {result['settings']['prompts']} prompts x "
-        f"{result['settings']['group_size']} samples x {result['settings']['response_length']} "
+        f"- workload per iteration ({result['settings'].get('workload', 'small')}): "
+        f"{result['settings']['prompts']} prompts x "
+        f"{result['settings']['group_size']} samples x up to {result['settings']['response_length']} "
         f"tokens, GRPO kl_coef {result['settings']['kl_coef']}, micro-batch "
-        f"{result['settings']['micro_batch_size']}",
+        f"{result['settings']['micro_batch_size']}"
+        + (
+            ", gradient checkpointing"
+            if result["settings"].get("gradient_checkpointing") == "True"
+            else ""
+        )
+        + (
+            f", answers end on EOS (hazard {result['settings']['eos_hazard']} per token)"
+            if result["settings"].get("eos_hazard") not in (None, "None")
+            else ""
+        ),
         f"- measured: device-to-device copy {_num(bw.get('d2d_copy_bytes_per_second', 0) / 1e9, 0)}"
         f" GB/s (HBM read+write {_num(bw.get('hbm_read_write_bytes_per_second', 0) / 1e9, 0)}"
         f" GB/s), pinned host-to-device {_num(bw.get('h2d_pinned_bytes_per_second', 0) / 1e9, 1)}"
@@ -693,7 +922,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
             kind = "OOM" if p.get("failure_kind", "oom") == "oom" else "error"
             outcome = f"{kind} in {p['oom_stage']} (it {p['oom_iteration']})"
         lines.append(
-            f"| {p['mode']}{_offload_note(p)} | {p['fraction']:.2f} | {outcome} | {p['kv_capacity_tokens'] or '-'} "
+            f"| {_label(p)} | {p['fraction']:.2f} | {outcome} | {p['kv_capacity_tokens'] or '-'} "
             f"| {_gib(peaks.get('wake_weights'))} | {_gib(peaks.get('wake_kv_cache'))} | "
             f"{_gib(peaks.get('rollout'))} | {_num(p['rollout_tokens_per_second'], 0)} | "
             f"{_num(p['weight_sync_seconds'], 3)}{_handoff(p)} | {_num(p['offload_seconds'])} | "
@@ -708,6 +937,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
                       f"{alone['rollout_tokens_per_second']:.0f} rollout tok/s, KV "
                       f"{alone['kv_capacity_tokens']} tokens; colocated/alone "
                       f"{_num(alone.get('colocated_over_alone'))}."]  # fmt: skip
+    lines += _floor_lines(result)
     lines += ["", "## Targets", ""]
     lines += [
         f"- {t['name']}: {t['measured']} (**{'met' if t['met'] else 'MISSED'}**)"
@@ -818,8 +1048,15 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                         "measured": f"{ratio:.2f}x ({kv_staged} vs {kv_single} tokens)",
                         "met": ratio >= 1.4})  # fmt: skip
     ref = by.get(("staged", staged)) if staged is not None else None
+    for point in (p for p in points if (p.get("floors") or {}).get("weight_sync", {}).get("ratio")):
+        sync = point["floors"]["weight_sync"]
+        targets.append({"name": f"weight sync within 3x its HBM floor (fp32 read + bf16 write over "
+                                f"HBM bandwidth), {_label(point)} at {point['fraction']:.2f}",
+                        "measured": f"{sync['ratio']:.2f}x ({sync['seconds']:.3f} s measured, "
+                                    f"{sync['floor_seconds']:.4f} s floor; hand-off "
+                                    f"{_num(point.get('weight_handoff_seconds'), 3)} s)",
+                        "met": sync["ratio"] <= 3.0})  # fmt: skip
     for key, measured_key, bound, what in (
-        ("weight_sync", "weight_sync_seconds", 2.0, "bytes / HBM copy bandwidth"),
         ("offload", "offload_seconds", 1.5, "bytes / pinned device-to-host bandwidth"),
         ("onload", "onload_seconds", 1.5, "bytes / pinned host-to-device bandwidth"),
     ):
@@ -896,6 +1133,8 @@ def model_figures(name: str, n_params: int, args: argparse.Namespace) -> dict[st
         "reference": reference,
         "kv_bytes_per_token": kv_per_token,
         "engine_weight_bytes": 2 * n_params,
+        "tp": args.tp,
+        "policy_shard_bytes": 4 * n_params // shard,  # fp32, what the weight sync reads
         "train_param_bytes": param_bytes,
         "optimizer_bytes": optimizer_bytes,
         "training_state_bytes": param_bytes + optimizer_bytes + 4 * n_params // shard,
@@ -911,6 +1150,9 @@ def finish(result: dict[str, Any], out: Path) -> None:
                   default=None)
         for mode in ("single", "staged")
     }  # fmt: skip
+    for point in points:
+        point["floors"] = stage_floors(point, result["model"], result["bandwidths"],
+                                       result.get("alone"))  # fmt: skip
     result["targets"] = evaluate_targets(result)
     out.mkdir(parents=True, exist_ok=True)
     (out / "colocate.json").write_text(json.dumps(result, indent=2))
@@ -969,10 +1211,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--staged-fractions", help="overrides --fractions for staged")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=1, help="GPUs (FSDP shards over them)")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per iteration")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--response-length", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--workload", default="small", choices=sorted(WORKLOADS),
+                        help="small: the quick point; realistic: 128 prompts x 8 samples x up "
+                             "to 1024 tokens ending on EOS (see Workload); the flags below "
+                             "override single values")  # fmt: skip
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per iteration")
+    parser.add_argument("--group-size", type=int, default=None)
+    parser.add_argument("--response-length", type=int, default=None)
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--sync-path", default="default",
+                        help=f"comma list of {', '.join(SYNC_PATHS)}: each point runs once per "
+                             "weight-sync path (see SYNC_PATHS)")  # fmt: skip
     parser.add_argument("--kl-coef", type=float, default=0.001, help="> 0 keeps a reference")
     parser.add_argument("--offload", default="Always", choices=("Always", "Auto"),
                         help="spec.offload (Always: as every stored point ran)")  # fmt: skip
@@ -989,6 +1238,16 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="CPU, builtin tiny model, plumbing only"
     )
     args = parser.parse_args(argv)
+    workload = WORKLOADS[args.workload]
+    for name in ("prompts", "group_size", "response_length", "micro_batch_size"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(workload, name))
+    args.gradient_checkpointing = workload.gradient_checkpointing
+    args.eos_hazard = workload.eos_hazard
+    sync_paths = [p.strip() for p in args.sync_path.split(",") if p.strip()]
+    unknown = [p for p in sync_paths if p not in SYNC_PATHS]
+    if unknown or not sync_paths:
+        parser.error(f"--sync-path {args.sync_path!r}: each must be one of {list(SYNC_PATHS)}")
     if args.out is None:
         args.out = ROOT / "bench" / "results" / ("sglang" if args.engine == "sglang" else "")
     if args.merge:
@@ -1004,12 +1263,20 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
 
     if args.smoke:
-        model_name, model_path, n_params = "builtin:tiny-qwen2", "builtin:tiny-qwen2", 0
+        from rljob_worker.model import load_causal_lm, resolve_model_path
+
+        model_name = model_path = "builtin:tiny-qwen2"
+        # Its parameters, so the smoke's floors have bytes to divide (by a host memcpy rate).
+        tiny = load_causal_lm(resolve_model_path(model_path), torch.float32)
+        n_params = sum(p.numel() for p in tiny.parameters())
+        del tiny
     else:
         model_name = args.model
-        directory = args.model_dir / model_name
+        # A model whose answers end on EOS is another model: its own directory.
+        suffix = f"-stop{round(1 / args.eos_hazard)}" if args.eos_hazard else ""
+        directory = args.model_dir / f"{model_name}{suffix}"
         directory.mkdir(parents=True, exist_ok=True)
-        n_params = build_model(model_name, directory)
+        n_params = build_model(model_name, directory, args.eos_hazard)
         model_path = str(directory)
     from importlib.metadata import version
 
@@ -1026,7 +1293,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     if args.engine == "sglang":
         environment["sglang"] = version("sglang")
-    bandwidths = measure_bandwidths() if on_cuda else {}
+    bandwidths = measure_bandwidths() if on_cuda else measure_host_bandwidths()
     sync_profile: dict[str, Any] = {}
     if on_cuda and args.profile_sync:
         try:
@@ -1037,14 +1304,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     model = model_figures(model_name, n_params, args)
     bytes_moved = {
-        "weight_sync": model["engine_weight_bytes"],  # bf16 engine weights written once
+        "weight_sync": weight_sync_floor_bytes(model),  # fp32 shard read, bf16 weights written
         "offload": model["optimizer_bytes"] + model["train_param_bytes"],
         "onload": model["optimizer_bytes"] + model["train_param_bytes"],
     }
     ideal = {}
     if bandwidths:
         ideal = {
-            "weight_sync": bytes_moved["weight_sync"] / bandwidths["d2d_copy_bytes_per_second"],
+            "weight_sync": bytes_moved["weight_sync"]
+            / bandwidths["hbm_read_write_bytes_per_second"],
             "offload": bytes_moved["offload"] / bandwidths["d2h_pinned_bytes_per_second"],
             "onload": bytes_moved["onload"] / bandwidths["h2d_pinned_bytes_per_second"],
         }
@@ -1061,33 +1329,38 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"{environment['device']}: bandwidths {bandwidths}, ideal seconds {ideal}, "
           f"weight sync profile {sync_profile}", flush=True)  # fmt: skip
-    for mode, fractions in plan.items():
-        for fraction in fractions:
-            if args.deadline_seconds and time.monotonic() - began > args.deadline_seconds:
-                print(f"deadline: {mode} {fraction:.2f} not run", flush=True)
-                continue
-            started = time.monotonic()
-            spec = make_spec(args, model_path, mode, fraction)
-            if on_cuda and model_name in QWEN25:  # issue 19: the memory plan beside the point
-                shape = {**_QWEN25_COMMON, **QWEN25[model_name]}
-                print(plan_line(spec, shape, environment["device_total_bytes"], args.ranks))
+    points_to_run = [(m, f, path) for m, fs in plan.items() for f in fs for path in sync_paths]
+    failed_modes: set[str] = set()
+    for mode, fraction, sync_path in points_to_run:
+        if mode in failed_modes:
+            continue
+        if args.deadline_seconds and time.monotonic() - began > args.deadline_seconds:
+            print(f"deadline: {mode} {fraction:.2f} [{sync_path}] not run", flush=True)
+            continue
+        started = time.monotonic()
+        spec = make_spec(args, model_path, mode, fraction)
+        if on_cuda and model_name in QWEN25:  # issue 19: the memory plan beside the point
+            shape = {**_QWEN25_COMMON, **QWEN25[model_name]}
+            print(plan_line(spec, shape, environment["device_total_bytes"], args.ranks))
+        with environment_set(SYNC_PATHS[sync_path]):
             run = run_local(spec, args.ranks, "cuda" if on_cuda else "cpu")
-            point = summarize_point(run, mode, fraction, model, args, spec)
-            point.wall_seconds = time.monotonic() - started
-            result["points"].append(asdict(point))
-            finish(result, args.out)
-            status = "ok" if point.completed else f"OOM in {point.oom_stage} ({point.failure})"
-            print(
-                f"{mode:7s} {fraction:.2f}: {status}, KV {point.kv_capacity_tokens} tokens, "
-                f"peaks {{{', '.join(f'{k}: {_gib(v)}' for k, v in point.stage_peak_bytes.items())}}} GiB, "
-                f"stage s {{{', '.join(f'{k}: {v:.2f}' for k, v in point.stage_seconds.items())}}}, "
-                f"sync {_num(point.weight_sync_seconds, 3)} s "
-                f"(hand-off {_num(point.weight_handoff_seconds, 3)} s), "
-                f"{point.wall_seconds:.0f} s wall",
-                flush=True,
-            )
-            if not point.completed and not args.keep_going:
-                break
+        point = summarize_point(run, mode, fraction, model, args, spec)
+        point.sync_path = sync_path
+        point.wall_seconds = time.monotonic() - started
+        result["points"].append(asdict(point))
+        finish(result, args.out)
+        status = "ok" if point.completed else f"OOM in {point.oom_stage} ({point.failure})"
+        print(
+            f"{mode:7s} {fraction:.2f} [{sync_path}]: {status}, KV {point.kv_capacity_tokens} tokens, "
+            f"peaks {{{', '.join(f'{k}: {_gib(v)}' for k, v in point.stage_peak_bytes.items())}}} GiB, "
+            f"stage s {{{', '.join(f'{k}: {v:.2f}' for k, v in point.stage_seconds.items())}}}, "
+            f"sync {_num(point.weight_sync_seconds, 3)} s "
+            f"(hand-off {_num(point.weight_handoff_seconds, 3)} s), "
+            f"{point.wall_seconds:.0f} s wall",
+            flush=True,
+        )
+        if not point.completed and not args.keep_going:
+            failed_modes.add(mode)
     completed = [p for p in result["points"] if p["completed"]]
     past_deadline = bool(args.deadline_seconds) and time.monotonic() - began > args.deadline_seconds
     if args.alone and completed and past_deadline:

@@ -355,8 +355,10 @@ def kv_pool(
 
 def gather_bytes(spec: RLJobSpec, shape: ModelShape, world: int) -> int:
     """The weight sync's transient: the bucket being gathered (on > 1 rank its send buffer, the
-    received [world, chunk] and the output) while the previous bucket's tensors are still held
-    (the stage's loop variable keeps them until the next bucket arrives)."""
+    received [world, chunk] and the output) while the previous bucket's tensors are still held:
+    the next bucket's gather is issued before the previous one is handed to the engine, so the
+    two overlap (weight_sync.prefetched), and never a third (the stage drops each bucket
+    before the next gather). The flattened hand-off views the gathered buffer: no copy."""
     dtype = DTYPE_BYTES[spec.model.dtype]
     sizes = [(name, n * dtype) for name, n in shape.named_sizes()]
     by_name = dict(sizes)

@@ -173,19 +173,31 @@ def process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+# Both hand-offs the adapter has (RLJOB_SGLANG_WEIGHT_SYNC): one tensor per parameter, and one
+# flattened buffer per bucket (sglang's load_format="flattened_bucket", issue 33).
+SYNC_PATHS = ["tensors", "flattened_bucket"]
+
+
+@pytest.mark.parametrize("sync_path", SYNC_PATHS)
 def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
-    tmp_path: Path, process_group: None
+    tmp_path: Path, process_group: None, sync_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SGLang starts from checkpoint A; an FSDP2 trainer on the same GPU holds checkpoint B and
-    sends it in 1 MiB buckets; then SGLang's greedy answers are the torch engine's on B."""
+    sends it in 1 MiB buckets (the next bucket's gather overlapping each hand-off); then every
+    weight SGLang holds is the trainer's bit for bit, by name, and its greedy answers are the
+    torch engine's on B."""
+    from rljob_worker.engines.sglang_engine import WEIGHT_SYNC_ENV
+    from rljob_worker.loop import tensor_digest
     from rljob_worker.train import Trainer
 
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, sync_path)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a, b = random_qwen2(tmp_path / "a", seed=1), random_qwen2(tmp_path / "b", seed=2)
     spec = _spec(b, engine="sglang", wake_up=WakeUp.STAGED, fraction=0.3, iterations=1)
     engine = SGLangEngine(model_path=str(a), dtype="bfloat16", mem_fraction_static=0.3)
     trainer = Trainer(spec, b, torch.device("cuda:0"), pad_id=0)
+    sent: dict[str, str] = {}
     try:
         engine.resume(list(ALL_TAGS))
         before = engine.generate(PROMPTS, GREEDY)
@@ -193,12 +205,19 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
         buckets = 0
         for bucket in trainer.weight_buckets(1 << 20, torch.bfloat16):
             engine.update_weights(bucket)
+            sent.update((name, tensor_digest(tensor)) for name, tensor in bucket)
             buckets += 1
+            del bucket
         engine.flush_cache()
+        flattened = engine.flattened_buckets
+        held = {name: tensor_digest(t) for name, t in engine.named_weights()}
         engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])
         after = engine.generate(PROMPTS, GREEDY)
     finally:
         engine.shutdown()
+    assert flattened == (sync_path == "flattened_bucket")
+    mismatched = sorted(n for n in sent if held.get(n) != sent[n])
+    assert sent and not mismatched, f"{len(mismatched)} of {len(sent)} differ: {mismatched[:5]}"
     del trainer
     torch.cuda.empty_cache()
     # SGLang stops at the model's EOS (config.json); the reference must too.
@@ -215,7 +234,8 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
         on_a.shutdown()
     finally:
         reference.shutdown()
-    print(f"\n{buckets} buckets\nsglang on A {before}\ntorch on A  {before_expected}\n"
+    print(f"\n{sync_path}: {buckets} buckets, {len(sent)} weights equal the trainer's"
+          f"\nsglang on A {before}\ntorch on A  {before_expected}\n"
           f"sglang on B {after}\ntorch on B  {expected}")  # fmt: skip
     assert buckets > 1
     assert before != expected  # the two checkpoints answer differently

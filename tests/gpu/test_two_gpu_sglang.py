@@ -238,7 +238,9 @@ def _tp_rank_main(rank: int, init_method: str, dirs: list[str], results: Any) ->
             for bucket in trainer.weight_buckets(1 << 20, torch.bfloat16):
                 engine.update_weights(bucket)
                 sent.update((name, tensor_digest(tensor)) for name, tensor in bucket)
+                del bucket  # two buckets at most: the next one's gather overlaps this hand-off
             engine.flush_cache()
+            out["flattened"] = engine.flattened_buckets
             out["weights"].append(_weight_check(sent, held()))
             del trainer
             torch.cuda.empty_cache()
@@ -268,8 +270,9 @@ BF16_SPREAD_FACTOR = 3.0
 FLOOR_NATS = 0.1
 
 
+@pytest.mark.parametrize("sync_path", ["tensors", "flattened_bucket"])
 def test_tp2_weights_equal_the_trainers_after_every_update_and_answers_part_only_at_near_ties(
-    tmp_path: Path,
+    tmp_path: Path, sync_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Checkpoints A, B and C, each sent by an FSDP2 trainer over both ranks to one engine.
 
@@ -282,9 +285,14 @@ def test_tp2_weights_equal_the_trainers_after_every_update_and_answers_part_only
     for seed, name in ((1, "a"), (2, "b"), (3, "c")):
         (tmp_path / name).mkdir()
         dirs.append(random_qwen2(tmp_path / name, seed=seed))
+    from rljob_worker.engines.sglang_engine import WEIGHT_SYNC_ENV
+
+    # The ranks (spawned) inherit it: one payload per rank and bucket, or one handle per tensor.
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, sync_path)
     out = run_ranks(_tp_rank_main, RANKS, [str(d) for d in dirs], timeout_seconds=900)
     for rank in range(RANKS):
         assert "error" not in out[rank], out[rank].get("error")
+        assert out[rank]["flattened"] == (sync_path == "flattened_bucket")
 
     # 1. Weights: every parameter, on every rank's read of both TP ranks' shards, bit for bit.
     checks = [

@@ -59,6 +59,37 @@ class LocalSerializedTensorStandIn:
 HANDOFF_STAND_IN = TensorHandoff(serialize=serialize, local_tensor=LocalSerializedTensorStandIn)
 
 
+@dataclass
+class FlattenedTensorMetadataStandIn:
+    """Stand-in for sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata (the same
+    fields; test_weight_sync.py runs the adapter's payload through the releases' own class)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+# The hand-off where the installed sglang has the flattened-bucket path.
+HANDOFF_FLAT_STAND_IN = TensorHandoff(
+    serialize=serialize,
+    local_tensor=LocalSerializedTensorStandIn,
+    flattened_metadata=FlattenedTensorMetadataStandIn,
+)
+
+
+def reconstruct_flattened(payload: Any) -> list[tuple[str, torch.Tensor]]:
+    """What a TP scheduler does with its flattened-bucket payload (weight_updater's
+    _update_weights_from_flattened_bucket and FlattenedTensorBucket.reconstruct_tensors)."""
+    bucket = payload["flattened_tensor"]
+    return [
+        (m.name, bucket[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape))
+        for m in payload["metadata"]
+    ]
+
+
 def staged_iteration_calls(buckets: int, contract: SGLangContract = NEWEST) -> list[str]:
     """The sglang calls of one staged iteration whose weights come in `buckets` buckets:
     wake_weights (resume, one update session where the release has them), wake_kv_cache,
@@ -97,6 +128,7 @@ class SGLangEngineStandIn:
         self.offloaded: set[str] = set()
         self.session_open = False
         self.refuse: dict[str, str] = {}
+        self.flattened_loads = 0  # buckets loaded through load_format="flattened_bucket"
 
     def __getattr__(self, method: str) -> Any:
         contract = self.contract
@@ -134,7 +166,10 @@ class SGLangEngineStandIn:
         needs_session = self.contract.opens_weight_update_session
         if method == "update_weights_from_tensor" and needs_session and not self.session_open:
             return False, "update_weights_from_tensor must run between begin and end"
-        if method == "update_weights_from_tensor":
+        if method == "update_weights_from_tensor" and kwargs["load_format"] == "flattened_bucket":
+            self._load_flattened(kwargs["named_tensors"])
+        elif method == "update_weights_from_tensor":
+            assert kwargs["load_format"] is None, kwargs["load_format"]
             self._load(kwargs["named_tensors"])
         if method in self.contract.returns_success_message:
             return True, "Success"
@@ -187,6 +222,16 @@ class SGLangEngineStandIn:
                 self.loaded[name] = [value.get(rank) for rank in range(tp_size)]
             else:
                 self.loaded[name] = [value] * tp_size
+
+    def _load_flattened(self, payloads: list[bytes]) -> None:
+        """Each TP scheduler deserializes its own rank's payload (tp_worker's
+        _deserialize_own_rank) and loads the tensors rebuilt from it."""
+        tp_size = self.calls[0][1].get("tp_size", 1)
+        assert len(payloads) == tp_size, f"{len(payloads)} payloads for tp {tp_size}"
+        self.flattened_loads += 1
+        per_rank = [reconstruct_flattened(deserialize(payload)) for payload in payloads]
+        for index, (name, _) in enumerate(per_rank[0]):
+            self.loaded[name] = [tensors[index][1].clone() for tensors in per_rank]
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]

@@ -429,7 +429,65 @@ def check_contract(contract: SGLangContract, root: Path) -> list[str]:
     ):
         problems.append(f"{patch_module}.{patch_function} does not exist")
     problems += _handoff_problems(contract, tree)
+    problems += _flattened_bucket_problems(contract, tree)
     return problems
+
+
+# Where update_weights_from_tensor runs on each TP scheduler (0.5.17 and 0.5.23).
+WEIGHT_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
+# FlattenedTensorMetadata's fields, as the adapter passes them by keyword.
+FLATTENED_METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+
+
+def _flattened_bucket_problems(contract: SGLangContract, tree: SourceTree) -> list[str]:
+    """The flattened-bucket weight update: the metadata class (where the schedulers' unpickler
+    admits it), the scheduler's branch on the load_format and the keys it reads, and the
+    engine passing pre-serialized per-rank payloads through for that format."""
+    if contract.flattened_bucket is None:
+        return []
+    module, cls, load_format = contract.flattened_bucket
+    found = tree.find_class(module, cls) if tree.has_module(module) else None
+    if found is None or found[0] != module:
+        return [f"{module}.{cls} is not defined there"]
+    fields = annotated_fields(found[1])
+    lacking = [name for name in FLATTENED_METADATA_FIELDS if name not in fields]
+    problems = [f"{cls} has no fields {lacking}"] if lacking else []
+    unpickler_module, unpickler = contract.safe_unpickler
+    allowed = tree.find_class(unpickler_module, unpickler)
+    if allowed is None or not _unpickler_allows(allowed[1], module, cls):
+        problems.append(
+            f"{unpickler} does not allow {module}.{cls}: the schedulers would refuse it"
+        )
+    updater = tree.module(WEIGHT_UPDATER)
+    method = next(
+        (
+            n
+            for n in ast.walk(updater)
+            if isinstance(n, ast.FunctionDef) and n.name == "update_weights_from_tensor"
+        ),
+        None,
+    )
+    if method is None or load_format not in _string_constants(method):
+        return [
+            *problems,
+            f"update_weights_from_tensor has no load_format {load_format!r} branch",
+        ]
+    missing = {"flattened_tensor", "metadata"} - _subscript_keys(
+        updater, "flattened_tensor_bucket_dict"
+    )
+    if missing:
+        problems.append(f"the flattened-bucket loader reads no {sorted(missing)}")
+    engine = tree.methods(contract.engine_module, contract.engine_class)
+    passing = engine.get("_serialize_tensors_per_rank")
+    if passing is None or load_format not in _string_constants(passing):
+        problems.append(f"Engine does not pass {load_format!r} payloads through per TP rank")
+    return problems
+
+
+def _string_constants(node: ast.AST) -> set[str]:
+    return {
+        c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+    }
 
 
 def _handoff_problems(contract: SGLangContract, tree: SourceTree) -> list[str]:
@@ -668,6 +726,26 @@ Drift = Callable[[SGLangContract], dict[str, Any]]
                 }
             },
             "SchedulerWeightUpdaterManager.save_sharded_model reads no params['dir']",
+        ),
+        (
+            lambda c: {"flattened_bucket": (*c.flattened_bucket[:2], "flat_bucket")},
+            "update_weights_from_tensor has no load_format 'flat_bucket' branch",
+        ),
+        (
+            lambda c: {
+                "flattened_bucket": (
+                    "sglang.srt.weight_sync.tensor_bucket",
+                    "FlattenedTensorBucket",
+                    "flattened_bucket",
+                )
+            },
+            "FlattenedTensorBucket has no fields ['name', 'shape'",
+        ),
+        (
+            lambda c: {
+                "flattened_bucket": ("sglang.srt.weight_sync.utils", *c.flattened_bucket[1:])
+            },
+            "sglang.srt.weight_sync.utils.FlattenedTensorMetadata is not defined there",
         ),
     ],
 )

@@ -110,3 +110,78 @@ def test_an_auto_point_merges_beside_always_and_its_staging_tax_is_compared(
     compared = [t for t in merged["targets"] if t["name"].startswith("offload Auto lowers")]
     assert [t["met"] for t in compared] == [True, True]
     assert "| staged (Auto: no offload) | 0.50 |" in (out / "colocate.md").read_text()
+
+
+SYNC_PATHS = ["before", "flattened"]
+
+
+@pytest.fixture(scope="module")
+def realistic(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """--workload realistic, scaled down to the CPU (its sizes overridden), once per weight-sync
+    path; the torch engine ignores the hand-off choice, the overlap switch is real."""
+    out = tmp_path_factory.mktemp("realistic")
+    command = [sys.executable, str(REPO / "bench" / "colocate.py"), "--smoke",
+               "--workload", "realistic", "--prompts", "2", "--group-size", "2",
+               "--response-length", "8", "--iterations", str(ITERATIONS), "--modes", "staged",
+               "--fractions", "0.5", "--sync-path", ",".join(SYNC_PATHS), "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((out / "colocate.json").read_text())
+    data["_markdown"] = (out / "colocate.md").read_text()
+    return data
+
+
+def test_realistic_workload_reports_each_stage_beside_its_floor_per_sync_path(
+    realistic: dict,
+) -> None:
+    settings = realistic["settings"]
+    assert settings["workload"] == "realistic"
+    # The realistic workload's own choices, where the command did not override them.
+    assert (settings["micro_batch_size"], settings["gradient_checkpointing"]) == ("4", "True")
+    assert float(settings["eos_hazard"]) == pytest.approx(1 / 400)
+    bandwidths = realistic["bandwidths"]
+    assert [p["sync_path"] for p in realistic["points"]] == SYNC_PATHS
+    alone = realistic["alone"]
+    for point in realistic["points"]:
+        assert point["completed"], point["failure"]
+        floors = point["floors"]
+        assert set(floors) == {"offload_optimizer", "weight_sync", "offload_train", "sleep",
+                               "rollout"}  # fmt: skip
+        # Each floor is the stage's bytes over the bandwidth measured in the same run.
+        sync = floors["weight_sync"]
+        model = realistic["model"]
+        assert sync["bytes"] == model["policy_shard_bytes"] + model["engine_weight_bytes"] > 0
+        assert sync["floor_seconds"] == pytest.approx(
+            sync["bytes"] / bandwidths["hbm_read_write_bytes_per_second"]
+        )
+        assert sync["seconds"] == point["weight_sync_seconds"]
+        for name, link in (("offload_optimizer", "d2h"), ("offload_train", "d2h"),
+                           ("sleep", "h2d")):  # fmt: skip
+            row = floors[name]
+            assert row["bytes"] > 0
+            assert row["floor_seconds"] == pytest.approx(
+                row["bytes"] / bandwidths[f"{link}_pinned_bytes_per_second"]
+            )
+            assert row["seconds"] == point["stage_seconds"][name]
+        assert floors["sleep"]["bytes"] == (
+            floors["offload_optimizer"]["bytes"] + floors["offload_train"]["bytes"]
+        )
+        for row in floors.values():
+            assert row["ratio"] == pytest.approx(row["seconds"] / row["floor_seconds"])
+        # The rollout's floor: the tokens it generated at the engine-alone pass's rate.
+        rollout = floors["rollout"]
+        assert 0 < point["response_tokens"] <= 2 * 2 * 8
+        assert rollout["floor_seconds"] == pytest.approx(
+            point["response_tokens"] / alone["rollout_tokens_per_second"]
+        )
+        assert 0 < point["response_length_mean"] <= point["response_length_max"] <= 8
+        assert 0 <= point["truncated_share"] <= 1
+        assert point["iteration_seconds"] == pytest.approx(sum(point["stage_seconds"].values()))
+        label = f"staged [{point['sync_path']}]"
+        assert (
+            f"Floors of {label} at 0.50: iteration {point['iteration_seconds']:.2f} s"
+            in (realistic["_markdown"])
+        )
+        assert f"| {label} | 0.50 | ok (2 it)" in realistic["_markdown"]
+    names = [t["name"] for t in realistic["targets"]]
+    assert sum("weight sync within 3x its HBM floor" in n for n in names) == len(SYNC_PATHS)

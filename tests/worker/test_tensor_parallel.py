@@ -44,7 +44,11 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     os.environ["CUDA_VISIBLE_DEVICES"] = GPU_IDS[rank]
     import torch
     import torch.distributed as dist
-    from support.sglang_standin import HANDOFF_STAND_IN, SGLangEngineStandIn
+    from support.sglang_standin import (
+        HANDOFF_FLAT_STAND_IN,
+        HANDOFF_STAND_IN,
+        SGLangEngineStandIn,
+    )
     from support.sglang_standin import NEWEST as SGLANG_NEWEST
 
     from rljob_worker.engines import make_engine, sglang_engine
@@ -60,7 +64,9 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     sglang_engine._load_engine_class = lambda: engine_class  # type: ignore[assignment]
     # The stand-in imitates the newest supported release; sglang is not installed here.
     sglang_engine.installed_contract = lambda: SGLANG_NEWEST  # type: ignore[assignment]
-    sglang_engine.load_tensor_handoff = lambda: HANDOFF_STAND_IN  # type: ignore[assignment]
+    # "flattened": the installed sglang has the flattened-bucket path (one payload per bucket).
+    handoff = HANDOFF_FLAT_STAND_IN if scenario == "flattened" else HANDOFF_STAND_IN
+    sglang_engine.load_tensor_handoff = lambda: handoff  # type: ignore[assignment]
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
     )
@@ -106,6 +112,7 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
             out["calls"] = built[0].names()
             out["sampling"] = next(kw for n, kw in built[0].calls if n == "generate")
         out["visible_after"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+        out["flattened_loads"] = built[0].flattened_loads if built else None
     except Exception as exc:
         out["error"] = (type(exc).__name__, str(exc))
         out["failed_at"] = time.monotonic()
@@ -118,12 +125,19 @@ def _run(scenario: str) -> dict[int, dict[str, Any]]:
     return run_ranks(_rank_main, WORLD, scenario)
 
 
-def test_one_engine_per_group_on_the_groups_gpus_each_rank_gets_its_own_answers() -> None:
+@pytest.mark.parametrize("scenario", ["iterations", "flattened"])
+def test_one_engine_per_group_on_the_groups_gpus_each_rank_gets_its_own_answers(
+    scenario: str,
+) -> None:
+    """Per tensor ("iterations") or one flattened payload per rank and bucket ("flattened"),
+    TP rank i's scheduler loads rank i's tensors."""
     from support.sglang_standin import staged_iteration_calls
 
     from rljob_worker.engines.base import ALL_TAGS
 
-    out = _run("iterations")
+    out = _run(scenario)
+    # One flattened load per bucket and iteration where that path is taken, none otherwise.
+    assert out[0]["flattened_loads"] == (ITERATIONS if scenario == "flattened" else 0)
     assert "error" not in out[0] and "error" not in out[1], out
     # Only the leader starts sglang, over both ranks' GPUs in rank order, from the first.
     assert (out[0]["engines_here"], out[1]["engines_here"]) == (1, 0)

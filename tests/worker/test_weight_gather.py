@@ -87,3 +87,51 @@ def test_row_chunks_follow_torch_chunk(
     # torch.chunk is what DTensor's Shard(0) and FSDP2 cut by (it may give fewer chunks).
     pieces = torch.arange(rows).chunk(world)
     assert [len(p) for p in pieces] == [n for _, n in chunks][: len(pieces)]
+
+
+def _overlap_rank_main(rank: int, init_method: str, world: int, results: Any) -> None:
+    """Buckets gathered one after another against the overlapped pipeline the weight sync runs
+    (weight_sync.prefetched: bucket N+1's all-gather issued before bucket N is handed on)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from rljob.plan import plan_buckets
+    from rljob_worker.train import gather_full
+    from rljob_worker.weight_sync import flatten, prefetched
+
+    with gloo_rank(rank, world, init_method, results) as out:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        params = {f"t{i}": distribute_tensor(torch.randn(s), mesh, [Shard(0)]) for i, s in enumerate(SHAPES)}  # fmt: skip
+        # ~60 bf16 elements a bucket: several buckets, one tensor larger than a bucket.
+        buckets = plan_buckets([(n, p.numel() * 2) for n, p in params.items()], 120)
+
+        def gather(names: list[str]) -> Any:
+            return lambda: gather_full([(n, params[n]) for n in names], torch.bfloat16)
+
+        one_by_one = [gather(names)() for names in buckets]
+        handed: list[list[tuple[str, bytes]]] = []
+        views: list[bool] = []
+        for bucket in prefetched(gather(names) for names in buckets):
+            handed.append([(n, t.view(torch.uint8).numpy().tobytes()) for n, t in bucket])
+            views.append(not flatten(bucket).packed)
+            del bucket
+        out["buckets"] = len(buckets)
+        out["names_equal"] = [[n for n, _ in b] for b in handed] == buckets
+        out["bytes_equal"] = [
+            [(n, t.view(torch.uint8).numpy().tobytes()) for n, t in b] for b in one_by_one
+        ] == handed
+        out["views"] = views
+
+
+@pytest.mark.parametrize("world", [1, WORLD])
+def test_overlapped_gather_hands_on_the_same_buckets_in_order_bit_for_bit(world: int) -> None:
+    collected = run_ranks(_overlap_rank_main, world, world)
+    for rank in range(world):
+        out = collected[rank]
+        assert "error" not in out, out
+        assert out["buckets"] >= 3
+        assert out["names_equal"] and out["bytes_equal"], out
+        # Every bucket gather_full gave lies in one buffer: the flattened hand-off copies none.
+        assert out["views"] == [True] * out["buckets"]

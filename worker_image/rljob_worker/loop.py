@@ -24,7 +24,7 @@ from rljob_worker import checkpoint as checkpoints
 from rljob_worker.engines import make_engine
 from rljob_worker.engines.base import ALL_TAGS, RolloutEngine, SamplingParams
 from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM
-from rljob_worker.model import load_tokenizer, resolve_model_path, torch_dtype
+from rljob_worker.model import load_tokenizer, resolve_model_path, stop_token_ids, torch_dtype
 from rljob_worker.reward import Scorer
 from rljob_worker.stages import StageMachine
 from rljob_worker.task import Task, make_task
@@ -277,7 +277,7 @@ def run_rank(
     torch.manual_seed(spec.algorithm.seed)
     model_path = resolve_model_path(spec.model.path)
     tokenizer = load_tokenizer(model_path)
-    eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    eos_ids = stop_token_ids(tokenizer, model_path)
     # The data's rows are read and checked before any GPU work (the reward function below).
     task = make_task(spec.data, spec.algorithm.seed, tokenizer)
 

@@ -165,6 +165,23 @@ def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, path: Path | str) -> list[int]:
+    """The ids that end an answer: the tokenizer's EOS, then every id the model's config.json and
+    generation_config.json declare as eos_token_id (an int or a list). sglang stops on the
+    same union (ModelConfig._get_hf_eos_token_id), so the torch engine and the rollout's
+    truncation count must too: an instruct model lists several (Qwen2.5's <|im_end|> and
+    <|endoftext|>)."""
+    import json
+
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for name in ("config.json", "generation_config.json"):
+        file = Path(path) / name
+        declared = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+        if declared is not None:
+            ids += [declared] if isinstance(declared, int) else list(declared)
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
 def load_causal_lm(path: Path | str, dtype: torch.dtype) -> PreTrainedModel:
     """AutoModelForCausalLM.from_pretrained: the one loading path for builtin and real models."""
     from transformers import AutoModelForCausalLM

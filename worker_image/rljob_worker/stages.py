@@ -231,18 +231,18 @@ class StageMachine:
         self.engine.resume(tags)
         started = time.perf_counter()
         handoff = 0.0
-        # In place, bucket by bucket: addresses stay valid (CUDA graphs) and only one bucket
-        # of full tensors exists at a time on top of the sharded params and engine weights.
+        # In place, bucket by bucket: addresses stay valid (CUDA graphs) and at most two
+        # buckets of full tensors exist at a time on top of the sharded params and engine
+        # weights: the one handed over and the next, whose gather runs meanwhile
+        # (Trainer.weight_buckets). No device synchronize here: a bucket arrives with its own
+        # kernels done, and waiting for the next one's would serialize the two again.
         for bucket in self.trainer.weight_buckets(self.bucket_bytes, self.engine_dtype):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the gather's kernels count as the gather's
             handing = time.perf_counter()
             self.engine.update_weights(bucket)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
             handoff += time.perf_counter() - handing
             if self.after_weight_update is not None:
                 self.after_weight_update(self._iteration, bucket)
+            del bucket  # before the next gather: two buckets at most, as planned
         # Prefix caches computed with the old weights are wrong now.
         self.engine.flush_cache()
         if torch.cuda.is_available():

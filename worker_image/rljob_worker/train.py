@@ -7,7 +7,7 @@ and CPU on the stage machine's request, and gathers full tensors bucket by bucke
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from rljob_worker.policy_update import Experience as Experience
 from rljob_worker.policy_update import PolicyUpdate
 from rljob_worker.policy_update import TrainStats as TrainStats
 from rljob_worker.sharded_load import chunk_rows, load_sharded, row_chunk
+from rljob_worker.weight_sync import overlap_enabled, prefetched
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -326,16 +327,22 @@ class Trainer:
     def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[NamedTensors]:
         """Full (unsharded) tensors in the engine's dtype, one bucket at a time.
 
-        Only one bucket of full tensors exists at once: that bound is what the bucket size
-        buys (while a bucket is gathered on more than one rank, twice its bytes: the gathered
-        buffer and the tensors cut from it). Collective: every rank gathers the same bucket in
-        the same order.
+        Bucket N+1's gather is issued before bucket N is yielded (weight_sync.prefetched), so
+        its kernels run while the caller hands bucket N to the engine. At most two buckets of
+        full tensors exist at once, the one yielded and the one being gathered (on more than one
+        rank the latter also has its send buffer and the received [world, chunk] buffer): that
+        bound is what the bucket size buys, and what the memory plan's gather term counts. The
+        caller drops each bucket before asking for the next. Collective: every rank gathers the
+        same bucket in the same order.
         """
         params = dict(self.model.named_parameters())
         element = torch.empty((), dtype=dtype).element_size()
         sizes = [(name, p.numel() * element) for name, p in params.items()]
-        for names in plan_buckets(sizes, bucket_bytes):
+
+        def gather(names: list[str]) -> Callable[[], NamedTensors]:
             # No detach: gather_full runs without autograd (a DTensor's detach is ~30 us each).
-            bucket = gather_full([(name, params[name]) for name in names], dtype)
-            yield bucket
-            del bucket
+            return lambda: gather_full([(name, params[name]) for name in names], dtype)
+
+        yield from prefetched(
+            (gather(names) for names in plan_buckets(sizes, bucket_bytes)), overlap_enabled()
+        )

@@ -42,6 +42,7 @@ from rljob_worker.engines.sglang_weights import (
     read_weights,
 )
 from rljob_worker.memory import LIBRARY_OOM_MARKERS
+from rljob_worker.weight_sync import flatten, sglang_flattened_bucket
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,12 @@ class SGLangContract:
     local_tensor: tuple[str, str, str]
     # Module and class of the restricted unpickler that must allow `local_tensor`.
     safe_unpickler: tuple[str, str]
+    # update_weights_from_tensor's flattened-bucket path: (module, the metadata class its
+    # schedulers rebuild a bucket from, the load_format that selects it). The schedulers
+    # unpickle {"flattened_tensor", "metadata"} from one payload per TP rank and load the
+    # rebuilt views with the model's load_weights, as the per-tensor path does. None: no such
+    # path (the adapter hands over one tensor per parameter).
+    flattened_bucket: tuple[str, str, str] | None = None
 
     @property
     def opens_weight_update_session(self) -> bool:
@@ -164,6 +171,11 @@ _CONTRACT_0_5_23 = SGLangContract(
         "values",
     ),
     safe_unpickler=("sglang.srt.utils.common", "SafeUnpickler"),
+    flattened_bucket=(
+        "sglang.srt.weight_sync.tensor_bucket",
+        "FlattenedTensorMetadata",
+        "flattened_bucket",
+    ),
 )
 
 # 0.5.17 has no weight-update session: Engine has neither begin_weight_update nor
@@ -497,10 +509,47 @@ class TensorHandoff:
 
     serialize: Callable[[Any], bytes]
     local_tensor: Callable[..., Any]
+    # sglang's FlattenedTensorMetadata where the flattened-bucket path is taken, else None:
+    # then each rank serializes one {"flattened_tensor", "metadata"} per bucket instead.
+    flattened_metadata: Callable[..., Any] | None = None
+
+
+# RLJOB_SGLANG_WEIGHT_SYNC: "auto" (the default: flattened buckets where the installed sglang
+# has them), "tensors" (one tensor per parameter, the path before issue 33), "flattened_bucket"
+# (required: an error where sglang lacks it). For measurements (bench/colocate.py --sync-path)
+# and as a way back should a release's flattened path misbehave.
+WEIGHT_SYNC_ENV = "RLJOB_SGLANG_WEIGHT_SYNC"
+WEIGHT_SYNC_PATHS = ("auto", "tensors", "flattened_bucket")
+
+
+def flattened_bucket_metadata(contract: SGLangContract) -> Callable[..., Any] | None:
+    """sglang's metadata class of the flattened-bucket path, found by import (the feature, not
+    the version number), or None where the path is not taken: RLJOB_SGLANG_WEIGHT_SYNC says
+    "tensors", or (under "auto") the contract has none or the installed sglang lacks the class."""
+    choice = os.environ.get(WEIGHT_SYNC_ENV, "auto").strip().lower() or "auto"
+    if choice not in WEIGHT_SYNC_PATHS:
+        raise ValueError(f"{WEIGHT_SYNC_ENV}={choice!r} must be one of {WEIGHT_SYNC_PATHS}")
+    if choice == "tensors":
+        return None
+    found: Callable[..., Any] | None = None
+    if contract.flattened_bucket is not None:
+        module, cls, _load_format = contract.flattened_bucket
+        try:
+            found = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            found = None
+    if found is None and choice == "flattened_bucket":
+        raise SGLangVersionError(
+            f"{WEIGHT_SYNC_ENV}=flattened_bucket, but sglang {contract.release} here has no "
+            "flattened-bucket weight update (sglang.srt.weight_sync.tensor_bucket); unset it to "
+            "hand over one tensor per parameter"
+        )
+    return found
 
 
 def load_tensor_handoff() -> TensorHandoff:
-    """sglang's own serializer and per-rank wrapper (the contract's serializer, local_tensor)."""
+    """sglang's own serializer and per-rank wrapper (the contract's serializer, local_tensor),
+    and its flattened-bucket metadata where that path is taken (flattened_bucket_metadata)."""
     contract = installed_contract()
     _patch_tensor_reductions(contract)
     module, cls, method = contract.serializer
@@ -509,6 +558,7 @@ def load_tensor_handoff() -> TensorHandoff:
     return TensorHandoff(
         serialize=getattr(serializer, method),
         local_tensor=getattr(importlib.import_module(module), cls),
+        flattened_metadata=flattened_bucket_metadata(contract),
     )
 
 
@@ -534,8 +584,14 @@ class SGLangEngine:
         disable_cuda_graph: bool = False,
         engine_class: Callable[..., Any] | None = None,
         contract: SGLangContract | None = None,
+        handoff: TensorHandoff | None = None,
     ) -> None:
         self._contract = contract = contract or installed_contract()
+        # How buckets travel: flattened (one IPC handle per bucket) where sglang has that path,
+        # else one tensor per parameter; found at the first update (load_tensor_handoff). With
+        # an engine class given (a stand-in), only as told.
+        self._handoff = handoff
+        self._find_handoff = handoff is None and engine_class is None
         if dtype not in contract.server_arg_choices["dtype"]:
             raise ValueError(
                 f"dtype={dtype!r} is not one of {contract.server_arg_choices['dtype']}"
@@ -712,18 +768,47 @@ class SGLangEngine:
         self._engine.resume_memory_occupation(tags=todo)
         self._released.difference_update(todo)
 
+    @property
+    def flattened_buckets(self) -> bool:
+        """Whether buckets go to sglang flattened (one buffer each) rather than per tensor."""
+        if self._find_handoff:
+            self._handoff, self._find_handoff = load_tensor_handoff(), False
+        return self._handoff is not None and self._handoff.flattened_metadata is not None
+
+    def flat_payload(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+        """One bucket as sglang's flattened-bucket payload: one IPC handle for its buffer."""
+        assert self._handoff is not None and self._handoff.flattened_metadata is not None
+        metadata = self._handoff.flattened_metadata
+        return self._handoff.serialize(sglang_flattened_bucket(flatten(bucket), metadata))
+
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor | Any]]) -> None:
         """Load one bucket of full tensors into the resident weights, in place.
 
         sglang 0.5.23 loads tensors only inside a weight-update session: there the first bucket
-        opens one and flush_cache() closes it; 0.5.17 has no session and loads at once. A value
-        is a tensor (every TP rank's scheduler opens it by CUDA IPC) or, from a
-        TensorParallelEngine, a TensorHandoff.local_tensor holding one handle per TP rank, each
-        on that rank's GPU.
+        opens one and flush_cache() closes it; 0.5.17 has no session and loads at once. Where
+        the flattened-bucket path is taken, the bucket travels as one buffer (every TP rank's
+        scheduler opens the same handle); otherwise a value is a tensor (every TP rank's
+        scheduler opens it by CUDA IPC) or, from a TensorParallelEngine, a
+        TensorHandoff.local_tensor holding one handle per TP rank, each on that rank's GPU.
         """
         named_tensors = list(bucket)
         if not named_tensors:
             return
+        if self.flattened_buckets and all(isinstance(t, torch.Tensor) for _, t in named_tensors):
+            payload = self.flat_payload(named_tensors)
+            self.update_weights_flattened([payload] * self._tp_size)
+            return
+        self._load(named_tensors, None)
+
+    def update_weights_flattened(self, payloads: Sequence[bytes]) -> None:
+        """Load one bucket given as one flattened-bucket payload per TP rank (flat_payload on
+        the rank whose GPU that TP rank runs on)."""
+        if len(payloads) != self._tp_size:
+            raise ValueError(f"{len(payloads)} payloads for tp_size {self._tp_size}")
+        assert self._contract.flattened_bucket is not None
+        self._load(list(payloads), self._contract.flattened_bucket[2])
+
+    def _load(self, named_tensors: list[Any], load_format: str | None) -> None:
         self._require_resident((TAG_WEIGHTS,), "update_weights")
         if not self._update_open:
             if self._contract.opens_weight_update_session:
@@ -732,7 +817,7 @@ class SGLangEngine:
             self._update_open = True
         result = self._engine.update_weights_from_tensor(
             named_tensors=named_tensors,
-            load_format=None,
+            load_format=load_format,
             # One flush after the last bucket (flush_cache below), not one per bucket.
             flush_cache=False,
         )

@@ -58,6 +58,8 @@ class GroupEngine(Protocol):
 
     def update_weights(self, bucket: Iterable[tuple[str, Any]]) -> None: ...
 
+    def update_weights_flattened(self, payloads: Sequence[bytes]) -> None: ...
+
     def flush_cache(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -187,6 +189,11 @@ class TensorParallelEngine:
     def released_tags(self) -> frozenset[str]:
         return self._released
 
+    @property
+    def flattened_buckets(self) -> bool:
+        """Whether buckets go to sglang flattened (one payload per rank and bucket)."""
+        return self._handoff.flattened_metadata is not None
+
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[list[int]]:
@@ -250,27 +257,39 @@ class TensorParallelEngine:
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every rank hands over its own full tensors; TP rank i's scheduler loads rank i's.
 
-        This rank's tensors stay referenced (`named`) until the leader reports the bucket
-        loaded: an IPC handle is only good while its tensor lives.
+        Where sglang has the flattened-bucket path, each rank sends one payload for the whole
+        bucket (its buffer's IPC handle and the tensors' places in it), else one handle per
+        tensor. This rank's tensors stay referenced (`named`, `flat`) until the leader reports
+        the bucket loaded: an IPC handle is only good while its tensor lives.
         """
         named = [(name, tensor.detach()) for name, tensor in bucket]
-        handles = [(name, self._handoff.serialize(tensor)) for name, tensor in named]
+        names = [name for name, _ in named]
+        metadata = self._handoff.flattened_metadata
+        if metadata is not None:
+            from rljob_worker.weight_sync import flatten, sglang_flattened_bucket
+
+            flat = flatten(named)
+            mine: Any = self._handoff.serialize(sglang_flattened_bucket(flat, metadata))
+        else:
+            mine = [self._handoff.serialize(tensor) for _, tensor in named]
         layout = self.layout
         gathered: list[Any] | None = [None] * len(layout.group) if layout.is_leader else None
         with _peers(layout, "update_weights"):
-            dist.gather_object(handles, gathered, dst=layout.leader, group=self._group)
+            dist.gather_object((names, mine), gathered, dst=layout.leader, group=self._group)
 
         def load(engine: GroupEngine) -> None:
             assert gathered is not None
-            names = [name for name, _ in gathered[0]]
-            for tp_rank, part in enumerate(gathered):
-                if [name for name, _ in part] != names:
+            for tp_rank, (theirs, _) in enumerate(gathered):
+                if theirs != names:
                     raise RuntimeError(
                         f"rank {layout.group[tp_rank]} sent a different bucket than rank "
-                        f"{layout.leader}: {[n for n, _ in part]} != {names}"
+                        f"{layout.leader}: {theirs} != {names}"
                     )
+            if metadata is not None:
+                engine.update_weights_flattened([payload for _, payload in gathered])
+                return
             engine.update_weights(
-                (name, self._handoff.local_tensor(values=[part[i][1] for part in gathered]))
+                (name, self._handoff.local_tensor(values=[handles[i] for _, handles in gathered]))
                 for i, name in enumerate(names)
             )
 

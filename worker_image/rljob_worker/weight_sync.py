@@ -1,0 +1,168 @@
+"""The weight sync's buckets as one flat buffer each, and the gather of the next bucket issued
+while the previous one is handed to the engine.
+
+A bucket of full tensors goes to sglang as one buffer and a list of (name, shape, dtype, byte
+range) entries (sglang's `load_format="flattened_bucket"`): one CUDA IPC handle per bucket
+instead of one per tensor, which is what the per-tensor hand-off spends its time on. The
+trainer's gather already writes a bucket into one buffer (train.gather_full), so the flat view
+costs no copy; tensors that do not share one buffer are packed into a new one (one copy).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FlatEntry:
+    """One tensor of a flat bucket: bytes [start, end) of the buffer hold it, contiguous."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class FlatBucket:
+    """A bucket as one uint8 buffer and where each tensor lies in it."""
+
+    buffer: torch.Tensor
+    entries: tuple[FlatEntry, ...]
+    # Whether the buffer was made by packing (a copy of the bucket's bytes) or is a view.
+    packed: bool
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's tensors again, as views of the buffer (sglang's reconstruct_tensors)."""
+        return [
+            (e.name, self.buffer[e.start : e.end].view(e.dtype).reshape(e.shape))
+            for e in self.entries
+        ]
+
+
+def _byte_view(storage: torch.UntypedStorage, length: int) -> torch.Tensor:
+    """A uint8 tensor over the first `length` bytes of `storage`."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (length,), (1,)
+    )
+
+
+def flatten(named: Sequence[tuple[str, torch.Tensor]]) -> FlatBucket:
+    """One buffer for the bucket `named`: a view where every tensor is contiguous in one
+    storage (train.gather_full's output), else the tensors packed into a new buffer, each at a
+    byte offset its dtype can be viewed at. Offsets are from the storage's start, so a view of
+    any dtype stays aligned."""
+    if not named:
+        raise ValueError("cannot flatten an empty bucket")
+    tensors = [tensor.detach() for _, tensor in named]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    if len(storages) == 1 and all(t.is_contiguous() for t in tensors):
+        entries = tuple(
+            FlatEntry(
+                name,
+                t.shape,
+                t.dtype,
+                int(t.storage_offset()) * t.element_size(),
+                (int(t.storage_offset()) + t.numel()) * t.element_size(),
+            )
+            for (name, _), t in zip(named, tensors, strict=True)
+        )
+        end = max(e.end for e in entries)
+        return FlatBucket(_byte_view(tensors[0].untyped_storage(), end), entries, packed=False)
+    entries_list: list[FlatEntry] = []
+    offset = 0
+    for (name, _), tensor in zip(named, tensors, strict=True):
+        size = tensor.element_size()
+        offset = -(-offset // size) * size  # aligned for a view of its dtype
+        entries_list.append(
+            FlatEntry(name, tensor.shape, tensor.dtype, offset, offset + tensor.numel() * size)
+        )
+        offset += tensor.numel() * size
+    buffer = torch.empty(offset, dtype=torch.uint8, device=tensors[0].device)
+    for entry, tensor in zip(entries_list, tensors, strict=True):
+        buffer[entry.start : entry.end].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    return FlatBucket(buffer, tuple(entries_list), packed=True)
+
+
+def sglang_flattened_bucket(bucket: FlatBucket, metadata_class: Callable[..., Any]) -> dict:
+    """The object sglang's scheduler unpickles for `load_format="flattened_bucket"`
+    (weight_updater._update_weights_from_flattened_bucket, 0.5.17 and 0.5.23 alike): the buffer
+    and one `FlattenedTensorMetadata` (sglang's own class, which its restricted unpickler admits)
+    per tensor, whose start_idx/end_idx/numel count bytes of the uint8 buffer."""
+    return {
+        "flattened_tensor": bucket.buffer,
+        "metadata": [
+            metadata_class(
+                name=e.name,
+                shape=e.shape,
+                dtype=e.dtype,
+                start_idx=e.start,
+                end_idx=e.end,
+                numel=e.end - e.start,
+            )
+            for e in bucket.entries
+        ],
+    }
+
+
+def _ready_marker() -> Callable[[], None]:
+    """A wait for the kernels issued so far on the current CUDA stream (none on the CPU)."""
+    if not torch.cuda.is_available():
+        return lambda: None
+    event = torch.cuda.Event()
+    event.record()
+    return event.synchronize
+
+
+# RLJOB_WEIGHT_SYNC_OVERLAP=0 gathers each bucket only after the previous one was handed over
+# (the path before issue 33), for measurements (bench/colocate.py --sync-path before).
+OVERLAP_ENV = "RLJOB_WEIGHT_SYNC_OVERLAP"
+
+
+def overlap_enabled() -> bool:
+    return os.environ.get(OVERLAP_ENV, "1").strip() != "0"
+
+
+def prefetched(gathers: Iterable[Callable[[], T]], ahead: bool = True) -> Iterator[T]:
+    """The results of `gathers`, in order, each one's successor issued before it is yielded
+    (`ahead`; else each gathered only once the previous one was handed back).
+
+    A gather on the GPU only enqueues kernels (casts, the all-gather); the hand-off of the
+    bucket yielded runs on the host (sglang's scheduler loads it from another process), so
+    while the consumer hands bucket N over, bucket N+1's kernels run. A result is yielded once
+    its own kernels are done (an event), not after the next one's. At most two results are
+    held here at once: the one yielded and the one being gathered; the consumer must drop its
+    reference before asking for the next (the memory plan's gather term counts two buckets).
+    """
+    if not ahead:
+        for gather in gathers:
+            result = gather()
+            _ready_marker()()
+            yield result
+            del result
+        return
+    pending: tuple[T, Callable[[], None]] | None = None
+    for gather in gathers:
+        result = gather()
+        ready = _ready_marker()
+        if pending is not None:
+            previous, wait = pending
+            pending = None
+            wait()
+            yield previous
+            del previous
+        pending = (result, ready)
+        del result
+    if pending is not None:
+        previous, wait = pending
+        pending = None
+        wait()
+        yield previous
