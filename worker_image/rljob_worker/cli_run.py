@@ -143,7 +143,8 @@ def _bytes(n: int) -> str:
 def load_lines(status: RLJobStatus, loads: list[LoadSample]) -> list[str]:
     """Each rank's measured start-up peak, then the plan's load row to hold them against."""
     lines = [
-        f"start-up load, rank {s.rank}: peak {_bytes(s.device_peak_used_bytes)} device-wide, "
+        f"start-up load, rank {s.rank}: peak {_bytes(s.device_peak_used_bytes)} "
+        f"{'host' if s.kind == 'host' else 'device'}-wide, "
         f"torch allocated {_bytes(s.peak_allocated_bytes)}, host RSS peak "
         f"{_bytes(s.host_peak_bytes)}, {s.seconds:.1f} s"
         for s in sorted(loads, key=lambda s: s.rank)
