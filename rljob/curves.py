@@ -39,6 +39,14 @@ def metrics_table(metrics: Sequence[IterationMetrics], title: str, rows: int = T
         ("length", lambda m: _number(m.response_length_mean, ".1f")),
         ("seconds", lambda m: _number(m.seconds, ".1f")),
     ]
+    if any(m.turns_mean is not None for m in shown):  # spec.rollout.mode multiTurn
+        columns[-1:-1] = [
+            ("turns", lambda m: _number(m.turns_mean, ".2f")),
+            ("tool calls", lambda m: _number(m.tool_calls, "d")),
+            ("errors", lambda m: _number(m.tool_errors, "d")),
+            ("timeouts", lambda m: _number(m.tool_timeouts, "d")),
+            ("cut off", lambda m: _number(m.cut_off, "d")),
+        ]
     for name, _ in columns:
         table.add_column(name, justify="right")
     for entry in shown:

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from rljob.api import CheckpointStatus, ExportStatus, OOMEvent, RLJobStatus
 from rljob.report import IterationReport, OOMRecord, StageSample, metrics_with, summarize
+from rljob_worker.agentic.driver import RolloutCounts
 from rljob_worker.loop import RankIteration, RolloutStats
 from rljob_worker.train import TrainStats
 
@@ -79,6 +80,22 @@ def _add_rollout(report: IterationReport, rollouts: list[RolloutStats]) -> None:
     report.response_length_mean = sum(r.response_tokens for r in rollouts) / count
     report.response_length_max = max(r.response_length_max for r in rollouts)
     report.truncated_share = sum(r.truncated for r in rollouts) / count
+    turns = [r.multi_turn for r in rollouts if r.multi_turn is not None]
+    if turns:
+        _add_multi_turn(report, turns)
+
+
+def _add_multi_turn(report: IterationReport, counts: list[RolloutCounts]) -> None:
+    conversations = sum(c.conversations for c in counts) or 1
+    report.turns_mean = sum(c.turns for c in counts) / conversations
+    report.tool_calls = sum(c.tool_calls for c in counts)
+    report.tool_errors = sum(c.tool_errors for c in counts)
+    report.tool_timeouts = sum(c.tool_timeouts for c in counts)
+    report.cut_off = sum(c.cut_off for c in counts)
+    cached = [c for c in counts if c.cached_tokens is not None]
+    sent = sum(c.prompt_tokens for c in cached)
+    if cached and sent:
+        report.prefix_cache_hit_rate = sum(c.cached_tokens or 0 for c in cached) / sent
 
 
 def _add_train(report: IterationReport, trains: list[TrainStats]) -> None:
