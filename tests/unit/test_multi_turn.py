@@ -423,3 +423,51 @@ def test_a_masked_update_by_hand() -> None:
     assert stats.logprob_mismatch_sum == pytest.approx(3 * (math.log(3) - 1), abs=1e-5)
     expected = torch.tensor([[0.0, 1 / 3, -1 / 3], [-1 / 9, -1 / 9, 2 / 9], [0.0, 0.0, 0.0]])
     assert torch.allclose(model.table.detach(), expected * A, atol=1e-6)
+
+
+# -- the memory plan ---------------------------------------------------------------------------
+
+QWEN_05B_SHAPE = {"hiddenSize": 896, "intermediateSize": 4864, "numHiddenLayers": 24,
+                  "numAttentionHeads": 14, "numKeyValueHeads": 2, "vocabSize": 151936,
+                  "tieWordEmbeddings": True}  # fmt: skip
+
+
+def _multi_turn_spec(concurrent: int, length: int) -> RLJobSpec:
+    return RLJobSpec.model_validate({
+        "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct", "dtype": "bfloat16", "shape": QWEN_05B_SHAPE},
+        "data": {"source": "builtin:calculator", "trainBatchSize": 16, "maxPromptLength": 256},
+        "algorithm": {"groupSize": 8},
+        "rollout": {"engine": "sglang", "memFractionStatic": 0.5, "mode": "multiTurn",
+                    "multiTurn": {"maxResponseLength": length, "maxConcurrentConversations": concurrent}},
+        "resources": {"gpusPerWorker": 1},
+    })  # fmt: skip
+
+
+def _chosen(spec: RLJobSpec) -> Any:
+    from rljob.plan import plan, shape_for
+
+    shape = shape_for(spec)
+    assert shape is not None
+    return plan(spec, shape, 80 * 2**30, 1).chosen
+
+
+def test_the_plan_reserves_kv_for_the_concurrent_full_length_trajectories() -> None:
+    from rljob.plan import multi_turn_kv_tokens
+
+    # 16 prompts x 8 = 128 conversations on the one rank, at most 64 at once: 64 x (256 + 4096).
+    spec = _multi_turn_spec(64, 4096)
+    assert multi_turn_kv_tokens(spec, 1) == 64 * (256 + 4096)
+    fits = _chosen(spec)
+    assert fits.parts.kv_tokens_needed == 278_528 and fits.kv_holds_conversations
+    # 128 at once (capped by the 128 conversations there are) of 256 + 65536 tokens: 8.4M
+    # tokens, more than half an 80 GiB card holds for a 0.5B model.
+    big = _multi_turn_spec(4096, 65536)
+    short = _chosen(big)
+    assert short.parts.kv_tokens_needed == 128 * (256 + 65536)
+    assert not short.kv_holds_conversations and not short.fits
+    assert "concurrent full-length trajectories need 8421376" in short.misfit_text()
+    # Single-turn jobs ask nothing of the pool here (the engine queues what does not fit).
+    single = RLJobSpec.model_validate(
+        {"model": {"path": "Qwen/Qwen2.5-0.5B", "shape": QWEN_05B_SHAPE}}
+    )
+    assert _chosen(single).parts.kv_tokens_needed == 0
