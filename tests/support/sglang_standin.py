@@ -117,6 +117,9 @@ class SGLangEngineStandIn:
         return call
 
     async def _async_answer(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        import asyncio
+
+        await asyncio.sleep(0.01)  # the scheduler's turn: the request is in flight meanwhile
         answer = self._generated(kwargs["input_ids"], kwargs.get("return_logprob", False))
         answer["meta_info"][self.contract.cached_tokens_key] = len(kwargs["input_ids"]) // 2
         return answer

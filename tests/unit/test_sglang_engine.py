@@ -805,3 +805,25 @@ def test_async_generate_with_kv_cache_released_raises_without_calling_sglang() -
     with pytest.raises(RuntimeError, match="kv_cache"):
         engine.run_async(engine.async_generate([1], SAMPLING))
     assert sgl.calls[start:] == []
+
+
+def test_release_while_an_async_request_is_in_flight_is_refused() -> None:
+    # What staged awake relies on (sglang itself refuses to release while a request runs): the
+    # adapter counts async_generate calls in flight and names them.
+    engine, _ = make_adapter()
+    engine.resume(list(ALL_TAGS))
+
+    async def release_mid_request() -> None:
+        import asyncio
+
+        request = asyncio.ensure_future(engine.async_generate([1, 2], SAMPLING))
+        await asyncio.sleep(0)  # the request has started and awaits sglang's answer
+        assert engine.requests_in_flight == 1
+        with pytest.raises(RuntimeError, match="1 async_generate requests in flight"):
+            engine.release([TAG_KV_CACHE])
+        await request
+
+    engine.run_async(release_mid_request())
+    assert engine.requests_in_flight == 0
+    engine.release([TAG_KV_CACHE])
+    assert TAG_KV_CACHE in engine.released_tags

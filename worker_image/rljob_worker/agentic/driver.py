@@ -52,7 +52,8 @@ class Trajectory:
     prompt_tokens: int = 0
     cached_tokens: int | None = None
     engines: list[int] = field(default_factory=list)  # the engine of each turn
-    seconds: float = 0.0
+    seconds: float = 0.0  # from its first request to its end
+    finished_seconds: float = 0.0  # from the rollout's start to its end (stragglers)
 
     @property
     def cut_off(self) -> bool:
@@ -70,6 +71,8 @@ class Limits:
     max_response_length: int
     max_tool_response_length: int
     max_concurrent_conversations: int
+    # Tokens one model turn may sample (None: what is left of max_response_length).
+    max_turn_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,8 @@ class MultiTurnRollout:
     ) -> tuple[list[ParsedCall], bool]:
         """One model turn; the calls it makes and whether it ended with end-of-sequence."""
         remaining = self.limits.max_response_length - len(t.response_ids)
+        if self.limits.max_turn_tokens is not None:
+            remaining = min(remaining, self.limits.max_turn_tokens)
         seed = None if sampling.seed is None else sampling.seed + 1009 * t.conversation + t.turns
         request = dataclasses.replace(sampling, max_new_tokens=remaining, seed=seed)
         input_ids = t.prompt_ids + t.response_ids
@@ -142,12 +147,16 @@ class MultiTurnRollout:
         if len(t.response_ids) >= self.limits.max_response_length and not ended_with_eos:
             t.ending = Ending.BUDGET
             return [], ended_with_eos
-        calls = parse_tool_calls(t.last_turn_text, self.tools.names)
+        calls = self.calls_of(t)
         if not calls:
             t.ending = Ending.ANSWER
         elif t.turns >= self.limits.max_turns:
             t.ending = Ending.MAX_TURNS
         return calls, ended_with_eos
+
+    def calls_of(self, t: Trajectory) -> list[ParsedCall]:
+        """The tool calls of the turn just sampled (the bench overrides it to fix turn counts)."""
+        return parse_tool_calls(t.last_turn_text, self.tools.names)
 
     async def _tool_turn(
         self, t: Trajectory, calls: list[ParsedCall], ended_with_eos: bool
@@ -168,7 +177,7 @@ class MultiTurnRollout:
         t.append(turn.ids, sampled=False)
 
     async def _conversation(
-        self, t: Trajectory, sampling: SamplingParams, slots: asyncio.Semaphore
+        self, t: Trajectory, sampling: SamplingParams, slots: asyncio.Semaphore, began: float
     ) -> Trajectory:
         async with slots:
             start = time.perf_counter()
@@ -179,7 +188,8 @@ class MultiTurnRollout:
                         await self._tool_turn(t, calls, ended_with_eos)
             finally:
                 self.router.forget(t.conversation)
-                t.seconds = time.perf_counter() - start
+                end = time.perf_counter()
+                t.seconds, t.finished_seconds = end - start, end - began
         return t
 
     def _start(self, prompts: Sequence[Sequence[int]]) -> list[Trajectory]:
@@ -191,7 +201,8 @@ class MultiTurnRollout:
         """Every conversation to its end, at most maxConcurrentConversations at a time."""
         slots = asyncio.Semaphore(self.limits.max_concurrent_conversations)
         trajectories = self._start(prompts)
-        await asyncio.gather(*(self._conversation(t, sampling, slots) for t in trajectories))
+        began = time.perf_counter()
+        await asyncio.gather(*(self._conversation(t, sampling, slots, began) for t in trajectories))
         self._check_idle()
         return trajectories
 
@@ -216,7 +227,7 @@ class MultiTurnRollout:
                 now = time.perf_counter()
                 for t in batch:
                     if t.ending is not None and not t.seconds:
-                        t.seconds = now - start
+                        t.seconds = t.finished_seconds = now - start
         self._check_idle()
         return trajectories
 

@@ -592,6 +592,9 @@ class SGLangEngine:
         self._kv_capacity_tokens = int(self._engine.get_server_info()[contract.kv_capacity_key])
         self._released: set[str] = set()
         self._update_open = False
+        # async_generate calls not yet answered: sglang refuses to release memory while a
+        # request is queued or running, so release() refuses first, naming the count.
+        self.requests_in_flight = 0
         self._model_path = model_path
         self._tp_size = tp_size
         self.release(ALL_TAGS)
@@ -656,11 +659,15 @@ class SGLangEngine:
         self._require_resident(ALL_TAGS, "async_generate")
         if self._update_open:
             raise RuntimeError("async_generate() during a weight update: call flush_cache() first")
-        output = await self._engine.async_generate(
-            input_ids=list(input_ids),
-            sampling_params=_request_params(sampling, 0),
-            return_logprob=True,
-        )
+        self.requests_in_flight += 1
+        try:
+            output = await self._engine.async_generate(
+                input_ids=list(input_ids),
+                sampling_params=_request_params(sampling, 0),
+                return_logprob=True,
+            )
+        finally:
+            self.requests_in_flight -= 1
         cached = output["meta_info"].get(self._contract.cached_tokens_key)
         return dataclasses.replace(
             self._completion(output), cached_tokens=None if cached is None else int(cached)
@@ -738,6 +745,12 @@ class SGLangEngine:
             return
         if self._update_open:
             raise RuntimeError("release() during a weight update: call flush_cache() first")
+        if self.requests_in_flight:
+            raise RuntimeError(
+                f"release({todo}) with {self.requests_in_flight} async_generate requests in "
+                "flight: sglang refuses to release memory while a request runs; finish or cut "
+                "off every conversation first"
+            )
         self._engine.release_memory_occupation(tags=todo)
         self._released.update(todo)
 

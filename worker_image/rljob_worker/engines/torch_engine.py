@@ -123,6 +123,9 @@ class TorchEngine:
         self._stale_weights: set[str] = set()
         self._shut_down = False
         self._batcher: _Batcher | None = None
+        # async_generate: how long a batch waits for more requests before it starts (0: only
+        # those sent in the same pass of the event loop). bench/multi_turn.py --batch-window.
+        self.batch_window_seconds = 0.0
 
         # Load on the host through the real from_pretrained path, then copy each tensor into
         # memory allocated inside the "weights" region: only the engine's own tensors are there.
@@ -518,8 +521,9 @@ class _Batcher:
 
     async def _drain(self) -> None:
         while self._pending:
-            # One pass of the loop first: requests sent in the same step join this batch.
-            await asyncio.sleep(0)
+            # One pass of the loop first: requests sent in the same step join this batch; with a
+            # window, those that come within it too (fewer, larger batches).
+            await asyncio.sleep(self.engine.batch_window_seconds)
             taken, self._pending = self._pending, []
             # Requests sample alike but for max_new_tokens (and the seed: the first one's).
             groups: dict[SamplingParams, list[int]] = {}
