@@ -7,27 +7,18 @@ missing sglang is an error, not a skip. Memory is measured by the driver (mem_ge
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from support.sglang_gpu import builtin_model_copy, sglang_gpu_missing
 
 from rljob.api import DataSpec, MultiTurnSpec, parse_manifest
 from rljob.report import Stage
 from rljob_worker.engines.base import ALL_TAGS, TAG_WEIGHTS
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device (run through the device tool)", allow_module_level=True)
-if importlib.util.find_spec("sglang") is None:
-    if os.environ.get("RLJOB_GPU_SGLANG") == "1":
-        raise RuntimeError(
-            "RLJOB_GPU_SGLANG=1 but sglang does not import: install the GPU set with "
-            "hack/sglang-gpu-install.sh and put its site on PYTHONPATH"
-        )
-    pytest.skip("sglang is not installed (hack/sglang-gpu-install.sh)", allow_module_level=True)
+if (missing := sglang_gpu_missing()) is not None:
+    pytest.skip(missing, allow_module_level=True)
 
 from rljob_worker.agentic.chat import ChatFormat
 from rljob_worker.agentic.driver import Limits, MultiTurnRollout, Trajectory
@@ -37,7 +28,7 @@ from rljob_worker.agentic.tools import make_tools
 from rljob_worker.driver.local import run_local
 from rljob_worker.engines.base import SamplingParams
 from rljob_worker.engines.sglang_engine import SGLangEngine
-from rljob_worker.model import load_tokenizer, resolve_model_path
+from rljob_worker.model import load_tokenizer
 from rljob_worker.task import make_task
 
 MiB, GiB = 2**20, 2**30
@@ -51,9 +42,7 @@ def _free() -> int:
 
 @pytest.fixture(scope="module")
 def builtin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-qwen2")
-    shutil.copytree(Path(resolve_model_path("builtin:tiny-qwen2")), directory, dirs_exist_ok=True)
-    return directory
+    return builtin_model_copy(tmp_path_factory.mktemp("tiny-qwen2"))
 
 
 class ThreeTurns(MultiTurnRollout):
