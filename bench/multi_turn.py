@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -41,6 +42,8 @@ from rljob_worker.model import load_tokenizer, resolve_model_path
 from rljob_worker.task import make_task
 
 REPO = Path(__file__).resolve().parents[1]
+# --spread: a turn's cap is --turn-tokens times one of these (mean 1.17, most turns short).
+SPREAD = (0.25, 0.25, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 4.0)
 
 
 class BenchRollout(MultiTurnRollout):
@@ -48,6 +51,17 @@ class BenchRollout(MultiTurnRollout):
     last, whatever the (tiny, untrained) model wrote."""
 
     turns = 2
+    spread = False
+
+    def turn_tokens(self, t: Trajectory) -> int | None:
+        """With --spread, each turn's length cap is drawn (seeded by conversation and turn, so
+        both modes get the same) from 1/4 to 4 times --turn-tokens, long-tailed as agent turns
+        are; the untrained model rarely samples end-of-sequence, so the cap is the length."""
+        cap = self.limits.max_turn_tokens
+        if not self.spread or cap is None:
+            return cap
+        factor = random.Random(t.conversation * 1009 + t.turns).choice(SPREAD)
+        return max(1, int(cap * factor))
 
     def calls_of(self, t: Trajectory) -> list[ParsedCall]:
         if t.turns < self.turns:
@@ -122,6 +136,7 @@ def measure(rollout: BenchRollout, runner: Any, prompts: list[list[int]], mode: 
         "turns": sum(t.turns for t in trajectories),
         "tool_calls": sum(t.tool_calls for t in trajectories),
         "tool_errors": sum(t.tool_errors for t in trajectories),
+        "tool_timeouts": sum(t.tool_timeouts for t in trajectories),
         "p50_latency_seconds": round(statistics.median(latencies), 3),
         "p99_latency_seconds": round(_percentile(latencies, 0.99), 3),
         "straggler_share": round((max(ends) - statistics.median(ends)) / seconds, 3),
@@ -142,6 +157,7 @@ def main() -> None:
     parser.add_argument("--kv-tokens", type=int, default=65536, help="torch engine KV pool")
     parser.add_argument("--mem-fraction", type=float, default=0.6, help="sglang, all engines")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
+    parser.add_argument("--spread", action="store_true", help="long-tailed turn lengths")
     parser.add_argument("--batch-window", type=float, default=0.0,
                         help="torch engine: seconds a batch waits for more requests")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "multi_turn")
@@ -161,7 +177,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     routings = [Routing.STICKY, Routing.RANDOM] if args.engines > 1 else [Routing.STICKY]
     for turns in args.turns:
-        limits = Limits(max_turns=turns, max_response_length=turns * (args.turn_tokens + 64),
+        limits = Limits(max_turns=turns, max_response_length=turns * (4 * args.turn_tokens + 64),
                         max_tool_response_length=32, max_concurrent_conversations=args.conversations,
                         max_turn_tokens=args.turn_tokens)  # fmt: skip
         for routing in routings:
@@ -173,22 +189,26 @@ def main() -> None:
                     EngineRouter(engines, routing, seed=turns), ChatFormat(tokenizer, tools.schemas),
                     tools, limits, eos, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
                 )  # fmt: skip
-                rollout.turns = turns
+                rollout.turns, rollout.spread = turns, args.spread
                 row = {"turns_per_conversation": turns, "routing": str(routing),
                        **measure(rollout, runner, prompts, mode, sampling)}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {
         "machine": _machine(args.device),
+        # The host is shared: its 1-minute load average, at the end, next to the figures.
+        "load_average": round(os.getloadavg()[0], 1),
         "torch": torch.__version__,
         "engine": args.engine,
         "engines": args.engines,
         "model": args.model,
         "conversations": args.conversations,
         "turn_tokens": args.turn_tokens,
+        "spread": args.spread,
         "command": "python bench/multi_turn.py " + " ".join(
+            f"--{k.replace('_', '-')}" if v is True else
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items() if k != "out"
+            for k, v in vars(args).items() if k != "out" and v is not False
         ),
         "rows": rows,
     }  # fmt: skip
@@ -204,9 +224,11 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Multi-turn rollout: {result['engine']} engine x{result['engines']}, {result['model']}",
         "",
-        f"Machine: {result['machine']}; torch {result['torch']}; {result['conversations']} "
-        f"conversations, up to {result['turn_tokens']} sampled tokens a turn, builtin:python "
-        "after every turn but the last.",
+        f"Machine: {result['machine']} (load average {result.get('load_average')} at the end); "
+        f"torch {result['torch']}; {result['conversations']} "
+        f"conversations, up to {result['turn_tokens']} sampled tokens a turn"
+        f"{' times 1/4..4 (--spread)' if result.get('spread') else ''}, builtin:python after "
+        "every turn but the last.",
         f"Command: `{result['command']}`",
         "",
         "| turns | routing | mode | tokens/s | speed-up | p50 s | p99 s | straggler share | "

@@ -136,16 +136,14 @@ def test_rljob_run_loop_in_mode_multi_turn_with_sglang(builtin_dir: Path) -> Non
     reports = run.reports
     assert [r.iteration for r in reports] == [0, 1, 2]
     for report in reports:
-        assert report.turns_mean is not None and report.turns_mean >= 1
-        assert report.cut_off is not None and report.tool_calls is not None
-        assert report.prefix_cache_hit_rate is not None  # sglang reports cached tokens
+        assert report.multi_turn is not None and report.multi_turn.turns_mean >= 1
+        assert report.multi_turn.prefix_cache_hit_rate is not None  # sglang reports cached tokens
     for report in reports[1:]:
         stages = [s.stage for s in report.samples]
         assert stages == [Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER, Stage.WAKE_WEIGHTS,
                           Stage.OFFLOAD_TRAIN, Stage.WAKE_KV_CACHE, Stage.ROLLOUT, Stage.SLEEP]  # fmt: skip
         assert report.policy_loss is not None
     print("\n" + "\n".join(
-        f"iteration {r.iteration}: reward {r.reward_mean}, turns {r.turns_mean}, tool calls "
-        f"{r.tool_calls}, cut off {r.cut_off}, prefix-cache hit {r.prefix_cache_hit_rate}"
+        f"iteration {r.iteration}: reward {r.reward_mean}, {r.multi_turn}"
         for r in reports
     ))  # fmt: skip

@@ -35,8 +35,10 @@ def test_the_multi_turn_example_runs_two_staged_iterations_on_two_ranks(tmp_path
     for m in metrics:
         # 2 ranks x 2 prompts x groupSize 4 conversations, each at least one turn; every one
         # ended or was cut off (and counted) before the engine slept.
-        assert m["turnsMean"] >= 1 and m["toolCalls"] >= 0 and m["cutOff"] <= 16
-        assert m["toolErrors"] <= m["toolCalls"] and m["toolTimeouts"] <= m["toolErrors"]
+        turns = m["multiTurn"]
+        assert turns["turnsMean"] >= 1 and turns["toolCalls"] >= 0 and turns["cutOff"] <= 16
+        assert turns["toolErrors"] <= turns["toolCalls"]
+        assert turns["toolTimeouts"] <= turns["toolErrors"]
         assert m["responseLengthMax"] <= 96  # rollout.multiTurn.maxResponseLength
     assert all(m["policyLoss"] is not None for m in metrics[1:])  # trained on the trajectories
     reports = json.loads((out / "reports.json").read_text())

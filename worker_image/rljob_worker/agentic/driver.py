@@ -125,8 +125,9 @@ class MultiTurnRollout:
     ) -> tuple[list[ParsedCall], bool]:
         """One model turn; the calls it makes and whether it ended with end-of-sequence."""
         remaining = self.limits.max_response_length - len(t.response_ids)
-        if self.limits.max_turn_tokens is not None:
-            remaining = min(remaining, self.limits.max_turn_tokens)
+        turn_tokens = self.turn_tokens(t)
+        if turn_tokens is not None:
+            remaining = min(remaining, turn_tokens)
         seed = None if sampling.seed is None else sampling.seed + 1009 * t.conversation + t.turns
         request = dataclasses.replace(sampling, max_new_tokens=remaining, seed=seed)
         input_ids = t.prompt_ids + t.response_ids
@@ -153,6 +154,10 @@ class MultiTurnRollout:
         elif t.turns >= self.limits.max_turns:
             t.ending = Ending.MAX_TURNS
         return calls, ended_with_eos
+
+    def turn_tokens(self, t: Trajectory) -> int | None:
+        """Tokens the next turn of `t` may sample, besides the budget (the bench varies it)."""
+        return self.limits.max_turn_tokens
 
     def calls_of(self, t: Trajectory) -> list[ParsedCall]:
         """The tool calls of the turn just sampled (the bench overrides it to fix turn counts)."""

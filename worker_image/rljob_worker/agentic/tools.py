@@ -14,7 +14,6 @@ import inspect
 import json
 import math
 import operator
-import resource
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -129,7 +128,12 @@ class Calculator:
 # The child's program: one expression from stdin, evaluated with a few safe builtins and math.
 # -I (isolated: no user site, no PYTHON* variables) and -S (no site): it starts in ~15 ms.
 _PYTHON_CHILD = """
-import math, sys
+import math, resource, sys
+# Limits set by the child itself, first thing: preexec_fn is not safe in a process with threads
+# (the rank runs the torch engine's batches in one), a fork that deadlocks would hang the call.
+memory, cpu = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
 SAFE = {n: getattr(__builtins__, n) for n in (
     "abs", "all", "any", "bin", "bool", "chr", "divmod", "float", "hex", "int", "len", "list",
     "max", "min", "oct", "ord", "pow", "range", "reversed", "round", "sorted", "str", "sum",
@@ -157,20 +161,13 @@ class PythonExpression:
     def __init__(self, memory_megabytes: int) -> None:
         self.memory_bytes = memory_megabytes << 20
 
-    def _limits(self, cpu_seconds: int) -> Callable[[], None]:
-        def apply() -> None:  # in the child, before exec
-            resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
-
-        return apply
-
     async def __call__(self, arguments: dict[str, Any], timeout_seconds: float) -> str:
         expression = _expression(arguments)
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-S", "-c", _PYTHON_CHILD,
+            str(self.memory_bytes), str(math.ceil(timeout_seconds) + 1),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            preexec_fn=self._limits(math.ceil(timeout_seconds) + 1),
         )  # fmt: skip
         try:
             out, err = await asyncio.wait_for(
