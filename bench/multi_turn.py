@@ -111,6 +111,17 @@ def _engines(args: argparse.Namespace, model_path: str, eos: list[int]) -> list[
     return engines
 
 
+def _flush(engine: Any, runner: Any, engines: int) -> None:
+    """Drop the engine's prefix cache. Several sglang engines in one process: each Engine made
+    its own event loop, but their tokenizer managers answer on the loop the rollout runs on
+    (the first engine's), so the flush is awaited there too, not through Engine.flush_cache's
+    own loop (which nothing would answer on)."""
+    if engines > 1 and hasattr(engine, "run_async"):
+        runner(engine._engine.tokenizer_manager.flush_cache())
+    else:
+        engine.flush_cache()
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -182,9 +193,8 @@ def main() -> None:
                         max_turn_tokens=args.turn_tokens)  # fmt: skip
         for routing in routings:
             for mode in ("turn-by-turn", "async"):
-                for engine in engines:
-                    if hasattr(engine, "flush_cache"):
-                        engine.flush_cache()  # each measurement starts with a cold cache
+                for engine in engines:  # each measurement starts with a cold cache
+                    _flush(engine, runner, len(engines))
                 rollout = BenchRollout(
                     EngineRouter(engines, routing, seed=turns), ChatFormat(tokenizer, tools.schemas),
                     tools, limits, eos, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
