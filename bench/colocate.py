@@ -886,7 +886,8 @@ def model_figures(name: str, n_params: int, args: argparse.Namespace) -> dict[st
         head_dim = arch["hidden_size"] // arch["num_attention_heads"]
         kv_per_token = 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * head_dim * 2
     reference = args.kl_coef > 0
-    param_bytes = 4 * n_params * (2 if reference else 1) // shard  # fp32 policy (+ reference)
+    # fp32 policy (+ the reference in the engine's bf16, since the sharded loader of issue 30)
+    param_bytes = (4 + (2 if reference else 0)) * n_params // shard
     optimizer_bytes = 8 * n_params // shard  # AdamW exp_avg + exp_avg_sq, fp32
     return {
         "name": name,
@@ -1019,6 +1020,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch_memory_saver": version("torch_memory_saver"), "transformers": version("transformers"),
         "python": platform.python_version(), "ranks": args.ranks, "engine": args.engine,
         "tp": args.tp,
+        # The frozen reference's dtype (the engine's since issue 30's loader; every run stored
+        # before it kept fp32, which bench/plan_accuracy.py assumes where this is absent).
+        "reference_dtype": "bfloat16",
     }  # fmt: skip
     if args.engine == "sglang":
         environment["sglang"] = version("sglang")

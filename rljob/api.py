@@ -1312,7 +1312,7 @@ class MisfitAction(StrEnum):
 # The plan's largest |error| per stage peak on the current tree's GPU runs is 2.79% (and that one
 # an over-prediction); every stored run's, 4.88%, came from trees since fixed (the cuBLAS
 # workspace pinning freed training memory): bench/results/plan-accuracy.md.
-DEFAULT_PLAN_MARGIN = 0.03
+DEFAULT_PLAN_MARGIN = 0.015
 
 
 class MemoryPlanSpec(_Spec):
@@ -1333,9 +1333,9 @@ class MemoryPlanSpec(_Spec):
         ge=0,
         lt=0.5,
         description="For rollout Auto: the share of the GPU every stage's predicted peak leaves "
-        "free (the plan's error). The default 0.03 covers the plan's largest error on the "
-        "current tree's GPU runs (2.8%, docs/zero-tuning.md). An OOM retry raises it by the "
-        "overshoot it measured.",
+        "free (the plan's error). The default 0.015 covers the largest amount by which a stage "
+        "needed more than planned in every stored GPU run, 1.25% of the GPU "
+        "(docs/zero-tuning.md). An OOM retry raises it by the overshoot it measured.",
     )
 
 
@@ -1504,6 +1504,15 @@ class RLJobSpec(_Spec):
         "resumed) fails with reason StartupTimeout and the last cause seen; the operator then "
         "suspends its RayJob, so KubeRay deletes its pods (README: startup timeout).",
     )
+    backoff_limit: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="How many times KubeRay runs a failed Ray job again on a new Ray cluster "
+        "(the RayJob's backoffLimit): a lost pod, a crashed rank. With spec.checkpoint "
+        "(resume Auto) each run continues from the newest complete checkpoint "
+        "(docs/checkpoints.md). OOMs are the OOM policy's (spec.oomPolicy), not this.",
+    )
     memory_plan: MemoryPlanSpec = Field(
         default_factory=MemoryPlanSpec,
         description="Admission by the per-stage memory plan (README: memory plan).",
@@ -1615,6 +1624,41 @@ def status_apply_body(
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "status": status}
 
 
+class ResumePoint(_Spec):
+    """The checkpoint a run continued from (docs/checkpoints.md): `status.resumedFrom` (driver,
+    with its attempt) and `status.attempts[].resumedFrom` (operator, without)."""
+
+    iteration: int = Field(ge=0, description="The checkpoint's iteration.")
+    path: str = Field(description="The checkpoint's directory.")
+    attempt: int | None = Field(
+        default=None, ge=1, description="status.resumedFrom: the attempt whose driver resumed."
+    )
+
+
+class CheckpointFailure(_Spec):
+    """`status.checkpointFailure` (driver): a save that failed; the job ends Failed with reason
+    CheckpointFailed and this error (docs/checkpoints.md)."""
+
+    iteration: int = Field(ge=0, description="The iteration whose checkpoint failed.")
+    path: str = Field(description="The directory it was written to (it has no COMPLETE marker).")
+    rank: int = Field(ge=0, description="The first rank (lowest number) that failed.")
+    error: str = Field(
+        max_length=1024, description="The OS error, e.g. [Errno 28] No space left on device."
+    )
+    attempt: int | None = Field(default=None, ge=1, description="The attempt it happened in.")
+
+    def describe(self) -> str:
+        """One line for the Failed condition, status.cause and the driver's log."""
+        return (
+            f"the checkpoint of iteration {self.iteration} in {self.path} failed on rank "
+            f"{self.rank}: {self.error}"
+        )
+
+
+# The Failed condition's reason (and the Warning Event's) when a checkpoint save failed.
+REASON_CHECKPOINT_FAILED = "CheckpointFailed"
+
+
 class Attempt(_Spec):
     """One `status.attempts` entry (operator-owned): a RayJob run with its knobs and outcome."""
 
@@ -1648,11 +1692,10 @@ class Attempt(_Spec):
         default=None,
         description="RFC 3339: when this attempt's RayJob was created.",
     )
-    resumed_from: int | None = Field(
+    resumed_from: ResumePoint | None = Field(
         default=None,
-        ge=0,
-        description="The iteration of the checkpoint this attempt resumed from (absent: it "
-        "started at iteration 0).",
+        description="The checkpoint (iteration, path) this attempt last resumed from (absent: "
+        "it started at iteration 0).",
     )
 
     @classmethod
@@ -1675,6 +1718,17 @@ class PlannedStage(_Spec):
     name: Stage
     peak_bytes: int = Field(ge=0)
     peak_fraction: float = Field(ge=0)
+
+
+class PlannedLoad(_Spec):
+    """`status.plan.load`: the predicted start-up peak (models built and loaded, before
+    iteration 0) of the worst rank, and the host bytes loading takes per worker pod."""
+
+    peak_bytes: int = Field(ge=0)
+    peak_fraction: float = Field(ge=0)
+    host_bytes_per_node: int = Field(
+        ge=0, description="Per worker pod: its ranks' slice buffers while they read the files."
+    )
 
 
 class PlanCandidate(_Spec):
@@ -1728,6 +1782,9 @@ class PlanStatus(_Spec):
         ge=1,
         description="The OOM policy's attempt this plan was made for (a retry's overshoot is "
         "measured against its own attempt's plan only).",
+    )
+    load: PlannedLoad | None = Field(
+        default=None, description="The start-up: policy and reference built and loaded."
     )
 
 
@@ -1886,6 +1943,18 @@ class RLJobStatus(_Spec):
     )
     export: ExportStatus | None = Field(
         default=None, description="The newest export of the trained policy (driver)."
+    )
+    resumed_from: ResumePoint | None = Field(
+        default=None, description="The checkpoint the current run continued from (driver)."
+    )
+    checkpoint_failure: CheckpointFailure | None = Field(
+        default=None, description="A checkpoint save that failed and ended the job (driver)."
+    )
+    announced: dict[str, str] = Field(
+        default_factory=dict,
+        description="The checkpoint news the operator has posted Events for, by kind (written "
+        "with the Events, so an operator restart does not post them again).",
+        json_schema_extra={"x-kubernetes-map-type": "granular"},
     )
     # Derived by the operator from memory and oomCounts, so `kubectl get` can show them
     # (printer columns take one scalar path each).

@@ -23,6 +23,7 @@ from rljob.api import (
     EngineName,
     OffloadMode,
     PlanCandidate,
+    PlannedLoad,
     PlannedStage,
     PlanStatus,
     RLJobSpec,
@@ -116,7 +117,9 @@ ALLOC_LARGE_MIN = 10 << 20
 ALLOC_LARGE_ROUND = 2 << 20
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-MASTER_BYTES = 4  # train.Trainer keeps fp32 master params (policy and reference)
+MASTER_BYTES = 4  # train.Trainer keeps fp32 master params of the policy
+# The frozen reference is kept in the engine's dtype (spec.model.dtype) since the sharded loader
+# (issue 30); every stored bench run kept it in fp32, which `reference_dtype` recreates.
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 GRAD_BYTES = 4  # FSDP2 reduce dtype fp32, sharded
 ADAM_TEMP_BYTES = 4  # foreach AdamW's sqrt(exp_avg_sq) temporary, fp32, one per param
@@ -398,8 +401,14 @@ def gather_bytes(spec: RLJobSpec, shape: ModelShape, world: int) -> int:
 
 
 def parts(
-    spec: RLJobSpec, shape: ModelShape, capacity_bytes: int, world: int | None = None
+    spec: RLJobSpec,
+    shape: ModelShape,
+    capacity_bytes: int,
+    world: int | None = None,
+    reference_dtype: str | None = None,
 ) -> Parts:
+    """Each thing one rank holds. `reference_dtype`: the reference's dtype where a run had
+    another than the engine's (bench/plan_accuracy.py: the stored runs' fp32 reference)."""
     world = world or spec.world_size
     n = shape.parameters
     dtype = DTYPE_BYTES[spec.model.dtype]
@@ -429,11 +438,15 @@ def parts(
         requests = concurrent_conversations(spec, world) * tp
     return Parts(
         context=context,
-        # fp32 masters (and the reference's) as torch's allocator holds them, whole segments:
-        # 115 MiB over the tensors per Qwen2.5-0.5B copy, 101 at 1.5B, 2 at 3B.
+        # fp32 masters (and the reference's shards) as torch's allocator holds them, whole
+        # segments: 115 MiB over the tensors per Qwen2.5-0.5B fp32 copy, 101 at 1.5B, 2 at 3B.
         train_params=reserved_bytes(
             [math.ceil(MASTER_BYTES * size / world) for _, size in shape.named_sizes()]
-            * (2 if reference else 1)
+            + [
+                math.ceil(DTYPE_BYTES[reference_dtype or spec.model.dtype] * size / world)
+                for _, size in shape.named_sizes()
+                if reference
+            ]
         ),
         optimizer=shard(ADAM_STATE_BYTES * n),
         grads=shard(GRAD_BYTES * n),
@@ -502,6 +515,100 @@ def stage_peaks(
     return peaks
 
 
+# -- start-up: building and loading the models ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadPeak:
+    """Start-up (train.Trainer with sharded_load.py): policy and reference built on the meta
+    device and sharded, then each rank's rows read from the files one tensor at a time.
+
+    Device: the CUDA context, NCCL and the engine's bytes outside its regions (it started
+    first and released them), every shard of this rank, and one slice cast to fp32. Host, per
+    rank beyond the process's own: the largest slice as stored plus its fp32 cast; per node,
+    times the worker's ranks. The files' pages are page cache (the model once per node, shared
+    by the ranks and by policy and reference): reclaimable, not counted.
+    """
+
+    device_bytes: int
+    capacity_bytes: int
+    host_bytes_per_rank: int
+    ranks_per_node: int
+    host_limit_bytes: int  # the worker pod's memory (spec.resources.memory)
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        return self.host_bytes_per_rank * self.ranks_per_node
+
+    @property
+    def fraction(self) -> float:
+        return self.device_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+    def fits_under(self, limit_bytes: int) -> bool:
+        return (
+            self.device_bytes + ALLOCATOR_SLACK_BYTES <= limit_bytes
+            and self.host_bytes_per_node <= self.host_limit_bytes
+        )
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_under(self.capacity_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peakBytes": self.device_bytes,
+            "fraction": round(self.fraction, 4),
+            "hostBytesPerRank": self.host_bytes_per_rank,
+            "hostBytesPerNode": self.host_bytes_per_node,
+            "ranksPerNode": self.ranks_per_node,
+            "hostLimitBytes": self.host_limit_bytes,
+            "fits": self.fits,
+        }
+
+    def to_status(self) -> PlannedLoad:
+        return PlannedLoad(
+            peak_bytes=self.device_bytes,
+            peak_fraction=round(self.fraction, 4),
+            host_bytes_per_node=self.host_bytes_per_node,
+        )
+
+    def misfit_text(self) -> str:
+        over = []
+        if self.device_bytes + ALLOCATOR_SLACK_BYTES > self.capacity_bytes:
+            over.append(
+                f"load needs {self.device_bytes / GiB:.2f} GiB of {self.capacity_bytes / GiB:.2f}"
+                f" GiB ({(self.device_bytes + ALLOCATOR_SLACK_BYTES - self.capacity_bytes) / GiB:.2f}"
+                " GiB over)"
+            )
+        if self.host_bytes_per_node > self.host_limit_bytes:
+            over.append(
+                f"load needs {self.host_bytes_per_node / GiB:.2f} GiB of host memory per worker "
+                f"pod, spec.resources.memory is {self.host_limit_bytes / GiB:.2f} GiB"
+            )
+        return "; ".join(over)
+
+
+def load_peak(
+    spec: RLJobSpec, shape: ModelShape, p: Parts, capacity_bytes: int, world: int
+) -> LoadPeak:
+    """The start-up peak of one rank (rank 0 holds the largest shard) and its worker's host."""
+    from rljob.api import _quantity  # the manifest's quantity parser (no kubernetes client)
+
+    # The largest rank slice of any tensor, in elements (FSDP2's dim-0 chunk of the largest).
+    slice_elements = max(math.ceil(size / world) for _, size in shape.named_sizes())
+    stored = DTYPE_BYTES[spec.model.dtype]  # checkpoints are stored in the engine's dtype
+    return LoadPeak(
+        device_bytes=p.context
+        - TRAIN_RESIDUAL_BYTES
+        + p.train_params
+        + slice_elements * MASTER_BYTES,
+        capacity_bytes=capacity_bytes,
+        host_bytes_per_rank=slice_elements * (stored + MASTER_BYTES),
+        ranks_per_node=min(spec.resources.ranks_per_worker, world),
+        host_limit_bytes=int(_quantity(spec.resources.memory)),
+    )
+
+
 @dataclass(frozen=True)
 class StagePeak:
     stage: Stage
@@ -532,10 +639,15 @@ class ModePlan:
     stages: tuple[StagePeak, ...]
     parts: Parts
     largest_fitting_fraction: float | None = None
+    load: LoadPeak | None = None  # start-up, before iteration 0 (None: not planned)
 
     @property
     def fits(self) -> bool:
-        return all(s.fits for s in self.stages) and self.kv_holds_conversations
+        return (
+            all(s.fits for s in self.stages)
+            and (self.load is None or self.load.fits)
+            and self.kv_holds_conversations
+        )
 
     @property
     def kv_holds_conversations(self) -> bool:
@@ -543,10 +655,13 @@ class ModePlan:
         return self.parts.kv_tokens >= self.parts.kv_tokens_needed
 
     def fits_under(self, limit_bytes: int) -> bool:
-        """Every stage's peak, plus the allocator's slack, within `limit_bytes` (and the KV pool
-        large enough for the multi-turn conversations)."""
-        return self.kv_holds_conversations and all(
-            s.peak_bytes + ALLOCATOR_SLACK_BYTES <= limit_bytes for s in self.stages
+        """Every stage's peak and the start-up's, plus the allocator's slack, within
+        `limit_bytes` (and the start-up's host bytes within the worker pod's memory, and in mode
+        multiTurn the KV pool large enough for the conversations)."""
+        return (
+            self.kv_holds_conversations
+            and all(s.peak_bytes + ALLOCATOR_SLACK_BYTES <= limit_bytes for s in self.stages)
+            and (self.load is None or self.load.fits_under(limit_bytes))
         )
 
     @property
@@ -555,7 +670,8 @@ class ModePlan:
 
     def misfit_text(self) -> str:
         """'wake_weights needs 81.02 GiB of 79.18 GiB (1.84 GiB over)' for each misfit."""
-        misfits = [
+        misfits = [self.load.misfit_text()] if self.load is not None and not self.load.fits else []
+        misfits += [
             f"{s.stage} needs {s.peak_bytes / GiB:.2f} GiB of {s.capacity_bytes / GiB:.2f} GiB "
             f"({(s.peak_bytes + ALLOCATOR_SLACK_BYTES - s.capacity_bytes) / GiB:.2f} GiB over)"
             for s in self.stages
@@ -607,6 +723,7 @@ class MemoryPlan:
                     "largestFittingFraction": m.largest_fitting_fraction,
                     "kvTokens": m.parts.kv_tokens,
                     "parts": m.parts.as_dict(),
+                    "load": m.load.to_dict() if m.load is not None else None,
                     "stages": [
                         {
                             "name": str(s.stage),
@@ -641,6 +758,7 @@ class MemoryPlan:
             largest_fitting_fraction={
                 str(k): v.largest_fitting_fraction for k, v in self.modes.items()
             },
+            load=m.load.to_status() if m.load is not None else None,
         )
 
 
@@ -666,17 +784,20 @@ def mode_plan(
     capacity_bytes: int,
     world: int | None = None,
     limit_bytes: int | None = None,
+    reference_dtype: str | None = None,
 ) -> ModePlan:
     """The spec's own mode and fraction; with offload Auto the least offload that fits (under
     `limit_bytes`, default the capacity; or, when none fits, everything the flags allow)."""
     wake_up, fraction = resolved_rollout(spec)
-    p = parts(spec, shape, capacity_bytes, world)
+    world = world or spec.world_size
+    p = parts(spec, shape, capacity_bytes, world, reference_dtype)
+    load = load_peak(spec, shape, p, capacity_bytes, world)
     choices = _offload_choices(spec)
     plans = []
     for optimizer, params in choices:
         peaks = stage_peaks(p, wake_up, optimizer, params, checkpoint=spec.checkpoint is not None)
         stages = tuple(StagePeak(s, b, capacity_bytes) for s, b in peaks.items())
-        plans.append(ModePlan(wake_up, fraction, optimizer, params, stages, p))
+        plans.append(ModePlan(wake_up, fraction, optimizer, params, stages, p, load=load))
     limit = capacity_bytes if limit_bytes is None else limit_bytes
     return next((m for m in plans if m.fits_under(limit)), plans[-1])
 
@@ -700,11 +821,13 @@ def largest_fitting_fraction(
     wake_up: WakeUp,
     world: int | None = None,
     step: float = 0.01,
+    reference_dtype: str | None = None,
 ) -> float | None:
     """The largest memFractionStatic (on a grid of `step`) at which every stage fits."""
     for i in range(round(1 / step) - 1, 0, -1):
         fraction = round(i * step, 4)
-        if mode_plan(_with(spec, wake_up, fraction), shape, capacity_bytes, world).fits:
+        candidate = _with(spec, wake_up, fraction)
+        if mode_plan(candidate, shape, capacity_bytes, world, reference_dtype=reference_dtype).fits:
             return fraction
     return None
 
@@ -733,12 +856,17 @@ def plan(
 
 
 def plan_for_point(
-    spec: RLJobSpec, config: Mapping[str, Any], capacity_bytes: int, ranks: int
+    spec: RLJobSpec,
+    config: Mapping[str, Any],
+    capacity_bytes: int,
+    ranks: int,
+    reference_dtype: str | None = None,
 ) -> ModePlan:
     """The bench's hook (bench/colocate.py): the plan of one (mode, fraction) point, for a
-    model given by its config.json fields, on `ranks` GPUs of `capacity_bytes`."""
+    model given by its config.json fields, on `ranks` GPUs of `capacity_bytes`; a stored run's
+    `reference_dtype` where it differs from the engine's (see MASTER_BYTES)."""
     shape = ModelShape.from_config({"model_type": "qwen2", **config})
-    return mode_plan(spec, shape, capacity_bytes, ranks)
+    return mode_plan(spec, shape, capacity_bytes, ranks, reference_dtype=reference_dtype)
 
 
 def plan_line(spec: RLJobSpec, config: Mapping[str, Any], capacity_bytes: int, ranks: int) -> str:

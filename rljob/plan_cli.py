@@ -55,7 +55,7 @@ def table(name: str, memory_plan: MemoryPlan) -> str:
     lines = [
         f"RLJob {name}: {_count(memory_plan.shape.parameters)} params, "
         f"{memory_plan.world_size} rank(s), GPU {capacity / GiB:.2f} GiB ({capacity} bytes); "
-        f"per rank (rank 0, the largest shard), steady iteration",
+        f"per rank (rank 0, the largest shard): the start-up load, then a steady iteration",
     ]
     if memory_plan.auto is not None:
         lines += ["", *auto_lines(memory_plan.to_status())]
@@ -75,6 +75,14 @@ def table(name: str, memory_plan: MemoryPlan) -> str:
             f"params {m.offload_params}",
             f"  {'stage':<18}{'predicted GiB':>14}{'fraction':>10}{'headroom GiB':>14}",
         ]
+        if m.load is not None:  # the start-up, once, before iteration 0
+            load = m.load
+            lines.append(
+                f"  {'load':<18}{load.device_bytes / GiB:>14.2f}{load.fraction:>10.3f}"
+                f"{(capacity - load.device_bytes) / GiB:>14.2f}{'' if load.fits else '  over'}"
+                f"  (host {load.host_bytes_per_node / GiB:.2f} GiB per worker pod: "
+                f"{load.ranks_per_node} x {load.host_bytes_per_rank / GiB:.2f})"
+            )
         for s in m.stages:
             lines.append(
                 f"  {s.stage!s:<18}{s.peak_bytes / GiB:>14.2f}{s.fraction:>10.3f}"

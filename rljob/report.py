@@ -185,6 +185,48 @@ class StageMemory(_Model):
     rank: int = Field(ge=0)
 
 
+class LoadSample(_Model):
+    """One rank's start-up: policy and reference built on meta and loaded shard by shard
+    (train.Trainer), measured as a stage is (memory.MemoryMeter.load)."""
+
+    rank: int = Field(ge=0)
+    kind: MemoryKind
+    device: str
+    seconds: float = Field(ge=0)
+    peak_allocated_bytes: int = Field(ge=0, description="torch's allocator peak (host: RSS).")
+    device_peak_used_bytes: int = Field(ge=0, description="Highest device-wide use seen.")
+    device_total_bytes: int = Field(ge=0)
+    host_peak_bytes: int = Field(ge=0, description="The rank process's highest RSS seen.")
+    node: str = ""
+
+
+class LoadMemory(_Model):
+    """`status.memory.load`: the start-up's worst rank (device-wide peak), measured once."""
+
+    peak_bytes: int = Field(ge=0)
+    peak_fraction: float = Field(ge=0)
+    peak_allocated_bytes: int = Field(ge=0, description="That rank's torch allocator peak.")
+    host_peak_bytes: int = Field(ge=0, description="The highest rank process RSS (any rank).")
+    seconds: float = Field(ge=0, description="The slowest rank's.")
+    rank: int = Field(ge=0)
+
+
+def summarize_load(samples: list[LoadSample]) -> LoadMemory | None:
+    """The worst rank's start-up (by device-wide peak); None before any rank loaded."""
+    if not samples:
+        return None
+    worst = max(samples, key=lambda s: s.device_peak_used_bytes)
+    capacity = min(s.device_total_bytes for s in samples)
+    return LoadMemory(
+        peak_bytes=worst.device_peak_used_bytes,
+        peak_fraction=round(worst.device_peak_used_bytes / capacity, 4) if capacity else 0.0,
+        peak_allocated_bytes=worst.peak_allocated_bytes,
+        host_peak_bytes=max(s.host_peak_bytes for s in samples),
+        seconds=round(max(s.seconds for s in samples), 4),
+        rank=worst.rank,
+    )
+
+
 class MemorySummary(_Model):
     """`status.memory`: the latest iteration, worst rank per stage, with device and capacity."""
 
@@ -193,6 +235,9 @@ class MemorySummary(_Model):
     device: str
     capacity_bytes: int = Field(ge=0)
     stages: list[StageMemory]
+    load: LoadMemory | None = Field(
+        default=None, description="The start-up (models built and loaded), before iteration 0."
+    )
 
     @property
     def worst_fraction(self) -> float:

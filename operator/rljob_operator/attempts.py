@@ -58,7 +58,28 @@ class Step:
 
 
 def policy_on(spec: RLJobSpec, status: Mapping[str, Any]) -> bool:
-    return spec.oom_policy.max_retries > 0 or bool(status.get("attempts"))
+    """Whether status.attempts is kept: the OOM policy is on, or the job checkpoints (each
+    attempt records the checkpoint it resumed from), or attempts exist already."""
+    return (
+        spec.oom_policy.max_retries > 0
+        or spec.checkpoint is not None
+        or bool(status.get("attempts"))
+    )
+
+
+def with_resume(
+    attempts: Sequence[Mapping[str, Any]], status: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """status.attempts with the driver's status.resumedFrom copied into the entry of the
+    attempt whose driver resumed (its `attempt` stamp); a later resume of the same attempt
+    (a RayJob run again after suspend/resume) replaces it. Other entries are left as they are."""
+    out = [dict(a) for a in attempts]
+    point = status.get("resumedFrom") or {}
+    number = point.get("attempt")
+    for entry_ in out:
+        if number is not None and int(entry_["attempt"]) == int(number):
+            entry_["resumedFrom"] = {"iteration": point["iteration"], "path": point["path"]}
+    return out
 
 
 def entry(
@@ -105,6 +126,15 @@ def current_ray_job(job: str, status: Mapping[str, Any]) -> str:
 ENDED_BADLY = ("FAILED", "STOPPED")
 
 
+def _may_retry(rayjob: Mapping[str, Any]) -> bool:
+    """KubeRay may still run this failed Ray job again (its backoffLimit is not used up, and its
+    deployment status is not final yet)."""
+    rj = rayjob.get("status") or {}
+    limit = int((rayjob.get("spec") or {}).get("backoffLimit") or 0)
+    final = rj.get("jobDeploymentStatus") in ("Failed", "ValidationFailed", "Complete")
+    return not final and int(rj.get("failed") or 0) < limit
+
+
 def ended(rayjob: Mapping[str, Any]) -> str:
     """RUNNING (not ended, pending included), SUCCEEDED or FAILED: how a RayJob's status reads
     (status.py's phase and the OOM policy's attempt results both come from here)."""
@@ -113,6 +143,11 @@ def ended(rayjob: Mapping[str, Any]) -> str:
     # KubeRay 1.6 marks a job stopped through Ray (`ray job stop`) Complete too: not a success.
     if job_status == "SUCCEEDED" or (deployment == "Complete" and job_status not in ENDED_BADLY):
         return SUCCEEDED
+    if deployment == "Retrying" or (job_status in ENDED_BADLY and _may_retry(rayjob)):
+        # spec.backoffLimit: KubeRay runs the failed Ray job again on a new Ray cluster. Its
+        # jobStatus says FAILED before its deployment status says Failed (that waits for the
+        # submitter), then Retrying and New: the attempt goes on until Failed is final.
+        return RUNNING
     if job_status in ENDED_BADLY or deployment in ("Failed", "ValidationFailed"):
         return FAILED
     return RUNNING

@@ -36,7 +36,17 @@ from rljob.api import (
     RLJobSpec,
 )
 from rljob.oom_policy import REASON_OOM_RETRY, admit, capacity_note, plan_fits
-from rljob_operator import attempts, causes, identity, kube, metrics, oom, render, status
+from rljob_operator import (
+    attempts,
+    causes,
+    identity,
+    kube,
+    metrics,
+    notices,
+    oom,
+    render,
+    status,
+)
 
 RAYJOB_LABELS = {render.JOB_LABEL: kopf.PRESENT}
 
@@ -244,6 +254,9 @@ class Observing:
             startup_expired=self.startup_expired,
             attempts=step.attempts,
             oom_stop=step.stop,
+            checkpoint_failure=status.checkpoint_failure(
+                current, int((step.attempts or [{"attempt": 1}])[-1]["attempt"])
+            ),
         )
         return status.compute(observed, _now())
 
@@ -311,6 +324,13 @@ def _write(
         current = dict(rljob.get("status") or {})
         killed = oom.merge(oom.current_part(current), kills, started_at=STARTED_AT)
         computed = status.with_ooms(operator_fields, current, killed)
+        # The driver's checkpoint news: the attempt's resumedFrom, and the Events not posted
+        # yet, recorded in status.announced by this very write (posted once, restart or not).
+        if computed.get("attempts"):
+            computed["attempts"] = attempts.with_resume(computed["attempts"], current)
+        news = notices.pending(current)
+        if news or current.get("announced"):
+            computed["announced"] = notices.announced_after(current, news)
         if status.differs(current, computed):
             kube.apply_status(namespace, name, computed, uid=found)
         if isinstance(fields, Observing):
@@ -330,6 +350,9 @@ def _write(
             body, type=event_type, reason=reason, message=t.message or f"{t.type} {t.status}"
         )
         logger.info(f"{t.type}={t.status} ({t.reason}) {t.message}")
+    for notice in news:
+        kopf.event(body, type=notice.type, reason=notice.reason, message=notice.message)
+        logger.info(f"RLJob {namespace}/{name}: {notice.reason}: {notice.message}")
     for kill in killed.counted:
         message = f"{kill.message}; kill {kill.count} of this container, {killed.total} in all"
         kopf.event(body, type="Warning", reason=oom.KIND, message=message)
@@ -665,7 +688,8 @@ def rljob_changed(
     type: str, body: kopf.Body, name: str, namespace: str | None, logger: kopf.Logger, **_: Any
 ) -> None:
     """Every RLJob change: refresh its metrics; when the driver's memory or OOM counts moved,
-    re-derive the printer-column fields (worstStageFraction, oomTotal)."""
+    re-derive the printer-column fields (worstStageFraction, oomTotal); when the driver wrote
+    checkpoint news (notices.py), post its Events and record the attempt's resumedFrom."""
     assert namespace is not None
     if type == "DELETED":
         metrics.JOBS.forget(namespace, name)
@@ -677,7 +701,7 @@ def rljob_changed(
         _follow_attempt(namespace, name, logger)
     wanted = status.derived(current.get("memory"), dict(current.get("oomCounts") or {}))
     held = {key: current[key] for key in status.DERIVED_FIELDS if key in current}
-    if wanted == held:
+    if wanted == held and not notices.pending(current):
         return
     try:
         _write(namespace, name, _carry, logger)

@@ -228,6 +228,7 @@ def ray_job(owner: Owner, spec: RLJobSpec, attempt: int = 1) -> dict[str, Any]:
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished or 0,
             "suspend": spec.suspend,
+            "backoffLimit": spec.backoff_limit,
             "rayClusterSpec": {
                 "rayVersion": RAY_VERSION,
                 "headGroupSpec": {

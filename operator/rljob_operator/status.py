@@ -13,7 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob.api import DEFAULT_STARTUP_TIMEOUT_SECONDS, Phase, RLJobSpec
+from rljob.api import (
+    DEFAULT_STARTUP_TIMEOUT_SECONDS,
+    REASON_CHECKPOINT_FAILED,
+    CheckpointFailure,
+    Phase,
+    RLJobSpec,
+)
 from rljob.oom_policy import (
     MEMORY_PLAN_FITS,
     REASON_HOST_OOM,
@@ -114,6 +120,8 @@ class Observed:
     attempts: list[dict[str, Any]] | None = None
     # The policy's final decision on a failed attempt: (reason, message) for Failed.
     oom_stop: tuple[str, str] | None = None
+    # The driver's status.checkpointFailure of the current attempt: Failed says CheckpointFailed.
+    checkpoint_failure: CheckpointFailure | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +227,8 @@ def _phase_and_reasons(obs: Observed) -> tuple[Phase, dict[str, tuple[bool, str,
     if outcome == attempts.FAILED:
         reason = REASON_JOB_STOPPED if job_status == "STOPPED" else REASON_JOB_FAILED
         message = detail or f"jobStatus {job_status or '-'}, jobDeploymentStatus {deployment}"
+        if obs.checkpoint_failure is not None:
+            reason, message = REASON_CHECKPOINT_FAILED, obs.checkpoint_failure.describe()
         conditions[FAILED] = (True, reason, message)
         conditions[RUNNING] = (False, reason, "")
         conditions[SUCCEEDED] = (False, reason, "")
@@ -412,7 +422,19 @@ def compute(obs: Observed, now: str) -> tuple[dict[str, Any], list[Transition]]:
 
 # The operator's own status fields besides the OOM part (what a write that observes no RayJob
 # change carries over unchanged: under server-side apply a field left out is a field given up).
-CARRIED_FIELDS = ("phase", "observedGeneration", "conditions", "rayJob", "attempts", "cause")
+CARRIED_FIELDS = (
+    "phase", "observedGeneration", "conditions", "rayJob", "attempts", "cause", "announced",
+)  # fmt: skip
+
+
+def checkpoint_failure(current: Mapping[str, Any], attempt: int) -> CheckpointFailure | None:
+    """The driver's status.checkpointFailure if it is attempt `attempt`'s (an earlier attempt's
+    failure says nothing about this one)."""
+    found = current.get("checkpointFailure")
+    if not found:
+        return None
+    failure = CheckpointFailure.model_validate(found)
+    return failure if failure.attempt in (None, attempt) else None
 
 
 def carried(current: dict[str, Any]) -> dict[str, Any]:
@@ -469,7 +491,9 @@ def _time(text: str) -> datetime.datetime:
 def startup_deadline(rljob: Mapping[str, Any]) -> datetime.datetime | None:
     """When the job fails for not having started, or None while no deadline runs (it runs,
     finished, failed, or is suspended). The clock starts when the RLJob is created, again
-    when it is resumed (its Suspended condition turning False), and again with each OOM retry."""
+    when it is resumed (its Suspended condition turning False), again with each OOM retry, and
+    again when a job that ran stops running (its Running condition turning False: KubeRay's
+    retry)."""
     current = rljob.get("status") or {}
     if current.get("phase") not in (None, Phase.PENDING.value, Phase.STARTING.value):
         return None
@@ -481,6 +505,10 @@ def startup_deadline(rljob: Mapping[str, Any]) -> datetime.datetime | None:
         # An OOM retry starts the clock again: Created turned False when the retry was
         # recorded and True when its RayJob was made.
         if retried and c.get("type") == CREATED:
+            since = max(since, _time(str(c["lastTransitionTime"])))
+        # A job that ran and stopped running (KubeRay runs it again after a failure,
+        # spec.backoffLimit) starts the clock again when it stopped.
+        if c.get("type") == RUNNING and c.get("status") == "False":
             since = max(since, _time(str(c["lastTransitionTime"])))
     spec = rljob.get("spec") or {}
     timeout = int(spec.get("startupTimeoutSeconds") or DEFAULT_STARTUP_TIMEOUT_SECONDS)

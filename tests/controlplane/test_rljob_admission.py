@@ -167,7 +167,7 @@ def test_rollout_auto_is_admitted_and_stored_as_written(
         GROUP, VERSION, namespace, PLURAL, rljob("num", number)
     )
     assert stored["spec"]["rollout"]["memFractionStatic"] == 0.91
-    assert stored["spec"]["memoryPlan"]["margin"] == 0.03
+    assert stored["spec"]["memoryPlan"]["margin"] == 0.015
 
 
 def test_defaults_fill_the_stored_spec(custom: client.CustomObjectsApi, namespace: str) -> None:

@@ -154,11 +154,14 @@ def events_for(admin: client.ApiClient, namespace: str, name: str) -> list[clien
     )
 
 
-def create_job(admin: client.ApiClient, plane: Any, namespace: str, name: str) -> Path:
+def create_job(
+    admin: client.ApiClient, plane: Any, namespace: str, name: str,
+    spec: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
     """Create the RLJob; once the operator made its account and binding, a kubeconfig that
     authenticates as the job's ServiceAccount (the token its pods get)."""
     custom(admin).create_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, rljob(name, CPU_SPEC)
+        GROUP, VERSION, namespace, PLURAL, rljob(name, spec or CPU_SPEC)
     )
     rbac = client.RbacAuthorizationV1Api(admin)
 
@@ -521,3 +524,99 @@ def test_scraped_metrics_match_status(
         assert got[("rljob_stage_peak_bytes", key)] == value
     recent = tuple(sorted((*job, ("kind", "CUDAOutOfMemory"), ("stage", cuda_oom(3).stage or ""))))
     assert got[("rljob_recent_ooms", recent)] == 1
+
+
+def _reasons(admin: client.ApiClient, namespace: str, name: str) -> dict[str, int]:
+    """How many Events of each reason the RLJob has (an Event posted twice counts 2, or has
+    count 2 where the apiserver aggregated it)."""
+    counts: dict[str, int] = {}
+    for event in events_for(admin, namespace, name):
+        reason = str(event.reason)
+        counts[reason] = counts.get(reason, 0) + (event.count or 1)
+    return counts
+
+
+def test_checkpoint_news_is_one_event_each_also_after_an_operator_restart(
+    plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    """The driver's status.checkpoint, .resumedFrom, .export and .checkpointFailure become
+    Events (once each, not again after a restart), the attempt's resumedFrom, and Failed with
+    reason CheckpointFailed. The driver's writes are the real StatusPublisher's with the job's
+    token; KubeRay's FAILED is the stand-in write_rayjob_status_as_kuberay_would."""
+    from rljob.api import CheckpointFailure, CheckpointStatus, ExportStatus, ResumePoint
+
+    root = "/data/ckpt"
+    spec = {**CPU_SPEC, "checkpoint": {"path": root}}
+    token = create_job(admin, plane, namespace, "news", spec)
+    publisher = StatusPublisher.from_env_or_kubeconfig(namespace, "news", str(token), attempt=1)
+
+    def checkpoint(iteration: int) -> CheckpointStatus:
+        return CheckpointStatus(
+            iteration=iteration, path=f"{root}/iteration-{iteration:08d}",
+            completed_at="2026-11-26T05:00:00Z", bytes=1600000, seconds=0.05,
+        )  # fmt: skip
+
+    resumed = ResumePoint(iteration=1, path=f"{root}/iteration-00000001")
+    publisher.publish(RLJobStatus(iteration=2, resumed_from=resumed, checkpoint=checkpoint(2)))
+    wait_for(
+        "CheckpointWritten and ResumedFromCheckpoint",
+        lambda: (
+            _reasons(admin, namespace, "news").get("CheckpointWritten") == 1
+            and _reasons(admin, namespace, "news").get("ResumedFromCheckpoint") == 1
+        ),
+    )
+    export = ExportStatus(path="/data/export", iteration=3)
+    publisher.publish(
+        RLJobStatus(iteration=3, resumed_from=resumed, checkpoint=checkpoint(3), export=export)
+    )
+    wait_for("the second CheckpointWritten and ExportWritten", lambda: (
+        _reasons(admin, namespace, "news").get("CheckpointWritten") == 2
+        and _reasons(admin, namespace, "news").get("ExportWritten") == 1
+    ))  # fmt: skip
+    attempts = wait_for(
+        "attempt 1's resumedFrom",
+        lambda: [a for a in status_of(admin, namespace, "news").get("attempts") or []
+                 if a.get("resumedFrom")],
+    )  # fmt: skip
+    assert attempts[0]["attempt"] == 1
+    assert attempts[0]["resumedFrom"] == {"iteration": 1, "path": f"{root}/iteration-00000001"}
+    messages = {e.message for e in events_for(admin, namespace, "news")}
+    assert f"checkpoint of iteration 3 complete in {root}/iteration-00000003 (1.5 MiB, 0.05 s)" in (
+        messages
+    )
+
+    failure = CheckpointFailure(
+        iteration=4, path=f"{root}/iteration-00000004", rank=1,
+        error=f"[Errno 28] No space left on device: '{root}/iteration-00000004/state/__1_0.distcp'",
+    )  # fmt: skip
+    publisher.publish(
+        RLJobStatus(
+            iteration=3, resumed_from=resumed, checkpoint=checkpoint(3), export=export,
+            checkpoint_failure=failure,
+        )
+    )  # fmt: skip
+    write_rayjob_status_as_kuberay_would(admin, namespace, "news", "FAILED", "Failed")
+
+    def failed() -> dict[str, Any] | None:
+        for c in status_of(admin, namespace, "news").get("conditions") or []:
+            if c["type"] == "Failed" and c["status"] == "True":
+                return dict(c)
+        return None
+
+    condition = wait_for("Failed", failed)
+    assert condition["reason"] == "CheckpointFailed", condition
+    assert "iteration 4" in condition["message"] and "[Errno 28]" in condition["message"]
+    assert status_of(admin, namespace, "news")["phase"] == "Failed"
+    warnings = [e for e in events_for(admin, namespace, "news") if e.reason == "CheckpointFailed"]
+    assert warnings and all(e.type == "Warning" for e in warnings)
+    assert any("[Errno 28]" in (e.message or "") for e in warnings)
+
+    before = _reasons(admin, namespace, "news")
+    offset = len(operator.log.read_text())
+    operator.stop()
+    operator.start()
+    marker = f"reconciled RLJob {namespace}/news"
+    wait_for("operator resumed", lambda: marker in operator.log.read_text()[offset:], 60)
+    time.sleep(3.0)  # the resumed operator has listed the RLJob and its RayJob again
+    assert _reasons(admin, namespace, "news") == before
+    assert before["CheckpointWritten"] == 2 and before["ResumedFromCheckpoint"] == 1

@@ -23,6 +23,7 @@ from cluster import (
     tiny_job,
     wait_for,
 )
+from kubernetes import client
 
 from rljob.report import Stage
 
@@ -55,12 +56,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     setattr(item, f"rep_{call.when}", outcome.get_result())  # type: ignore[attr-defined]
 
 
-def finished(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+def finished(
+    cluster: Cluster, namespace: str, name: str, seconds: float = FINISH_SECONDS
+) -> dict[str, Any]:
     def probe() -> dict[str, Any] | None:
         status = cluster.status(namespace, name)
         return status if status.get("phase") in ("Succeeded", "Failed") else None
 
-    return wait_for(f"RLJob {name} to finish", probe, FINISH_SECONDS, every=5)
+    return wait_for(f"RLJob {name} to finish", probe, seconds, every=5)
 
 
 def ray_pods_running(cluster: Cluster, namespace: str) -> dict[str, str] | None:
@@ -385,3 +388,148 @@ def test_cluster_runs_kubelet_v1_34_on_two_ready_nodes(cluster: Cluster) -> None
         ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
         assert ready == "True", node["metadata"]["name"]
         assert node["status"]["nodeInfo"]["kubeletVersion"].startswith("v1.34"), node["status"]
+
+
+# The checkpoint job: enough iterations that the worker pod is deleted while it runs (after
+# iteration CUT's checkpoint), few enough that both Ray clusters' runs stay short.
+# (About 2 s an iteration on the 2-CPU kind worker: a first run of 10 ended before the pod
+# deletion took effect.)
+CKPT_ITERATIONS = 30
+CUT = 2
+# Where the PersistentVolume lives on the kind worker node. The node image has no dynamic
+# provisioner (hack/images/default-storage.yaml: kubernetes.io/no-provisioner), so the claim
+# binds a `local` PersistentVolume made here, pinned to that node.
+NODE_VOLUMES = "/var/local/rljob-e2e"
+
+
+def _worker_node(cluster: Cluster) -> str:
+    names = [
+        str(n["metadata"]["name"])
+        for n in cluster.nodes()
+        if "node-role.kubernetes.io/control-plane" not in (n["metadata"].get("labels") or {})
+    ]
+    assert names, "no kind worker node"
+    return names[0]
+
+
+def _on_node(node: str, *argv: str) -> str:
+    """A command inside the kind node's container (the node is a docker container here)."""
+    done = subprocess.run(["docker", "exec", node, *argv], capture_output=True, text=True)
+    assert done.returncode == 0, f"{argv} on {node}: {done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture
+def checkpoint_claim(cluster: Cluster, namespace: str) -> Iterator[tuple[str, str]]:
+    """A PersistentVolumeClaim `ckpt` in the namespace, bound to a local PersistentVolume on the
+    kind worker node: (node, the volume's directory on it)."""
+    node = _worker_node(cluster)
+    directory = f"{NODE_VOLUMES}/{namespace}"
+    _on_node(node, "mkdir", "-p", "-m", "0777", directory)  # the worker runs as uid 1000
+    _on_node(node, "chmod", "0777", directory)
+    volume = f"ckpt-{namespace}"
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": volume},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": "standard",
+            "claimRef": {"namespace": namespace, "name": "ckpt"},
+            "local": {"path": directory},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
+            ]}]}},
+        },
+    }  # fmt: skip
+    cluster.apply(manifest, namespace)
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "ckpt"},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "standard",
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    cluster.apply(claim, namespace)
+    yield node, directory
+    cluster.kubectl("delete", "pv", volume, "--ignore-not-found", "--wait=false", check=False)
+    _on_node(node, "rm", "-rf", directory)
+
+
+# Two Ray clusters start one after the other on one 2-CPU node: a loaded machine took 10 minutes
+# for one (the layer's per-test limit is 1200 s).
+@pytest.mark.timeout(2700)
+def test_worker_pod_deleted_mid_run_resumes_from_its_checkpoint_on_a_pvc_to_succeeded(
+    cluster: Cluster, namespace: str, checkpoint_claim: tuple[str, str]
+) -> None:
+    """spec.checkpoint on a PersistentVolumeClaim, spec.backoffLimit 1: the worker pod deleted
+    after iteration CUT's checkpoint fails the Ray job, KubeRay runs it again on a new Ray
+    cluster, and that run resumes from the newest complete checkpoint (status.resumedFrom, the
+    attempt's resumedFrom, an Event) to Succeeded, with the export on the volume. A Secret's
+    value reaches the worker's environment (env valueFrom secretKeyRef)."""
+    node, directory = checkpoint_claim
+    name = "ckpt-e2e"
+    secret_value = uuid.uuid4().hex
+    secret = client.V1Secret(
+        metadata=client.V1ObjectMeta(name="e2e-secret"), string_data={"token": secret_value}
+    )
+    cluster.core.create_namespaced_secret(namespace, secret)
+    job = tiny_job(name, cluster.worker_image)
+    spec = job["spec"]
+    spec["algorithm"]["iterations"] = CKPT_ITERATIONS
+    spec["checkpoint"] = {"path": "/ckpt/checkpoints", "everyIterations": 1, "keep": 2}
+    spec["export"] = {"path": "/ckpt/export"}
+    spec["backoffLimit"] = 1
+    spec["startupTimeoutSeconds"] = 1800
+    spec["volumes"] = [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}}]
+    spec["volumeMounts"] = [{"name": "ckpt", "mountPath": "/ckpt"}]
+    spec["env"] = [
+        {
+            "name": "E2E_SECRET",
+            "valueFrom": {"secretKeyRef": {"name": "e2e-secret", "key": "token"}},
+        }
+    ]
+    cluster.apply(job, namespace)
+
+    pods = wait_for(
+        "head and worker pods Running", lambda: ray_pods_running(cluster, namespace), PODS_SECONDS
+    )
+    worker = next(p for p, kind in pods.items() if kind == "worker")
+    env = cluster.kubectl("exec", "-n", namespace, worker, "--", "printenv", "E2E_SECRET")
+    assert env.strip() == secret_value
+
+    def saved() -> int | None:
+        iteration = (cluster.status(namespace, name).get("checkpoint") or {}).get("iteration")
+        return iteration if iteration is not None and iteration >= CUT else None
+
+    cut_at = wait_for(f"checkpoint of iteration {CUT}", saved, FINISH_SECONDS, every=0.5)
+    assert cut_at < CKPT_ITERATIONS, "the job finished before its worker pod could be deleted"
+    # At once (no grace period): the ranks must not finish while the container stops.
+    cluster.kubectl("delete", "pod", "-n", namespace, worker, "--grace-period=0", "--force")
+    assert (cluster.status(namespace, name).get("iteration") or 0) < CKPT_ITERATIONS
+
+    status = finished(cluster, namespace, name, seconds=2 * FINISH_SECONDS)
+    assert status["phase"] == "Succeeded", dump(status)
+    assert status["iteration"] == CKPT_ITERATIONS, dump(status)
+    resumed = status["resumedFrom"]
+    assert resumed["iteration"] >= cut_at and resumed["attempt"] == 1, dump(status)
+    assert resumed["path"] == f"/ckpt/checkpoints/iteration-{resumed['iteration']:08d}"
+    first = status["attempts"][0]
+    assert first["resumedFrom"] == {"iteration": resumed["iteration"], "path": resumed["path"]}
+    assert status["checkpoint"]["iteration"] == CKPT_ITERATIONS, dump(status)
+    assert status["export"] == {"path": "/ckpt/export", "iteration": CKPT_ITERATIONS}
+    # The export and the newest checkpoints are on the volume (the node's directory).
+    files = _on_node(node, "find", directory, "-maxdepth", "2").split()
+    assert f"{directory}/export/model.safetensors" in files, files
+    assert f"{directory}/checkpoints/iteration-{CKPT_ITERATIONS:08d}" in files, files
+    reasons = {e["reason"] for e in cluster.events(namespace, name)}
+    assert {"ResumedFromCheckpoint", "CheckpointWritten", "ExportWritten"} <= reasons, reasons
+    table = cluster.kubectl("get", "rljobs", name, "-n", namespace)
+    header, row = table.splitlines()[:2]
+    column = header.split().index("CHECKPOINT")
+    assert row.split()[column] == str(CKPT_ITERATIONS), table

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from rljob.report import STAGE_ORDER, IterationReport, Stage, StageSample, summarize
+from rljob.report import (
+    STAGE_ORDER,
+    IterationReport,
+    LoadSample,
+    Stage,
+    StageSample,
+    summarize,
+    summarize_load,
+)
 
 GIB = 1 << 30
 
@@ -81,5 +89,19 @@ def test_wire_names_are_camel_case() -> None:
     summary = summarize(IterationReport(iteration=1, samples=[sample(Stage.TRAIN, 0, 8)]))
     assert summary is not None
     wire = summary.model_dump(by_alias=True, mode="json")
-    assert set(wire) == {"iteration", "kind", "device", "capacityBytes", "stages"}
+    assert set(wire) == {"iteration", "kind", "device", "capacityBytes", "stages", "load"}
+    assert wire["load"] is None  # the driver adds the start-up (summarize_load)
     assert set(wire["stages"][0]) == {"name", "peakBytes", "peakFraction", "seconds", "rank"}
+
+
+def test_load_summary_is_the_worst_rank_by_device_peak() -> None:
+    samples = [
+        LoadSample(rank=r, kind="cuda", device="H100", seconds=s, peak_allocated_bytes=a,
+                   device_peak_used_bytes=d, device_total_bytes=100, host_peak_bytes=h)
+        for r, s, a, d, h in [(0, 2.0, 30, 40, 7), (1, 3.0, 31, 45, 5)]
+    ]  # fmt: skip
+    load = summarize_load(samples)
+    assert load is not None
+    assert (load.rank, load.peak_bytes, load.peak_fraction) == (1, 45, 0.45)
+    assert (load.peak_allocated_bytes, load.host_peak_bytes, load.seconds) == (31, 7, 3.0)
+    assert summarize_load([]) is None

@@ -154,6 +154,19 @@ def test_staged_order_is_the_canonical_stage_order() -> None:
     assert Stage.WAKE_KV_CACHE not in SINGLE_ORDER
 
 
+@pytest.mark.parametrize("wake_up", [WakeUp.STAGED, WakeUp.SINGLE])
+def test_a_resumed_prologue_offloads_the_loaded_moments_before_the_engine_wakes(
+    wake_up: WakeUp,
+) -> None:
+    fresh = stage_order(wake_up, 0)
+    resumed = stage_order(wake_up, 3, prologue=True, resumed=True)
+    assert Stage.OFFLOAD_OPTIMIZER not in fresh and Stage.TRAIN not in fresh
+    assert resumed == (Stage.OFFLOAD_OPTIMIZER, *fresh)
+    machine, _, log = _machine(wake_up)
+    machine.run_iteration(3, prologue=True, resumed=True)
+    assert log[0] == "offload_optimizer" and log[-1] == "load_optimizer"
+
+
 def test_staged_resumes_kv_cache_only_after_training_params_left() -> None:
     machine, _, log = _machine(WakeUp.STAGED)
     machine.run_iteration(0)

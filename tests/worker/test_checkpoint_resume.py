@@ -102,6 +102,14 @@ def test_resumed_run_ends_with_the_straight_runs_weights_and_rewards(
     assert first.resumed_from is None
     # The resumed run starts with iteration 2's second half (its train is in the checkpoint).
     assert sorted({i.iteration for i in second.iterations}) == list(range(STOP, ITERATIONS + 1))
+    # Its first iteration offloads the AdamW moments the checkpoint loaded before the engine
+    # wakes (a fresh prologue has none to offload): without it a resumed GPU run's
+    # wake_kv_cache lacked their bytes.
+    resumed = next(i for i in second.iterations if i.iteration == STOP and i.rank == 0)
+    assert "train" not in resumed.stages
+    assert resumed.stages.index("offload_optimizer") < resumed.stages.index("wake_weights")
+    fresh = next(i for i in straight_run.iterations if i.iteration == 0 and i.rank == 0)
+    assert "offload_optimizer" not in fresh.stages
     rewards = _rewards(straight_run)
     assert {**_rewards(first), **_rewards(second)} == rewards
     assert len(set(rewards.values())) > 1  # the rewards moved: equal is not trivially equal
@@ -207,11 +215,13 @@ def test_oom_retry_resumes_from_the_newest_checkpoint_with_the_new_knobs(tmp_pat
     assert (first["result"], first["oomStage"]) == ("CUDAOutOfMemory", "train")
     assert "resumedFrom" not in first
     # Iteration 3's train failed before its checkpoint: the retry continues from 2, not 0.
+    resumed = {"iteration": 2, "path": str(checkpoint_dir(tmp_path / "ckpt", 2))}
     assert (second["result"], second["resumedFrom"], second["microBatchSize"]) == (
         "Succeeded",
-        2,
+        resumed,
         1,
     )
+    assert status["resumedFrom"] == resumed  # the driver's field: the last attempt's resume
     assert status["checkpoint"]["iteration"] == 4
     assert status["export"] == {"path": str(tmp_path / "export"), "iteration": 4}
     reports = json.loads((out / "reports.json").read_text())

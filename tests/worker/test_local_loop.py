@@ -114,6 +114,11 @@ def test_status_block_has_driver_fields_and_memory(staged_run: LocalRun) -> None
     assert status.kl_mean is not None and status.kl_mean > 0  # the policy left the reference
     assert status.memory is not None and status.memory.kind == "host"
     assert [s.name for s in status.memory.stages] == list(STAGED_ORDER)
+    # The start-up, measured once on every rank (its first iteration carries it).
+    assert {i.rank for i in staged_run.iterations if i.load is not None} == set(range(RANKS))
+    load = status.memory.load
+    assert load is not None and load.peak_bytes > 0 and load.host_peak_bytes > 0
+    assert load.rank in range(RANKS) and load.seconds > 0
     assert status.oom_events == []
     dumped = status.model_dump(mode="json", by_alias=True, exclude_none=True)
     assert {"iteration", "rewardMean", "klMean", "memory", "oomEvents"} <= dumped.keys()
@@ -171,6 +176,10 @@ def test_cli_runs_the_example_and_writes_status_and_timeline(tmp_path: Path) -> 
         s["name"]: s["peakBytes"] for s in status["memory"]["stages"]
     }
     assert (out / "status.yaml").read_text().startswith("status:")
+    # Every rank's start-up in load.json; status.memory.load is the worst of them.
+    loads = json.loads((out / "load.json").read_text())
+    assert sorted(s["rank"] for s in loads) == list(range(RANKS))
+    assert status["memory"]["load"]["peakBytes"] == max(s["devicePeakUsedBytes"] for s in loads)
     png = (out / "memory-timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # status.metrics (what `kubectl rljob curve` draws), one entry per iteration, as reported.

@@ -81,9 +81,9 @@ def test_row_chunks_follow_torch_chunk(
 ) -> None:
     import torch
 
-    from rljob_worker.train import _row_chunk
+    from rljob_worker.sharded_load import row_chunk
 
-    assert [_row_chunk(rows, world, r) for r in range(world)] == chunks
+    assert [row_chunk(rows, world, r) for r in range(world)] == chunks
     # torch.chunk is what DTensor's Shard(0) and FSDP2 cut by (it may give fewer chunks).
     pieces = torch.arange(rows).chunk(world)
     assert [len(p) for p in pieces] == [n for _, n in chunks][: len(pieces)]

@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,7 +30,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from rljob.api import ResumeMode, RLJobSpec
+from rljob.api import (
+    REASON_CHECKPOINT_FAILED,
+    CheckpointFailure,
+    ResumeMode,
+    ResumePoint,
+    RLJobSpec,
+)
 from rljob_worker.model import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,16 @@ PREFIX = "iteration-"
 
 class CheckpointMismatch(ValueError):
     """A checkpoint that this spec must not load (another model)."""
+
+
+class CheckpointFailed(RuntimeError):
+    """A save that failed on some rank (a full disk, a read-only or forbidden directory). Every
+    rank raises it together, so none waits in a collective for the one that failed; its
+    directory has no marker, so no resume picks it."""
+
+    def __init__(self, failure: CheckpointFailure) -> None:
+        super().__init__(f"{REASON_CHECKPOINT_FAILED}: {failure.describe()}")
+        self.failure = failure
 
 
 @dataclass(frozen=True)
@@ -126,9 +144,52 @@ def _rank() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _barrier() -> None:
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc`: itself, its cause, or (torch.distributed.checkpoint gathers
+    every rank's exception into one CheckpointException on all ranks) any rank's failure."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
+            if isinstance(inner, BaseException) and (found := _os_error(inner)) is not None:
+                return found
+    cause = exc.__cause__ or exc.__context__
+    return _os_error(cause) if cause is not None else None
+
+
+def _agreed(step: Callable[[], None], iteration: int, directory: Path) -> None:
+    """Run this rank's part of a save step, then agree with every rank on how it went (a
+    collective every rank reaches, whatever failed): an OSError on any rank raises
+    CheckpointFailed on all, naming the lowest failing rank and its error."""
+    rank, _ = _rank()
+    error: str | None = None
+    try:
+        step()
+    except (OSError, CheckpointException) as exc:
+        found = _os_error(exc)
+        if found is None and not isinstance(exc, CheckpointException):
+            raise
+        error = str(found) if found is not None else str(exc).strip().splitlines()[-1]
+    errors: list[str | None] = [error]
     if dist.is_initialized():
-        dist.barrier()
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    first_rank, first_error = failed[0]
+    log.error("checkpoint of iteration %d failed on rank(s) %s: %s", iteration,
+              ", ".join(str(r) for r, _ in failed), first_error)  # fmt: skip
+    if rank == 0:
+        # What the failed save wrote is never a checkpoint (no marker): free its space.
+        (directory / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(directory, ignore_errors=True)
+    raise CheckpointFailed(
+        CheckpointFailure(
+            iteration=iteration, path=str(directory), rank=first_rank, error=first_error[:1024]
+        )
+    )
 
 
 def _rank_bytes(directory: Path, rank: int) -> int:
@@ -150,19 +211,28 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSp
     rank, world = _rank()
     root = Path(spec.checkpoint.path)
     directory = checkpoint_dir(root, iteration)
-    if rank == 0:
-        # What a save of this iteration that crashed left behind (it has no marker). The
-        # marker goes first: a crash inside rmtree must not leave a marker beside partial shards.
-        (directory / MARKER).unlink(missing_ok=True)
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(parents=True)
-    _barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory / STATE)
-    torch.save(_rng_state(), directory / f"rng-rank{rank}.pt")
-    _barrier()  # every rank's part is on disk
-    completed_at = None
-    if rank == 0:
+    # Each step ends in an agreement (_agreed): an OSError on one rank (ENOSPC, EROFS, EACCES)
+    # fails the save on every rank, instead of leaving the others in the next barrier.
+
+    def prepare() -> None:
+        if rank == 0:
+            # What a save of this iteration that crashed left behind (it has no marker). The
+            # marker goes first: a crash inside rmtree must not leave one beside partial shards.
+            (directory / MARKER).unlink(missing_ok=True)
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+
+    def write_shards() -> None:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        # Collective itself: a rank's failure reaches all as one CheckpointException.
+        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory / STATE)
+        torch.save(_rng_state(), directory / f"rng-rank{rank}.pt")
+
+    completed: list[str] = []
+
+    def complete() -> None:
+        if rank != 0:
+            return
         meta = {
             "iteration": iteration,
             "modelPath": spec.model.path,
@@ -172,10 +242,17 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSp
         _write_atomically(directory / META, json.dumps(meta, indent=1) + "\n")
         completed_at = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
         _write_atomically(directory / MARKER, completed_at + "\n")
+        completed.append(completed_at)
+
+    _agreed(prepare, iteration, directory)
+    _agreed(write_shards, iteration, directory)  # every rank's part is on disk
+    # No rank runs on (and may fail) before the checkpoint is complete.
+    _agreed(complete, iteration, directory)
+    completed_at = completed[0] if completed else None
+    if rank == 0:
         deleted = prune(root, spec.checkpoint.keep)
         if deleted:
             log.info("checkpoint: deleted %s", ", ".join(p.name for p in deleted))
-    _barrier()  # no rank runs on (and may fail) before the checkpoint is complete
     return SavedCheckpoint(
         iteration, str(directory), _rank_bytes(directory, rank),
         time.perf_counter() - started, completed_at,
@@ -293,6 +370,7 @@ class Keeper:
         self.spec, self.model, self.optimizer, self.model_path = spec, model, optimizer, model_path
         self.saved: SavedCheckpoint | None = None
         self.exported: str | None = None
+        self.resumed: ResumePoint | None = None  # the checkpoint resume() loaded
 
     def resume(self) -> int | None:
         """Load the newest complete checkpoint (spec.checkpoint.resume Auto); its iteration."""
@@ -307,7 +385,9 @@ class Keeper:
                 "to train on, or point spec.checkpoint.path at an empty directory to start over"
             )
         log.info("resuming from %s", directory)
-        return load(self.model, self.optimizer, self.spec, directory)
+        loaded = load(self.model, self.optimizer, self.spec, directory)
+        self.resumed = ResumePoint(iteration=loaded, path=str(directory))
+        return loaded
 
     def save(self, iteration: int) -> None:
         self.saved = save(self.model, self.optimizer, self.spec, iteration)

@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rljob.api import (
+    REASON_CHECKPOINT_FAILED,
     Attempt,
     AttemptKnobs,
     Phase,
@@ -36,6 +37,7 @@ from rljob.report import (
     STAGE_COLOURS,
     STAGE_ORDER,
     IterationReport,
+    LoadSample,
     MemorySummary,
     OOMRecord,
     Stage,
@@ -126,6 +128,8 @@ def _cause(run: Any) -> str | None:
     if run.ooms:
         oom = min(run.ooms, key=lambda o: o.time)
         return f"CUDAOutOfMemory in stage {oom.stage} (rank {oom.rank}, iteration {oom.iteration})"
+    if run.checkpoint_failures:
+        return f"{REASON_CHECKPOINT_FAILED}: {run.checkpoint_failures[0].describe()}"[:512]
     if run.errors:
         rank, error = min(run.errors.items())
         return f"rank {rank} failed: {headline(error)}"[:512]
@@ -134,6 +138,24 @@ def _cause(run: Any) -> str | None:
 
 def _bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def load_lines(status: RLJobStatus, loads: list[LoadSample]) -> list[str]:
+    """Each rank's measured start-up peak, then the plan's load row to hold them against."""
+    lines = [
+        f"start-up load, rank {s.rank}: peak {_bytes(s.device_peak_used_bytes)} device-wide, "
+        f"torch allocated {_bytes(s.peak_allocated_bytes)}, host RSS peak "
+        f"{_bytes(s.host_peak_bytes)}, {s.seconds:.1f} s"
+        for s in sorted(loads, key=lambda s: s.rank)
+    ]
+    planned = status.plan.load if status.plan is not None else None
+    if lines and planned is not None:
+        lines.append(
+            f"start-up load, plan: {_bytes(planned.peak_bytes)} per rank "
+            f"({planned.peak_fraction:.3f}), host {_bytes(planned.host_bytes_per_node)} per "
+            "worker pod for the slices"
+        )
+    return lines
 
 
 def memory_table(summary: MemorySummary, reports: list[IterationReport]) -> Table:
@@ -412,7 +434,7 @@ def main(argv: list[str]) -> int:
             result=result,
             oom_stage=oom.stage if oom else None,
             oom_rank=oom.rank if oom else None,
-            resumed_from=run.resumed_from,
+            resumed_from=run.resume_point,
         )
         attempts.append(attempt)
         if run.ok or oom is None:
@@ -460,11 +482,18 @@ def main(argv: list[str]) -> int:
     if len(attempts) > 1 or spec.oom_policy.max_retries or run.resumed_from is not None:
         status.attempts = attempts
     written = write_outputs(out, name, status, reports, spec.algorithm.seed)
+    # Every rank's start-up (status.memory.load keeps the worst rank's).
+    loads = [i.load for i in run.iterations if i.load is not None]
+    dumped = [load.model_dump(mode="json", by_alias=True) for load in loads]
+    (out / "load.json").write_text(json.dumps(dumped, indent=1) + "\n")
+    written.append("load.json")
     table_console = Console()
     if status.metrics:
         table_console.print(metrics_table(status.metrics, f"RLJob {name}: per iteration"))
     if status.memory is not None:
         table_console.print(memory_table(status.memory, reports))
+    for line in load_lines(status, loads):
+        table_console.print(line, soft_wrap=True, markup=False, highlight=False)
     for line in auto_lines(status.plan) if status.plan else []:
         table_console.print(line, soft_wrap=True, markup=False, highlight=False)
     mismatched = [

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rljob.api import MisfitAction, PlanStatus, RLJobSpec
+from rljob.api import CheckpointFailure, MisfitAction, PlanStatus, ResumePoint, RLJobSpec
 from rljob.plan import is_auto, offload_choice, rank_plan, resolved_rollout, resolved_spec
-from rljob.report import OOMRecord, StageSample
+from rljob.report import LoadSample, OOMRecord, StageSample
 from rljob_worker import allocator_report
 from rljob_worker import checkpoint as checkpoints
 from rljob_worker.agentic.chat import ChatFormat
@@ -137,6 +137,8 @@ class RankIteration:
     offload_params: bool | None = None
     # Rank 0, iteration 0: the memory plan on this rank's GPU, for status.plan (issue 19).
     plan: PlanStatus | None = None
+    # Every rank, its first iteration: its start-up (models built and loaded), measured.
+    load: LoadSample | None = None
     # This iteration's rollout and (from iteration 1) policy update, as combinable figures.
     rollout: RolloutStats | None = None
     train: TrainStats | None = None
@@ -145,12 +147,13 @@ class RankIteration:
     # The first iteration of a run resumed from this iteration's checkpoint (its train is in
     # the checkpoint, so the report has no train figures).
     resumed_from: int | None = None
+    resume_point: ResumePoint | None = None  # with the checkpoint's directory
     # This iteration's checkpoint (this rank's part) and export (rank 0), where written.
     checkpoint: checkpoints.SavedCheckpoint | None = None
     export_path: str | None = None
 
 
-RankEvent = StageSample | RankIteration | OOMRecord
+RankEvent = StageSample | RankIteration | OOMRecord | CheckpointFailure
 
 
 @dataclass
@@ -397,7 +400,6 @@ def run_rank(
     engine.release([tag for tag in ALL_TAGS if tag not in released])
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    trainer = Trainer(spec, model_path, device, pad_id=tokenizer.pad_token_id)
 
     def on_sample(sample: StageSample) -> None:
         result.samples.append(sample)
@@ -410,6 +412,9 @@ def run_rank(
         inject=config.inject_oom or OOMInjection.from_env(),
         node=config.node,
     )
+    # The start-up, measured like a stage: status.memory.load against the plan's load row.
+    with meter.load():
+        trainer = Trainer(spec, model_path, device, pad_id=tokenizer.pad_token_id)
     checks: dict[str, tuple[str, str]] = {}
 
     def check_weights(_iteration: int, bucket: NamedTensors) -> None:
@@ -447,7 +452,9 @@ def run_rank(
             machine.weight_sync_seconds = None
             machine.weight_handoff_seconds = None
             resumed = resumed_from is not None and iteration == start
-            outcome = machine.run_iteration(iteration, prologue=iteration == 0 or resumed)
+            outcome = machine.run_iteration(
+                iteration, prologue=iteration == 0 or resumed, resumed=resumed
+            )
             if iteration == spec.algorithm.iterations:
                 keeper.export_final()  # the policy as its last update left it
             saved, exported = keeper.take()
@@ -475,6 +482,7 @@ def run_rank(
                 offload_params=offload_params,
                 # The run's first iteration: 0, or the one a resumed run starts with.
                 plan=plan_status if iteration == start else None,
+                load=meter.load_sample if iteration == start else None,
                 rollout=rollout_stats(
                     experience,
                     spec.data.max_response_length,
@@ -483,6 +491,7 @@ def run_rank(
                 ),
                 train=outcome.train,
                 resumed_from=start if resumed else None,
+                resume_point=keeper.resumed if resumed else None,
                 checkpoint=saved,
                 export_path=exported,
             )
@@ -493,6 +502,11 @@ def run_rank(
         log.error("rank %d: %s", config.rank, oom)
         result.oom = oom.record
         send(oom.record)
+    except checkpoints.CheckpointFailed as failed:
+        # Every rank raises it together (checkpoint._agreed); the driver puts it in
+        # status.checkpointFailure, the job fails with reason CheckpointFailed.
+        send(failed.failure)
+        raise
     finally:
         engine.shutdown()
         scorer.close()

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 import psutil
 import torch
 
-from rljob.report import OOMRecord, Stage, StageSample
+from rljob.report import LoadSample, OOMRecord, Stage, StageSample
 
 # RLJOB_INJECT_OOM=STAGE[@rank=R][@iteration=I] raises a real torch.OutOfMemoryError at the
 # start of that stage, so tests can prove every stage boundary records OOMs the same way.
@@ -145,19 +145,21 @@ class _Sampler(threading.Thread):
     """Polls device-wide use during a stage (and once at each end): only the device's free
     memory tells which torch_memory_saver regions are really mapped, and shows other processes."""
 
-    def __init__(self, probe: _Probe, interval_seconds: float) -> None:
+    def __init__(self, probe: _Probe, interval_seconds: float, process: bool = False) -> None:
         super().__init__(daemon=True, name="rljob-memory-sampler")
         self.probe = probe
         self.interval_seconds = interval_seconds
         self.stop_event = threading.Event()
         self.peak_device_used = 0
         self.peak_process = 0
+        # The process's RSS: on the host it is the device; on CUDA only where asked (load).
+        self.process = process or not probe.cuda
 
     def sample_once(self) -> None:
         used, _ = self.probe.device_used_total()
         self.peak_device_used = max(self.peak_device_used, used)
-        if not self.probe.cuda:
-            self.peak_process = max(self.peak_process, self.probe.allocator()[0])
+        if self.process:
+            self.peak_process = max(self.peak_process, self.probe.process.memory_info().rss)
 
     def run(self) -> None:
         while not self.stop_event.wait(self.interval_seconds):
@@ -183,10 +185,42 @@ class MemoryMeter:
         self.node = node
         self.interval_seconds = interval_seconds or (0.005 if self.probe.cuda else 0.02)
         self.samples: list[StageSample] = []
+        self.load_sample: LoadSample | None = None
 
     @property
     def kind(self) -> str:
         return "cuda" if self.probe.cuda else "host"
+
+    @contextmanager
+    def load(self) -> Iterator[None]:
+        """Measure the start-up (models built and loaded) into `load_sample`: device-wide and
+        allocator peaks as a stage's, and the process's host RSS peak on any device."""
+        probe = self.probe
+        probe.reset_peak()
+        sampler = _Sampler(probe, self.interval_seconds, process=True)
+        sampler.sample_once()
+        sampler.start()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            sampler.stop_event.set()
+            sampler.join()
+            sampler.sample_once()
+        used, total = probe.device_used_total()
+        peak_allocated = probe.allocator_peak()[0] if probe.cuda else sampler.peak_process
+        self.load_sample = LoadSample(
+            rank=self.rank,
+            kind="cuda" if probe.cuda else "host",
+            device=probe.name,
+            seconds=seconds,
+            peak_allocated_bytes=peak_allocated,
+            device_peak_used_bytes=max(sampler.peak_device_used, used),
+            device_total_bytes=total,
+            host_peak_bytes=sampler.peak_process,
+            node=self.node,
+        )
 
     @contextmanager
     def stage(self, stage: Stage, iteration: int) -> Iterator[None]:

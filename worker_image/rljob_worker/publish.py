@@ -13,7 +13,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -25,9 +25,11 @@ from rljob.api import (
     KIND,
     PLURAL,
     VERSION,
+    CheckpointFailure,
     MemoryPoint,
     OOMEvent,
     PlanStatus,
+    ResumePoint,
     RLJobStatus,
     history_with,
     status_apply_body,
@@ -50,6 +52,15 @@ def _now() -> str:
 
 def _dump(model: Any) -> Any:
     return model.model_dump(by_alias=True, mode="json") if model is not None else None
+
+
+_Stamped = TypeVar("_Stamped", ResumePoint, CheckpointFailure)
+
+
+def _stamped(record: _Stamped | None, attempt: int | None) -> _Stamped | None:
+    if record is None or record.attempt is not None or attempt is None:
+        return record
+    return record.model_copy(update={"attempt": attempt})
 
 
 def driver_fields(
@@ -89,6 +100,10 @@ def driver_fields(
         "oomEvents": [o.model_dump(by_alias=True, exclude_none=True, mode="json") for o in cuda],
         "checkpoint": _dump(status.checkpoint),
         "export": _dump(status.export),
+        # Stamped with this driver's attempt: the operator copies a resume into that attempt's
+        # status.attempts entry, and a failure is this attempt's.
+        "resumedFrom": _dump(_stamped(status.resumed_from, attempt)),
+        "checkpointFailure": _dump(_stamped(status.checkpoint_failure, attempt)),
     }
     count = held_count + int(status.oom_counts.get(CUDA_OOM, 0))
     if count:
@@ -281,13 +296,16 @@ class PublishingListener:
         self.samples: list[Any] = []
         self.iterations: list[Any] = []
         self.ooms: list[OOMRecord] = []
+        self.checkpoint_failures: list[CheckpointFailure] = []
         self.failures: list[Exception] = []
 
     def status(self) -> RLJobStatus:
         from rljob_worker.driver import driver_status, iteration_reports
 
         reports = iteration_reports(self.samples, self.iterations)
-        return driver_status(reports, self.iterations, self.ooms, self.world_size)
+        return driver_status(
+            reports, self.iterations, self.ooms, self.world_size, self.checkpoint_failures
+        )
 
     def __call__(self, event: Any) -> None:
         from rljob_worker.loop import RankIteration
@@ -298,6 +316,9 @@ class PublishingListener:
         if isinstance(event, OOMRecord):
             self.ooms.append(event)
             new.append(event)
+        elif isinstance(event, CheckpointFailure):
+            self.checkpoint_failures.append(event)  # published with the final flush
+            return
         elif isinstance(event, RankIteration):
             self.iterations.append(event)
             if event.plan is not None:  # rank 0's plan, before iteration 1: status.plan

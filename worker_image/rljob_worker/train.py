@@ -20,32 +20,21 @@ from rljob.api import RLJobSpec
 
 # The weight sync's buckets are planned where the memory plan sizes them (one function).
 from rljob.plan import plan_buckets as plan_buckets
-from rljob_worker.model import load_causal_lm, torch_dtype
+from rljob_worker.model import torch_dtype
 
 # The rollout's record and the update's sums, used by the stage machine through this module.
 from rljob_worker.policy_update import Experience as Experience
 from rljob_worker.policy_update import PolicyUpdate
 from rljob_worker.policy_update import TrainStats as TrainStats
+from rljob_worker.sharded_load import chunk_rows, load_sharded, row_chunk
 
 NamedTensors = list[tuple[str, torch.Tensor]]
-
-
-def _chunk_rows(rows: int, world: int) -> int:
-    """Rows of a full dim-0 chunk as FSDP2 cuts it (torch.chunk): ceil(rows / world)."""
-    return -(-rows // world)
-
-
-def _row_chunk(rows: int, world: int, rank: int) -> tuple[int, int]:
-    """(first row, rows) of `rank`'s dim-0 shard: full chunks, the last ones shorter or empty."""
-    size = _chunk_rows(rows, world)
-    start = min(rank * size, rows)
-    return start, min(size, rows - start)
 
 
 def flat_chunk_elements(shape: torch.Size, world: int) -> int:
     """Elements each rank sends for one tensor in gather_full's flat all-gather: a full dim-0
     chunk, the rank's shard padded up to it, so every rank sends the same number."""
-    return _chunk_rows(shape[0], world) * shape[1:].numel()
+    return chunk_rows(shape[0], world) * shape[1:].numel()
 
 
 # torch.distributed's one-buffer all-gather: `all_gather_single` from torch 2.14 (where
@@ -116,7 +105,7 @@ def _gather_flat(
     locals_ = [tensor.to_local() for _, tensor in sharded]
     chunks = [flat_chunk_elements(shape, world) for shape in shapes]
     for name, shape, local in zip(names, shapes, locals_, strict=True):
-        rows = _row_chunk(shape[0], world, rank)[1]
+        rows = row_chunk(shape[0], world, rank)[1]
         if local.shape[0] != rows:
             raise RuntimeError(
                 f"{name}: local shard has {local.shape[0]} rows, FSDP2's dim-0 chunking gives "
@@ -158,9 +147,8 @@ def _shard(model: torch.nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> None
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def _move(module: torch.nn.Module, device: torch.device) -> None:
-    # Through nn.Module's own signature: transformers' typing of PreTrainedModel.to is narrower.
-    module.to(device)
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    model.gradient_checkpointing_enable()  # type: ignore[operator]
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -258,18 +246,23 @@ class Trainer:
         self.compute_dtype = torch_dtype(spec.model.dtype)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.mesh = init_device_mesh(device.type, (world,))
-        # Master weights in float32; FSDP casts to the spec's dtype for compute.
-        self.model = load_causal_lm(model_path, torch.float32)
-        _move(self.model, device)
-        if spec.training.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        _shard(self.model, self.mesh, self.compute_dtype)
+        # Built on the meta device, sharded, then each rank reads only its rows from the
+        # files (sharded_load.py): no rank holds a whole model. Master weights in float32;
+        # FSDP casts to the spec's dtype for compute.
+        shard = lambda model: _shard(model, self.mesh, self.compute_dtype)  # noqa: E731
+        prepare = _enable_checkpointing if spec.training.gradient_checkpointing else None
+        self.model, slice_bytes = load_sharded(model_path, torch.float32, device, shard, prepare)
         self.reference: torch.nn.Module | None = None
         if spec.algorithm.kl_coef > 0:
-            self.reference = load_causal_lm(model_path, torch.float32)
-            _move(self.reference, device)
+            # Frozen, so in the engine's dtype: what its forward computed in anyway (the
+            # MixedPrecisionPolicy casts to it), at half an fp32 copy's bytes.
+            self.reference, ref_slice_bytes = load_sharded(
+                model_path, self.compute_dtype, device, shard
+            )
             self.reference.requires_grad_(False).eval()
-            _shard(self.reference, self.mesh, self.compute_dtype)
+            slice_bytes = max(slice_bytes, ref_slice_bytes)
+        # The largest tensor slice one read held (host, then device): the loading's transient.
+        self.load_slice_bytes = slice_bytes
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=spec.algorithm.learning_rate, weight_decay=0.0
         )

@@ -11,7 +11,13 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TypeVar
 
-from rljob.api import CheckpointStatus, ExportStatus, OOMEvent, RLJobStatus
+from rljob.api import (
+    CheckpointFailure,
+    CheckpointStatus,
+    ExportStatus,
+    OOMEvent,
+    RLJobStatus,
+)
 from rljob.report import (
     METRIC_DIGITS,
     IterationReport,
@@ -20,6 +26,7 @@ from rljob.report import (
     StageSample,
     metrics_with,
     summarize,
+    summarize_load,
 )
 from rljob_worker.agentic.driver import RolloutCounts
 from rljob_worker.loop import RankIteration, RolloutStats
@@ -132,6 +139,7 @@ def driver_status(
     iterations: Iterable[RankIteration],
     ooms: list[OOMRecord],
     world_size: int,
+    checkpoint_failures: Iterable[CheckpointFailure] = (),
 ) -> RLJobStatus:
     """The fields of RLJob status the job's driver owns, computed from what the ranks reported.
 
@@ -145,13 +153,19 @@ def driver_status(
         ranks_done.setdefault(item.iteration, set()).add(item.rank)
     finished = [r for r in reports if len(ranks_done.get(r.iteration, ())) == world_size]
     last = finished[-1] if finished else None
+    memory = summarize(reports[-1]) if reports else None
+    if memory is not None:  # the start-up, measured once per rank, travels with every summary
+        memory.load = summarize_load([i.load for i in iterations if i.load is not None])
     return RLJobStatus(
         checkpoint=checkpoint_status(iterations, world_size),
         export=export_status(iterations),
+        resumed_from=next((i.resume_point for i in iterations if i.resume_point), None),
+        # Every rank reports the same agreed failure (checkpoint._agreed): the first of them.
+        checkpoint_failure=next(iter(checkpoint_failures), None),
         iteration=last.iteration if last else None,
         reward_mean=last.reward_mean if last else None,
         kl_mean=next((r.kl_mean for r in reversed(finished) if r.kl_mean is not None), None),
-        memory=summarize(reports[-1]) if reports else None,
+        memory=memory,
         metrics=metrics_with([], finished),
         oom_events=[OOMEvent.model_validate(o) for o in newest_ooms(ooms)],
         oom_counts=dict(Counter(o.kind for o in ooms)),

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob.api import RLJobSpec, RLJobStatus
+from rljob.api import CheckpointFailure, ResumePoint, RLJobSpec, RLJobStatus
 from rljob.report import IterationReport, OOMRecord, StageSample
 from rljob_worker.driver import driver_status, iteration_reports
 from rljob_worker.loop import RankConfig, RankEvent, RankIteration
@@ -46,6 +46,7 @@ class LocalRun:
     iterations: list[RankIteration] = field(default_factory=list)
     ooms: list[OOMRecord] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
+    checkpoint_failures: list[CheckpointFailure] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -57,6 +58,11 @@ class LocalRun:
         return next((i.resumed_from for i in self.iterations if i.resumed_from is not None), None)
 
     @property
+    def resume_point(self) -> ResumePoint | None:
+        """The checkpoint (iteration, directory) this run continued from."""
+        return next((i.resume_point for i in self.iterations if i.resume_point), None)
+
+    @property
     def reports(self) -> list[IterationReport]:
         return iteration_reports(self.samples, self.iterations)
 
@@ -64,8 +70,9 @@ class LocalRun:
         """The driver's status fields; `earlier_ooms` (earlier attempts' OOMs, when `rljob run`
         retries) stay in oomEvents and oomCounts, as the cluster's status keeps them."""
         return driver_status(
-            self.reports, self.iterations, [*earlier_ooms, *self.ooms], self.world_size
-        )
+            self.reports, self.iterations, [*earlier_ooms, *self.ooms], self.world_size,
+            self.checkpoint_failures,
+        )  # fmt: skip
 
     def add(self, event: RankEvent) -> None:
         if isinstance(event, StageSample):
@@ -74,6 +81,8 @@ class LocalRun:
             self.iterations.append(event)
         elif isinstance(event, OOMRecord):
             self.ooms.append(event)
+        elif isinstance(event, CheckpointFailure):
+            self.checkpoint_failures.append(event)
 
 
 def _free_port() -> int:

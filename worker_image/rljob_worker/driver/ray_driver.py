@@ -20,7 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rljob.api import AUTO, RLJobSpec, RLJobStatus, WakeUp
+from rljob.api import AUTO, REASON_CHECKPOINT_FAILED, RLJobSpec, RLJobStatus, WakeUp
 from rljob.report import IterationReport, OOMRecord
 from rljob_worker.driver.failure import (
     FailureKind,
@@ -121,6 +121,8 @@ class RayRun(LocalRun):
         """Why the job failed, naming rank, node and stage (failure.failure_reason)."""
         if self.setup_error is not None:
             return self.setup_error
+        if self.checkpoint_failures:  # every rank raised it together: the save is the cause
+            return f"{REASON_CHECKPOINT_FAILED}: {self.checkpoint_failures[0].describe()}"
         return failure_reason(
             self.ooms, self.failures, self.samples, self.wake_up, self.last_iteration, self.nodes
         )
