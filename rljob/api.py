@@ -38,7 +38,10 @@ BUILTIN_ARITHMETIC = "builtin:arithmetic"
 # One digit named in the prompt ('say 7:'), rewarded by the response's first character: what the
 # tiny builtin model learns on a CPU in a few dozen iterations (tests/worker/test_learns.py).
 BUILTIN_DIGIT = "builtin:digit"
-BUILTIN_DATA_SOURCES: tuple[str, ...] = (BUILTIN_ARITHMETIC, BUILTIN_DIGIT)
+# Multi-step arithmetic whose answer needs the calculator tool (spec.rollout.mode multiTurn;
+# docs/multi-turn.md).
+BUILTIN_CALCULATOR = "builtin:calculator"
+BUILTIN_DATA_SOURCES: tuple[str, ...] = (BUILTIN_ARITHMETIC, BUILTIN_DIGIT, BUILTIN_CALCULATOR)
 # Reward functions the worker has itself (rljob_worker.reward); anything else is FILE:callable.
 BUILTIN_EXACT_MATCH = "exactMatch"
 BUILTIN_NUMERIC = "numeric"
@@ -556,10 +559,125 @@ STAGED_NEEDS_TAGS_RULE = CrossFieldRule(
 )
 
 
+class RolloutMode(StrEnum):
+    SINGLE_TURN = "singleTurn"
+    MULTI_TURN = "multiTurn"
+
+
+# Tools the worker has itself (rljob_worker.agentic.tools); anything else is MODULE:callable.
+BUILTIN_TOOL_CALCULATOR = "builtin:calculator"
+BUILTIN_TOOL_PYTHON = "builtin:python"
+BUILTIN_TOOLS: tuple[str, ...] = (BUILTIN_TOOL_CALCULATOR, BUILTIN_TOOL_PYTHON)
+TOOL_RULE = ValueRule(
+    cel=f"self.startsWith('{BUILTIN_PREFIX}') ? self in ["
+    + ", ".join(f"'{n}'" for n in BUILTIN_TOOLS)
+    + f"] : self.matches(r'{REWARD_FUNCTION_PATTERN}')",
+    message="a tool is a builtin ("
+    + ", ".join(BUILTIN_TOOLS)
+    + ") or FILE_OR_MODULE:callable (e.g. my_tools.search:search or /data/tools.py:lookup)",
+    check=lambda v: (
+        v in BUILTIN_TOOLS
+        if v.startswith(BUILTIN_PREFIX)
+        else re.match(REWARD_FUNCTION_PATTERN, v) is not None
+    ),
+)
+ToolName = Annotated[str, Field(min_length=1, max_length=4096), *_with_rules(TOOL_RULE)]
+
+TOOL_RESPONSE_FITS_RULE = CrossFieldRule(
+    cel="self.maxToolResponseLength < self.maxResponseLength",
+    message="maxToolResponseLength must be less than maxResponseLength (the whole trajectory's "
+    "budget, which tool responses share with the model's turns)",
+    field_path=".maxToolResponseLength",
+    check=lambda m: m.max_tool_response_length < m.max_response_length,
+)
+
+
+class MultiTurnSpec(_Spec):
+    """Conversations of several turns with tools (spec.rollout.mode multiTurn; docs/multi-turn.md)."""
+
+    model_config = ConfigDict(json_schema_extra=_cel_rules(TOOL_RESPONSE_FITS_RULE))
+
+    max_turns: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Model turns per conversation; a conversation still calling tools after "
+        "this many turns ends there (cut off, trained with what it has, loss-masked).",
+    )
+    max_response_length: int = Field(
+        default=256,
+        ge=2,
+        le=1_048_576,
+        description="Tokens of the whole trajectory after the prompt: the model's turns plus "
+        "the template and tool tokens between them. A conversation that reaches it is cut off "
+        "and trained with what it has.",
+    )
+    max_tool_response_length: int = Field(
+        default=64,
+        ge=1,
+        le=1_048_576,
+        description="Tokens of one tool result; a longer one is cut to this many tokens.",
+    )
+    tool_timeout_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="Seconds one tool call may take; then the model gets an error text and "
+        "the conversation goes on.",
+    )
+    tool_memory_megabytes: int = Field(
+        default=256,
+        ge=16,
+        le=65536,
+        description="Address-space limit (MiB) of the child process builtin:python runs in.",
+    )
+    max_concurrent_conversations: int = Field(
+        default=64,
+        ge=1,
+        le=65536,
+        description="Conversations one rank drives at once; the memory plan reserves KV for "
+        "this many full-length trajectories per engine.",
+    )
+    tools: list[ToolName] = Field(
+        default=[BUILTIN_TOOL_CALCULATOR],
+        min_length=1,
+        max_length=32,
+        description="The tools the model may call: builtin:calculator (arithmetic), "
+        "builtin:python (a Python expression in a child process with time and memory limits), "
+        "or FILE_OR_MODULE:callable taking the call's arguments as keywords and returning text.",
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> MultiTurnSpec:
+        _check_rules(self, (TOOL_RESPONSE_FITS_RULE,), "spec.rollout.multiTurn")
+        return self
+
+
+MULTI_TURN_NEEDS_MODE_RULE = CrossFieldRule(
+    cel="!has(self.multiTurn) || self.mode == 'multiTurn'",
+    message="multiTurn settings are used only with mode multiTurn: set mode: multiTurn, or "
+    "remove multiTurn",
+    field_path=".multiTurn",
+    check=lambda r: r.multi_turn is None or r.mode is RolloutMode.MULTI_TURN,
+)
+# The tensor-parallel engine group (engines/tensor_parallel.py) has no async generate yet.
+MULTI_TURN_ONE_GPU_ENGINE_RULE = CrossFieldRule(
+    cel="self.mode != 'multiTurn' || self.tensorParallelSize == 1",
+    message="mode multiTurn runs on engines of one GPU each for now: set tensorParallelSize 1",
+    field_path=".mode",
+    check=lambda r: r.mode is not RolloutMode.MULTI_TURN or r.tensor_parallel_size == 1,
+)
+ROLLOUT_RULES: tuple[CrossFieldRule, ...] = (
+    STAGED_NEEDS_TAGS_RULE,
+    MULTI_TURN_NEEDS_MODE_RULE,
+    MULTI_TURN_ONE_GPU_ENGINE_RULE,
+)
+
+
 class RolloutSpec(_Spec):
     """The rollout engine that shares the GPUs with training (verl: actor_rollout_ref.rollout)."""
 
-    model_config = ConfigDict(json_schema_extra=_cel_rules(STAGED_NEEDS_TAGS_RULE))
+    model_config = ConfigDict(json_schema_extra=_cel_rules(*ROLLOUT_RULES))
 
     engine: EngineName = Field(
         default=EngineName.SGLANG,
@@ -600,10 +718,27 @@ class RolloutSpec(_Spec):
     sampling: SamplingSpec = Field(
         default_factory=SamplingSpec, description="Sampling parameters of the rollout."
     )
+    mode: RolloutMode = Field(
+        default=RolloutMode.SINGLE_TURN,
+        description="singleTurn: one batch of single responses per iteration. multiTurn: "
+        "conversations of several turns in which the model calls tools (spec.rollout.multiTurn; "
+        "docs/multi-turn.md).",
+    )
+    multi_turn: MultiTurnSpec | None = Field(
+        default=None,
+        description="Turns, budgets and tools of mode multiTurn (its defaults when absent).",
+    )
+
+    @property
+    def multi_turn_settings(self) -> MultiTurnSpec | None:
+        """The multiTurn settings in force: None in singleTurn, the defaults where not given."""
+        if self.mode is not RolloutMode.MULTI_TURN:
+            return None
+        return self.multi_turn or MultiTurnSpec()
 
     @model_validator(mode="after")
     def _cross_field(self) -> RolloutSpec:
-        _check_rules(self, (STAGED_NEEDS_TAGS_RULE,), "spec.rollout")
+        _check_rules(self, ROLLOUT_RULES, "spec.rollout")
         return self
 
 

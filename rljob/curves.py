@@ -21,6 +21,11 @@ def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _turns(metrics: IterationMetrics, name: str) -> float | None:
+    """A figure of the iteration's multi-turn rollout (None: a single-turn iteration)."""
+    return None if metrics.multi_turn is None else float(getattr(metrics.multi_turn, name))
+
+
 def metrics_table(metrics: Sequence[IterationMetrics], title: str, rows: int = TABLE_ROWS) -> Table:
     """Reward, loss, KL, entropy and response length of the newest `rows` iterations. Training
     figures are those of the update before the iteration's rollout (none at iteration 0)."""
@@ -39,6 +44,14 @@ def metrics_table(metrics: Sequence[IterationMetrics], title: str, rows: int = T
         ("length", lambda m: _number(m.response_length_mean, ".1f")),
         ("seconds", lambda m: _number(m.seconds, ".1f")),
     ]
+    if any(m.multi_turn is not None for m in shown):  # spec.rollout.mode multiTurn
+        columns[-1:-1] = [
+            ("turns", lambda m: _number(_turns(m, "turns_mean"), ".2f")),
+            ("tool calls", lambda m: _number(_turns(m, "tool_calls"), ".0f")),
+            ("errors", lambda m: _number(_turns(m, "tool_errors"), ".0f")),
+            ("timeouts", lambda m: _number(_turns(m, "tool_timeouts"), ".0f")),
+            ("cut off", lambda m: _number(_turns(m, "cut_off"), ".0f")),
+        ]
     for name, _ in columns:
         table.add_column(name, justify="right")
     for entry in shown:

@@ -304,15 +304,41 @@ class Parts:
     gather: int  # weight sync: two consecutive buckets' buffers at once
     rollout_workspace: int
     single_wake_extra: int = 0  # sglang, wakeUp single only: SGLANG_SINGLE_WAKE_BYTES
+    # mode multiTurn: KV tokens for maxConcurrentConversations full-length trajectories (0:
+    # single-turn, where the engine queues what does not fit and the plan does not ask).
+    kv_tokens_needed: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.__dict__.items()}
 
 
+def response_budget(spec: RLJobSpec) -> int:
+    """Tokens after the prompt: data.maxResponseLength, or in mode multiTurn the whole
+    trajectory's rollout.multiTurn.maxResponseLength (model, template and tool tokens)."""
+    multi_turn = spec.rollout.multi_turn_settings
+    return multi_turn.max_response_length if multi_turn else spec.data.max_response_length
+
+
 def training_tokens(spec: RLJobSpec) -> int:
     """Tokens of one micro-batch at the longest sequence the spec allows (prompt + response)."""
-    return spec.training.micro_batch_size * (
-        spec.data.max_prompt_length + spec.data.max_response_length
+    return spec.training.micro_batch_size * (spec.data.max_prompt_length + response_budget(spec))
+
+
+def concurrent_conversations(spec: RLJobSpec, world: int) -> int:
+    """Conversations one rank's engine holds at once in mode multiTurn (0 in singleTurn)."""
+    multi_turn = spec.rollout.multi_turn_settings
+    if multi_turn is None:
+        return 0
+    per_rank = spec.data.train_batch_size // max(world, 1) * spec.algorithm.group_size
+    return min(multi_turn.max_concurrent_conversations, per_rank)
+
+
+def multi_turn_kv_tokens(spec: RLJobSpec, world: int) -> int:
+    """KV tokens that concurrent_conversations full-length trajectories take (prompt + the
+    trajectory budget each): below it, sglang would queue or retract conversations mid-turn
+    and the torch engine would refuse the longest."""
+    return concurrent_conversations(spec, world) * (
+        spec.data.max_prompt_length + response_budget(spec)
     )
 
 
@@ -410,6 +436,8 @@ def parts(
     # The rollout's requests on one GPU: a rank's own, times the TP group (its leader sends the
     # group's batches to the one engine, whose every TP GPU holds the whole batch's logits).
     requests = spec.data.train_batch_size // max(world, 1) * spec.algorithm.group_size * tp
+    if spec.rollout.multi_turn_settings is not None:
+        requests = concurrent_conversations(spec, world) * tp
     return Parts(
         context=context,
         # fp32 masters (and the reference's shards) as torch's allocator holds them, whole
@@ -436,6 +464,7 @@ def parts(
         single_wake_extra=0
         if spec.rollout.engine is EngineName.TORCH
         else SGLANG_SINGLE_WAKE_BYTES,
+        kv_tokens_needed=multi_turn_kv_tokens(spec, world),
     )
 
 
@@ -616,13 +645,25 @@ class ModePlan:
 
     @property
     def fits(self) -> bool:
-        return all(s.fits for s in self.stages) and (self.load is None or self.load.fits)
+        return (
+            all(s.fits for s in self.stages)
+            and (self.load is None or self.load.fits)
+            and self.kv_holds_conversations
+        )
+
+    @property
+    def kv_holds_conversations(self) -> bool:
+        """mode multiTurn: the KV pool holds maxConcurrentConversations full trajectories."""
+        return self.parts.kv_tokens >= self.parts.kv_tokens_needed
 
     def fits_under(self, limit_bytes: int) -> bool:
         """Every stage's peak and the start-up's, plus the allocator's slack, within
-        `limit_bytes` (and the start-up's host bytes within the worker pod's memory)."""
-        return all(s.peak_bytes + ALLOCATOR_SLACK_BYTES <= limit_bytes for s in self.stages) and (
-            self.load is None or self.load.fits_under(limit_bytes)
+        `limit_bytes` (and the start-up's host bytes within the worker pod's memory, and in mode
+        multiTurn the KV pool large enough for the conversations)."""
+        return (
+            self.kv_holds_conversations
+            and all(s.peak_bytes + ALLOCATOR_SLACK_BYTES <= limit_bytes for s in self.stages)
+            and (self.load is None or self.load.fits_under(limit_bytes))
         )
 
     @property
@@ -631,22 +672,21 @@ class ModePlan:
 
     def misfit_text(self) -> str:
         """'wake_weights needs 81.02 GiB of 79.18 GiB (1.84 GiB over)' for each misfit."""
-        return "; ".join(
-            [
-                *(
-                    [self.load.misfit_text()]
-                    if self.load is not None and not self.load.fits
-                    else []
-                ),
-                *(
-                    f"{s.stage} needs {s.peak_bytes / GiB:.2f} GiB of {s.capacity_bytes / GiB:.2f}"
-                    f" GiB ({(s.peak_bytes + ALLOCATOR_SLACK_BYTES - s.capacity_bytes) / GiB:.2f}"
-                    " GiB over)"
-                    for s in self.stages
-                    if not s.fits
-                ),
-            ]
-        )
+        misfits = [self.load.misfit_text()] if self.load is not None and not self.load.fits else []
+        misfits += [
+            f"{s.stage} needs {s.peak_bytes / GiB:.2f} GiB of {s.capacity_bytes / GiB:.2f} GiB "
+            f"({(s.peak_bytes + ALLOCATOR_SLACK_BYTES - s.capacity_bytes) / GiB:.2f} GiB over)"
+            for s in self.stages
+            if not s.fits
+        ]
+        if not self.kv_holds_conversations:
+            misfits.append(
+                f"the KV cache holds {self.parts.kv_tokens} tokens, the multi-turn rollout's "
+                f"concurrent full-length trajectories need {self.parts.kv_tokens_needed} (lower "
+                "rollout.multiTurn.maxConcurrentConversations or maxResponseLength, or raise "
+                "memFractionStatic)"
+            )
+        return "; ".join(misfits)
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,20 @@ class OOMRecord(_Model):
         return " ".join(parts) or "no size given"
 
 
+class MultiTurnFigures(_Model):
+    """One iteration's multi-turn rollout, all ranks (docs/multi-turn.md): model turns per
+    conversation, tool calls, those that failed (an error text to the model) or timed out, and
+    conversations cut off at the trajectory budget or maxTurns (trained, loss-masked)."""
+
+    turns_mean: float = Field(ge=0)
+    tool_calls: int = Field(ge=0)
+    tool_errors: int = Field(ge=0)
+    tool_timeouts: int = Field(ge=0)
+    cut_off: int = Field(ge=0)
+    # Prompt tokens the engines found cached / prompt tokens sent, where they report it (sglang).
+    prefix_cache_hit_rate: float | None = None
+
+
 class LearningFigures(_Model):
     """One iteration's learning figures, combined over ranks: what reports.json and
     status.metrics both carry.
@@ -150,6 +164,8 @@ class LearningFigures(_Model):
     logprob_mismatch_mean: float | None = None
     # Reward calls that failed and were scored 0, all ranks (spec.reward.onError Zero).
     reward_errors: int = Field(default=0, ge=0)
+    # spec.rollout.mode multiTurn only (None otherwise): its conversations' figures.
+    multi_turn: MultiTurnFigures | None = None
 
 
 class IterationReport(LearningFigures):

@@ -300,4 +300,41 @@ MALFORMED: list[Malformed] = [
     Malformed("margin-half", {"memoryPlan": {"margin": 0.5}}, "spec.memoryPlan.margin"),
     Malformed("name-starts-with-digit", {}, "metadata.name", name="1job"),
     Malformed("name-with-dots", {}, "metadata.name", name="job.v2"),
+    # Issue 32: multi-turn settings, tools and budgets.
+    Malformed(
+        "multi-turn-without-mode",
+        {"rollout": {"engine": "torch", "multiTurn": {"maxTurns": 2}}},
+        "spec.rollout.multiTurn",
+    ),
+    Malformed(
+        "multi-turn-unknown-builtin-tool",
+        {"rollout": {"mode": "multiTurn", "multiTurn": {"tools": ["builtin:search"]}}},
+        "spec.rollout.multiTurn.tools[0]",
+    ),
+    Malformed(
+        "multi-turn-tool-without-callable",
+        {"rollout": {"mode": "multiTurn", "multiTurn": {"tools": ["my_tools.py"]}}},
+        "spec.rollout.multiTurn.tools[0]",
+    ),
+    Malformed(
+        "multi-turn-tool-response-over-budget",
+        {
+            "rollout": {
+                "mode": "multiTurn",
+                "multiTurn": {"maxResponseLength": 64, "maxToolResponseLength": 64},
+            }
+        },
+        "spec.rollout.multiTurn.maxToolResponseLength",
+    ),
+    Malformed(
+        "multi-turn-zero-turns",
+        {"rollout": {"mode": "multiTurn", "multiTurn": {"maxTurns": 0}}},
+        "spec.rollout.multiTurn.maxTurns",
+    ),
+    Malformed(
+        "multi-turn-tensor-parallel",
+        {"rollout": {"mode": "multiTurn", "tensorParallelSize": 2}},
+        "spec.rollout.mode",
+    ),
+    Malformed("rollout-mode-unknown", {"rollout": {"mode": "agentic"}}, "spec.rollout.mode"),
 ]

@@ -142,9 +142,19 @@ class SGLangEngineStandIn:
             undeclared = set(kwargs) - set(contract.engine_methods[method])
             assert not undeclared, f"Engine.{method} keywords outside the contract: {undeclared}"
             self.calls.append((method, kwargs))
+            if method == "async_generate":  # a coroutine, answered as generate() answers one
+                return self._async_answer(kwargs)
             return self._answer(method, kwargs)
 
         return call
+
+    async def _async_answer(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        import asyncio
+
+        await asyncio.sleep(0.01)  # the scheduler's turn: the request is in flight meanwhile
+        answer = self._generated(kwargs["input_ids"], kwargs.get("return_logprob", False))
+        answer["meta_info"][self.contract.cached_tokens_key] = len(kwargs["input_ids"]) // 2
+        return answer
 
     def _answer(self, method: str, kwargs: dict[str, Any]) -> Any:
         if method in self.refuse:

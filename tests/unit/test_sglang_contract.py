@@ -416,6 +416,8 @@ def check_contract(contract: SGLangContract, root: Path) -> list[str]:
         problems.append(f"generate() results have no {contract.output_ids_key!r}")
     if contract.output_logprobs_key not in set(_assigned_meta_info_keys(tokenizer_manager)):
         problems.append(f"generate()'s meta_info has no {contract.output_logprobs_key!r}")
+    if contract.cached_tokens_key not in set(_dict_keys(tokenizer_manager)):
+        problems.append(f"generate() meta_info has no {contract.cached_tokens_key!r}")
     # meta_info["input_token_logprobs"] = ... where the tokenizer manager adds log-probs.
     if contract.input_logprobs_key not in _subscript_keys(
         tree.module("sglang.srt.managers.tokenizer_manager"), "meta_info"

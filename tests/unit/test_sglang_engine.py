@@ -765,3 +765,65 @@ def test_prompt_logprobs_scores_every_token_after_the_first_in_one_call(release:
     assert name == "generate"
     assert kwargs["return_logprob"] is True and kwargs["logprob_start_len"] == 0
     assert kwargs["sampling_params"] == [{"max_new_tokens": 1, "temperature": 0.0}] * 2
+
+
+@every_release
+def test_async_generate_sends_one_request_per_call_and_reads_cached_tokens(release: str) -> None:
+    # The multi-turn rollout's path: several requests in flight at once on run_async's loop,
+    # each one Engine.async_generate call with flat input_ids (token in, token out).
+    engine, sgl = make_adapter(CONTRACTS[release])
+    engine.resume([TAG_WEIGHTS])
+    engine.update_weights(bucket("a"))
+    engine.flush_cache()
+    engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])
+
+    async def three() -> list[Any]:
+        import asyncio
+
+        return list(
+            await asyncio.gather(
+                *(engine.async_generate(p, SAMPLING) for p in ([1, 2, 3], [4], [5, 6]))
+            )
+        )
+
+    answers = engine.run_async(three())
+    # The stand-in answers [len(prompt), 7], log-probs (-len / 10, -0.7), cached len // 2.
+    assert [(a.token_ids, a.logprobs, a.cached_tokens) for a in answers] == [
+        ([3, 7], [-0.3, -0.7], 1), ([1, 7], [-0.1, -0.7], 0), ([2, 7], [-0.2, -0.7], 1)
+    ]  # fmt: skip
+    sent = [kwargs for method, kwargs in sgl.calls if method == "async_generate"]
+    assert [k["input_ids"] for k in sent] == [[1, 2, 3], [4], [5, 6]]
+    assert all(
+        k["return_logprob"] is True and k["sampling_params"]["max_new_tokens"] == 4 for k in sent
+    )
+
+
+def test_async_generate_with_kv_cache_released_raises_without_calling_sglang() -> None:
+    engine, sgl = make_adapter()
+    engine.resume([TAG_WEIGHTS])
+    start = len(sgl.calls)
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        engine.run_async(engine.async_generate([1], SAMPLING))
+    assert sgl.calls[start:] == []
+
+
+def test_release_while_an_async_request_is_in_flight_is_refused() -> None:
+    # What staged awake relies on (sglang itself refuses to release while a request runs): the
+    # adapter counts async_generate calls in flight and names them.
+    engine, _ = make_adapter()
+    engine.resume(list(ALL_TAGS))
+
+    async def release_mid_request() -> None:
+        import asyncio
+
+        request = asyncio.ensure_future(engine.async_generate([1, 2], SAMPLING))
+        await asyncio.sleep(0)  # the request has started and awaits sglang's answer
+        assert engine.requests_in_flight == 1
+        with pytest.raises(RuntimeError, match="1 async_generate requests in flight"):
+            engine.release([TAG_KV_CACHE])
+        await request
+
+    engine.run_async(release_mid_request())
+    assert engine.requests_in_flight == 0
+    engine.release([TAG_KV_CACHE])
+    assert TAG_KV_CACHE in engine.released_tags

@@ -112,8 +112,13 @@ def _messages(value: list[Any], key: str) -> list[dict[str, str]]:
 class PromptRenderer:
     """A row's prompt value as the text the model sees."""
 
-    def __init__(self, data: DataSpec, tokenizer: Any) -> None:
+    def __init__(
+        self, data: DataSpec, tokenizer: Any, tools: list[dict[str, Any]] | None = None
+    ) -> None:
         self.key, self.mode, self.tokenizer = data.prompt_key, data.chat_template, tokenizer
+        # The tools' schemas (mode multiTurn): the template lists them (Qwen2.5: in the system
+        # turn); None leaves the template as single-turn jobs render it.
+        self.tools = tools
 
     def __call__(self, value: Any) -> str:
         if isinstance(value, str):
@@ -136,7 +141,7 @@ class PromptRenderer:
                 "messages' contents with newlines"
             )
         text: str = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=True
         )
         return text
 
@@ -166,11 +171,16 @@ def _problem(row: Any, where: str, data: DataSpec, render: PromptRenderer,
     )
 
 
-def load_problems(data: DataSpec, tokenizer: Any, encode: PromptEncoder) -> list[Problem]:
+def load_problems(
+    data: DataSpec,
+    tokenizer: Any,
+    encode: PromptEncoder,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[Problem]:
     """Every row of spec.data.source as a Problem; DatasetError naming the bad rows (the first
     SHOWN_PROBLEMS of them, and how many) when any is unusable, or when there are none."""
     path = Path(data.source)
-    render = PromptRenderer(data, tokenizer)
+    render = PromptRenderer(data, tokenizer, tools)
     problems: list[Problem] = []
     bad: list[str] = []
     for where, row in read_rows(path):
@@ -193,9 +203,16 @@ def load_problems(data: DataSpec, tokenizer: Any, encode: PromptEncoder) -> list
 class DatasetTask:
     """The file's rows, sampled with replacement (seeded: every rank and rerun draws alike)."""
 
-    def __init__(self, data: DataSpec, seed: int, tokenizer: Any, encode: PromptEncoder) -> None:
+    def __init__(
+        self,
+        data: DataSpec,
+        seed: int,
+        tokenizer: Any,
+        encode: PromptEncoder,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.seed = seed
-        self.problems = load_problems(data, tokenizer, encode)
+        self.problems = load_problems(data, tokenizer, encode, tools)
 
     def sample(self, count: int, salt: int) -> list[Problem]:
         rng = random.Random(self.seed * 1_000_003 + salt)

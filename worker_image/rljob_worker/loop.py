@@ -21,13 +21,17 @@ from rljob.plan import is_auto, offload_choice, rank_plan, resolved_rollout, res
 from rljob.report import LoadSample, OOMRecord, StageSample
 from rljob_worker import allocator_report
 from rljob_worker import checkpoint as checkpoints
+from rljob_worker.agentic.chat import ChatFormat
+from rljob_worker.agentic.driver import Limits, MultiTurnRollout, RolloutCounts, run_on
+from rljob_worker.agentic.routing import EngineRouter
+from rljob_worker.agentic.tools import ToolSet, make_tools
 from rljob_worker.engines import make_engine
-from rljob_worker.engines.base import ALL_TAGS, RolloutEngine, SamplingParams
+from rljob_worker.engines.base import ALL_TAGS, AsyncGenerate, RolloutEngine, SamplingParams
 from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM
 from rljob_worker.model import load_tokenizer, resolve_model_path, stop_token_ids, torch_dtype
 from rljob_worker.reward import Scorer
 from rljob_worker.stages import StageMachine
-from rljob_worker.task import Task, make_task
+from rljob_worker.task import Problem, Task, make_task
 from rljob_worker.train import Experience, NamedTensors, Trainer, TrainStats
 
 log = logging.getLogger(__name__)
@@ -78,12 +82,18 @@ class RolloutStats:
     correct: int
     response_tokens: int
     response_length_max: int
-    # Responses that reached data.maxResponseLength without an end-of-sequence token.
+    # Responses that reached data.maxResponseLength without an end-of-sequence token
+    # (multiTurn: trajectories cut off at the budget or maxTurns).
     truncated: int
+    # mode multiTurn (None in singleTurn): the conversations' turns, tool calls and outcomes.
+    multi_turn: RolloutCounts | None = None
 
 
 def rollout_stats(
-    experience: Experience, max_response_length: int, eos_ids: Sequence[int]
+    experience: Experience,
+    max_response_length: int,
+    eos_ids: Sequence[int],
+    multi_turn: RolloutCounts | None = None,
 ) -> RolloutStats:
     rewards, responses = experience.rewards, experience.response_ids
     mean = sum(rewards) / len(rewards)
@@ -96,9 +106,12 @@ def rollout_stats(
         correct=sum(r >= 1.0 for r in rewards),
         response_tokens=sum(len(r) for r in responses),
         response_length_max=max(len(r) for r in responses),
-        truncated=sum(
+        truncated=multi_turn.cut_off
+        if multi_turn is not None
+        else sum(
             len(r) >= max_response_length and (not r or r[-1] not in eos_ids) for r in responses
         ),
+        multi_turn=multi_turn,
     )
 
 
@@ -217,25 +230,32 @@ class _Rollout:
         self.reward_errors = 0  # of the latest rollout
         self.prompts = prompts_per_rank(spec, config.world_size)
 
-    def __call__(self, iteration: int) -> Experience:
+    def _problems(self, iteration: int) -> list[Problem]:
+        world, rank = self.config.world_size, self.config.rank
+        return self.task.sample(self.prompts, salt=iteration * world + rank)
+
+    def _sampling(self, iteration: int, max_new_tokens: int) -> SamplingParams:
         spec, world, rank = self.spec, self.config.world_size, self.config.rank
-        problems = self.task.sample(self.prompts, salt=iteration * world + rank)
+        sampling = spec.rollout.sampling
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=spec.algorithm.seed * 1_000_003 + iteration * world + rank,
+        )
+
+    def __call__(self, iteration: int) -> Experience:
+        spec = self.spec
+        problems = self._problems(iteration)
         group = spec.algorithm.group_size
         prompt_ids: list[list[int]] = []
         group_ids: list[int] = []
         for index, problem in enumerate(problems):
             prompt_ids += [list(problem.prompt_ids)] * group  # encoded under spec.data's rule
             group_ids += [index] * group
-        sampling = spec.rollout.sampling
         completions = self.engine.generate_with_logprobs(
-            prompt_ids,
-            SamplingParams(
-                max_new_tokens=spec.data.max_response_length,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                seed=spec.algorithm.seed * 1_000_003 + iteration * world + rank,
-            ),
+            prompt_ids, self._sampling(iteration, spec.data.max_response_length)
         )
         responses = [c.token_ids for c in completions]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -245,6 +265,67 @@ class _Rollout:
             prompt_ids, [list(r) for r in responses], scored.scores, group_ids,
             [c.logprobs for c in completions],
         )  # fmt: skip
+
+
+class _MultiTurnRollout(_Rollout):
+    """The rollout stage of mode multiTurn: group_size conversations per prompt, driven with
+    asyncio over this rank's engine (agentic/driver.py), every one ended or cut off before the
+    stage returns (the engine sleeps next)."""
+
+    def __init__(
+        self,
+        spec: RLJobSpec,
+        config: RankConfig,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        task: Task,
+        scorer: Scorer,
+        tools: ToolSet,
+        eos_ids: Sequence[int],
+    ):
+        super().__init__(spec, config, engine, tokenizer, task, scorer)
+        settings = spec.rollout.multi_turn_settings
+        assert settings is not None
+        if not isinstance(engine, AsyncGenerate):
+            raise ValueError(
+                f"spec.rollout.mode multiTurn: the {spec.rollout.engine} engine has no "
+                "async_generate (use engine torch or sglang with tensorParallelSize 1)"
+            )
+        self.multi_turn = MultiTurnRollout(
+            EngineRouter([engine]),
+            ChatFormat(tokenizer, tools.schemas),
+            tools,
+            Limits(
+                max_turns=settings.max_turns,
+                max_response_length=settings.max_response_length,
+                max_tool_response_length=settings.max_tool_response_length,
+                max_concurrent_conversations=settings.max_concurrent_conversations,
+            ),
+            eos_ids,
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        self.counts = RolloutCounts()  # of the latest rollout
+
+    def __call__(self, iteration: int) -> Experience:
+        problems = self._problems(iteration)
+        group = self.spec.algorithm.group_size
+        prompts = [list(p.prompt_ids) for p in problems for _ in range(group)]
+        # max_new_tokens: each turn asks for what is left of the trajectory's budget.
+        sampling = self._sampling(iteration, max_new_tokens=1)
+        trajectories = run_on(self.engine, self.multi_turn.run(prompts, sampling))
+        self.counts = RolloutCounts.of(trajectories)
+        scored = self.scorer(
+            [p for p in problems for _ in range(group)], [t.last_turn_text for t in trajectories]
+        )
+        self.reward_errors = scored.errors
+        return Experience(
+            [t.prompt_ids for t in trajectories],
+            [t.response_ids for t in trajectories],
+            scored.scores,
+            [index for index in range(len(problems)) for _ in range(group)],
+            [t.logprobs for t in trajectories],
+            [t.loss_mask for t in trajectories],
+        )
 
 
 def _auto_capacity(
@@ -279,7 +360,11 @@ def run_rank(
     tokenizer = load_tokenizer(model_path)
     eos_ids = stop_token_ids(tokenizer, model_path)
     # The data's rows are read and checked before any GPU work (the reward function below).
-    task = make_task(spec.data, spec.algorithm.seed, tokenizer)
+    multi_turn = spec.rollout.multi_turn_settings
+    tools = make_tools(multi_turn) if multi_turn is not None else None  # user tools load here
+    task = make_task(
+        spec.data, spec.algorithm.seed, tokenizer, tools.schemas if tools is not None else None
+    )
 
     # The plan on the real GPU, before any engine starts: a misfit with onMisfit Reject fails
     # fast here; with offload Auto it decides what the stages offload.
@@ -337,7 +422,11 @@ def run_rank(
         for name, tensor in bucket:
             checks[name] = (tensor_digest(tensor), tensor_digest(held[name]))
 
-    rollout = _Rollout(spec, config, engine, tokenizer, task, scorer)
+    rollout = (
+        _Rollout(spec, config, engine, tokenizer, task, scorer)
+        if tools is None
+        else _MultiTurnRollout(spec, config, engine, tokenizer, task, scorer, tools, eos_ids)
+    )
     keeper = checkpoints.Keeper(spec, trainer.model, trainer.optimizer, model_path)
     machine = StageMachine(
         trainer,
@@ -394,7 +483,12 @@ def run_rank(
                 # The run's first iteration: 0, or the one a resumed run starts with.
                 plan=plan_status if iteration == start else None,
                 load=meter.load_sample if iteration == start else None,
-                rollout=rollout_stats(experience, spec.data.max_response_length, eos_ids),
+                rollout=rollout_stats(
+                    experience,
+                    spec.data.max_response_length,
+                    eos_ids,
+                    rollout.counts if isinstance(rollout, _MultiTurnRollout) else None,
+                ),
                 train=outcome.train,
                 resumed_from=start if resumed else None,
                 resume_point=keeper.resumed if resumed else None,

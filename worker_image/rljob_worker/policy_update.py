@@ -31,8 +31,13 @@ from rljob_worker.rl_math import (
 class Experience:
     """One rank's rollout: prompts, sampled responses, rewards, and which prompt each came from.
 
-    `logprobs` are the engine's log-probs of each response token as it sampled it (empty when
-    the engine gave none: then neither the mismatch nor the TIS correction is computed).
+    `logprobs` are the engine's log-probs of each trained response token as it sampled it
+    (empty when the engine gave none: then neither the mismatch nor the TIS correction is
+    computed).
+
+    `loss_masks` (multi-turn, agentic/driver.py): per response token, 1 where the model sampled
+    it and 0 where the template or a tool put it; only the 1s are trained, and `logprobs` then
+    has one entry per 1. Empty: every response token is sampled (single-turn).
     """
 
     prompt_ids: list[list[int]]
@@ -40,9 +45,26 @@ class Experience:
     rewards: list[float]
     group_ids: list[int]
     logprobs: list[list[float]] = field(default_factory=list)
+    loss_masks: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def trained(self, row: int) -> list[bool]:
+        """Which of response `row`'s tokens the update trains on."""
+        if not self.loss_masks:
+            return [True] * len(self.response_ids[row])
+        mask = self.loss_masks[row]
+        if len(mask) != len(self.response_ids[row]):
+            raise ValueError(
+                f"response {row}: {len(mask)} loss-mask entries for "
+                f"{len(self.response_ids[row])} tokens"
+            )
+        return [bool(m) for m in mask]
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(sum(self.trained(row)) for row in range(len(self)))
 
 
 @dataclass(frozen=True)
@@ -81,7 +103,8 @@ class TrainStats:
 @dataclass(frozen=True)
 class ResponseBatch:
     """Right-padded prompt+response rows; `mask` marks, in the shifted-by-one log-prob layout
-    [rows, length - 1], the positions whose next token is a response token."""
+    [rows, length - 1], the positions whose next token is a trained response token (all of a
+    single-turn response; the sampled ones of a multi-turn trajectory)."""
 
     rows: tuple[int, ...]
     input_ids: torch.Tensor
@@ -101,7 +124,9 @@ def response_batch(
         prompt, answer = len(experience.prompt_ids[i]), len(experience.response_ids[i])
         input_ids[row, : prompt + answer] = torch.tensor(sequences[row])
         attention[row, : prompt + answer] = 1
-        response[row, prompt : prompt + answer] = True
+        response[row, prompt : prompt + answer] = torch.tensor(
+            experience.trained(i), dtype=torch.bool
+        )
     # Targets are shifted by one: log-prob position t is the model's prediction of token t+1,
     # so response token t+1 is scored at position t (the first response token at prompt-1).
     return ResponseBatch(
@@ -198,7 +223,7 @@ class PolicyUpdate:
             if engine is not None
             else None
         )
-        tokens = sum(len(r) for r in experience.response_ids)
+        tokens = experience.trained_tokens
         sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "tokens": 0.0}
         norms: list[float] = []
         self.model.train()

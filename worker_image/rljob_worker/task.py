@@ -14,7 +14,14 @@ from typing import Any, Protocol
 
 # The builtin names live in the shared API module, which admission checks data.source against.
 from rljob.api import BUILTIN_ARITHMETIC as BUILTIN_ARITHMETIC
-from rljob.api import BUILTIN_DATA_SOURCES, BUILTIN_PREFIX, DataSpec, PromptOverflow
+from rljob.api import BUILTIN_CALCULATOR as BUILTIN_CALCULATOR
+from rljob.api import (
+    BUILTIN_DATA_SOURCES,
+    BUILTIN_PREFIX,
+    ChatTemplateMode,
+    DataSpec,
+    PromptOverflow,
+)
 from rljob.api import BUILTIN_DIGIT as BUILTIN_DIGIT
 
 
@@ -120,9 +127,66 @@ class DigitTask:
         return problems
 
 
-def make_task(data: DataSpec, seed: int, tokenizer: Any) -> Task:
-    """The task for spec.data; a file's rows are read, encoded and checked here (DatasetError)."""
+def calculator_problem(rng: random.Random) -> tuple[str, str]:
+    """'What is 347 * 29 + 1183 * 7 - 452?': two products and a difference of 3-4 digit
+    numbers, too long to do in one step, one calculator call away."""
+    a, b = rng.randint(100, 999), rng.randint(11, 99)
+    c, d = rng.randint(1000, 9999), rng.randint(3, 9)
+    e = rng.randint(100, 999)
+    return f"What is {a} * {b} + {c} * {d} - {e}?", str(a * b + c * d - e)
+
+
+# Said in the prompt as well as in the template's tool list: a template without tools (the
+# builtin model's) still shows the model the call's form.
+CALCULATOR_INSTRUCTIONS = (
+    'Use the calculator: <tool_call>{"name": "calculator", "arguments": {"expression": '
+    '"2*3+4"}}</tool_call>. Then reply with "Answer: N".'
+)
+
+
+class CalculatorTask:
+    """Multi-step arithmetic whose answer needs the calculator tool (mode multiTurn), as chat
+    messages through the tokenizer's template (with the tools' schemas) where it has one."""
+
+    def __init__(
+        self,
+        seed: int,
+        encode: Callable[[str], tuple[int, ...]] | None = None,
+        render: Callable[[list[dict[str, str]]], str] | None = None,
+    ) -> None:
+        self.seed, self.encode, self.render = seed, encode, render
+
+    def sample(self, count: int, salt: int) -> list[Problem]:
+        rng = random.Random(self.seed * 1_000_003 + salt)
+        problems = []
+        for _ in range(count):
+            question, answer = calculator_problem(rng)
+            content = f"{question} {CALCULATOR_INSTRUCTIONS}"
+            messages = [{"role": "user", "content": content}]
+            prompt = self.render(messages) if self.render is not None else content
+            ids = self.encode(prompt) if self.encode is not None else ()
+            where = f"{BUILTIN_CALCULATOR} {question!r}"
+            problems.append(Problem(prompt, answer, where, BUILTIN_CALCULATOR, prompt_ids=ids))
+        return problems
+
+
+def make_task(
+    data: DataSpec, seed: int, tokenizer: Any, tools: list[dict[str, Any]] | None = None
+) -> Task:
+    """The task for spec.data; a file's rows are read, encoded and checked here (DatasetError).
+    `tools` (mode multiTurn): the tool schemas the chat template is given with the messages."""
     encode = PromptEncoder(tokenizer, data.max_prompt_length, data.prompt_overflow)
+    if data.source == BUILTIN_CALCULATOR:
+
+        def render(messages: list[dict[str, str]]) -> str:
+            if data.chat_template is ChatTemplateMode.NONE or not tokenizer.chat_template:
+                return messages[-1]["content"]
+            text: str = tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
+            return text
+
+        return CalculatorTask(seed, encode=encode, render=render)
     if data.source == BUILTIN_ARITHMETIC:
         return ArithmeticTask(seed, encode=encode)
     if data.source == BUILTIN_DIGIT:
@@ -134,4 +198,4 @@ def make_task(data: DataSpec, seed: int, tokenizer: Any) -> Task:
         )
     from rljob_worker.dataset import DatasetTask
 
-    return DatasetTask(data, seed, tokenizer, encode)
+    return DatasetTask(data, seed, tokenizer, encode, tools)

@@ -19,13 +19,16 @@ from rljob.api import (
     RLJobStatus,
 )
 from rljob.report import (
+    METRIC_DIGITS,
     IterationReport,
+    MultiTurnFigures,
     OOMRecord,
     StageSample,
     metrics_with,
     summarize,
     summarize_load,
 )
+from rljob_worker.agentic.driver import RolloutCounts
 from rljob_worker.loop import RankIteration, RolloutStats
 from rljob_worker.train import TrainStats
 
@@ -92,6 +95,25 @@ def _add_rollout(report: IterationReport, rollouts: list[RolloutStats]) -> None:
     report.response_length_mean = sum(r.response_tokens for r in rollouts) / count
     report.response_length_max = max(r.response_length_max for r in rollouts)
     report.truncated_share = sum(r.truncated for r in rollouts) / count
+    turns = [r.multi_turn for r in rollouts if r.multi_turn is not None]
+    if turns:
+        _add_multi_turn(report, turns)
+
+
+def _add_multi_turn(report: IterationReport, counts: list[RolloutCounts]) -> None:
+    conversations = sum(c.conversations for c in counts) or 1
+    cached = [c for c in counts if c.cached_tokens is not None]
+    sent = sum(c.prompt_tokens for c in cached)
+    hit = sum(c.cached_tokens or 0 for c in cached) / sent if cached and sent else None
+    report.multi_turn = MultiTurnFigures(
+        # Rounded as status.metrics rounds its own floats (a bounded width).
+        turns_mean=float(f"{sum(c.turns for c in counts) / conversations:.{METRIC_DIGITS}g}"),
+        tool_calls=sum(c.tool_calls for c in counts),
+        tool_errors=sum(c.tool_errors for c in counts),
+        tool_timeouts=sum(c.tool_timeouts for c in counts),
+        cut_off=sum(c.cut_off for c in counts),
+        prefix_cache_hit_rate=None if hit is None else float(f"{hit:.{METRIC_DIGITS}g}"),
+    )
 
 
 def _add_train(report: IterationReport, trains: list[TrainStats]) -> None:

@@ -39,6 +39,9 @@ class Completion:
 
     token_ids: list[int]
     logprobs: list[float]
+    # Prompt tokens the engine found in its prefix cache (sglang's meta_info cached_tokens);
+    # None where the engine has no prefix cache (torch).
+    cached_tokens: int | None = None
 
 
 def token_ids(completions: Sequence[Completion]) -> list[list[int]]:
@@ -90,4 +93,16 @@ class RolloutEngine(Protocol):
 
     def shutdown(self) -> None:
         """Free everything; the engine is unusable afterwards."""
+        ...
+
+
+@runtime_checkable
+class AsyncGenerate(Protocol):
+    """What the multi-turn rollout needs of an engine (agentic/driver.py): one request at a time
+    from asyncio code, token ids in, token ids and their log-probs out."""
+
+    async def async_generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams
+    ) -> Completion:
+        """Sample a continuation of input_ids (up to sampling.max_new_tokens tokens)."""
         ...

@@ -11,6 +11,7 @@ so a renamed method, argument, field or tag fails a CPU test, not a GPU job.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import importlib
@@ -20,9 +21,9 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +44,8 @@ from rljob_worker.engines.sglang_weights import (
 )
 from rljob_worker.memory import LIBRARY_OOM_MARKERS
 from rljob_worker.weight_sync import flatten, sglang_flattened_bucket
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ class SGLangContract:
     # meta_info key of a generate() result asked for return_logprob: (logprob, token id, text)
     # for each input token from logprob_start_len on (the first one's logprob is None).
     input_logprobs_key: str
+    # meta_info key of every result: prompt tokens found in the radix cache (multi-turn
+    # rollout's prefix-cache hit rate).
+    cached_tokens_key: str
     # Engine methods that take **kwargs and pass them to every scheduler (collective_rpc) ->
     # (module, class, method) of the scheduler side that reads them as params["name"].
     rpc_methods: Mapping[str, tuple[str, str, str]]
@@ -115,6 +121,8 @@ _CONTRACT_0_5_23 = SGLangContract(
     engine_class="Engine",
     engine_methods={
         "generate": ("input_ids", "sampling_params", "return_logprob", "logprob_start_len"),
+        # One request from asyncio code (the multi-turn rollout; agentic/driver.py).
+        "async_generate": ("input_ids", "sampling_params", "return_logprob"),
         "release_memory_occupation": ("tags",),
         "resume_memory_occupation": ("tags",),
         "begin_weight_update": (),
@@ -156,6 +164,7 @@ _CONTRACT_0_5_23 = SGLangContract(
     output_ids_key="output_ids",
     output_logprobs_key="output_token_logprobs",
     input_logprobs_key="input_token_logprobs",
+    cached_tokens_key="cached_tokens",
     rpc_methods={
         "save_sharded_model": (
             "sglang.srt.managers.scheduler_components.weight_updater",
@@ -639,6 +648,9 @@ class SGLangEngine:
         self._kv_capacity_tokens = int(self._engine.get_server_info()[contract.kv_capacity_key])
         self._released: set[str] = set()
         self._update_open = False
+        # async_generate calls not yet answered: sglang refuses to release memory while a
+        # request is queued or running, so release() refuses first, naming the count.
+        self.requests_in_flight = 0
         self._model_path = model_path
         self._tp_size = tp_size
         self.release(ALL_TAGS)
@@ -693,6 +705,38 @@ class SGLangEngine:
             answers.append(responses[start : start + len(prompts)])
             start += len(prompts)
         return answers
+
+    async def async_generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams
+    ) -> Completion:
+        """One request from asyncio code (the multi-turn rollout): sglang's Engine.async_generate
+        awaits its tokenizer manager's coroutine, on the loop run_async runs. The answer carries
+        the prompt tokens sglang found in its radix cache (meta_info cached_tokens)."""
+        self._require_resident(ALL_TAGS, "async_generate")
+        if self._update_open:
+            raise RuntimeError("async_generate() during a weight update: call flush_cache() first")
+        self.requests_in_flight += 1
+        try:
+            output = await self._engine.async_generate(
+                input_ids=list(input_ids),
+                sampling_params=_request_params(sampling, 0),
+                return_logprob=True,
+            )
+        finally:
+            self.requests_in_flight -= 1
+        cached = output["meta_info"].get(self._contract.cached_tokens_key)
+        return dataclasses.replace(
+            self._completion(output), cached_tokens=None if cached is None else int(cached)
+        )
+
+    def run_async(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of async_generate calls to its end, on sglang's event loop: the one
+        its Engine made (Engine.loop) and runs its own blocking calls on, where its tokenizer
+        manager's receive loop lives. A stand-in without one gets a fresh loop."""
+        loop = getattr(self._engine, "loop", None)
+        if loop is None:
+            return asyncio.run(coroutine)
+        return loop.run_until_complete(coroutine)  # type: ignore[no-any-return]
 
     def _completion(self, output: Mapping[str, Any]) -> Completion:
         ids = list(output[self._contract.output_ids_key])
@@ -757,6 +801,12 @@ class SGLangEngine:
             return
         if self._update_open:
             raise RuntimeError("release() during a weight update: call flush_cache() first")
+        if self.requests_in_flight:
+            raise RuntimeError(
+                f"release({todo}) with {self.requests_in_flight} async_generate requests in "
+                "flight: sglang refuses to release memory while a request runs; finish or cut "
+                "off every conversation first"
+            )
         self._engine.release_memory_occupation(tags=todo)
         self._released.update(todo)
 

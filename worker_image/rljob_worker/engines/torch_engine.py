@@ -17,6 +17,8 @@ formula, so its capacity does not depend on what else happened to be resident at
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -120,6 +122,10 @@ class TorchEngine:
         self._released: set[str] = set()
         self._stale_weights: set[str] = set()
         self._shut_down = False
+        self._batcher: _Batcher | None = None
+        # async_generate: how long a batch waits for more requests before it starts (0: only
+        # those sent in the same pass of the event loop). bench/multi_turn.py --batch-window.
+        self.batch_window_seconds = 0.0
 
         # Load on the host through the real from_pretrained path, then copy each tensor into
         # memory allocated inside the "weights" region: only the engine's own tensors are there.
@@ -306,6 +312,12 @@ class TorchEngine:
         Each request reserves blocks for prompt + max_new_tokens when its wave starts (simpler
         than SGLang's on-demand allocation with retraction; the pool bounds concurrency alike).
         """
+        return self._generate_rows(prompts, [sampling.max_new_tokens] * len(prompts), sampling)
+
+    def _generate_rows(
+        self, prompts: Sequence[Sequence[int]], limits: Sequence[int], sampling: SamplingParams
+    ) -> list[Completion]:
+        """generate_with_logprobs with each prompt's own max_new_tokens (`limits`)."""
         self._require_alive()
         if self._released & {TAG_WEIGHTS, TAG_KV_CACHE}:
             raise RuntimeError(
@@ -317,28 +329,43 @@ class TorchEngine:
                 f"of them were not updated since (e.g. {sorted(self._stale_weights)[0]!r}); "
                 "call update_weights with every parameter before generating"
             )
-        if sampling.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={sampling.max_new_tokens} must be >= 1")
+        if min(limits, default=1) < 1:
+            raise ValueError(f"max_new_tokens={min(limits)} must be >= 1")
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-
-        outputs: list[Completion] = []
-        for wave in self._plan_waves(prompts, sampling.max_new_tokens):
-            outputs.extend(
-                self._generate_wave([list(prompts[i]) for i in wave], sampling, generator)
+        outputs: list[Completion | None] = [None] * len(prompts)
+        for wave in self._plan_waves(prompts, limits):
+            answers = self._generate_wave(
+                [list(prompts[i]) for i in wave], [limits[i] for i in wave], sampling, generator
             )
-        return outputs
+            for index, answer in zip(wave, answers, strict=True):
+                outputs[index] = answer
+        return [o for o in outputs if o is not None]
+
+    async def async_generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams
+    ) -> Completion:
+        """One request from asyncio code: requests that arrive together are generated as one
+        batch in a worker thread (the event loop goes on running tools meanwhile), each with
+        its own max_new_tokens; the RolloutEngine's multi-turn path (agentic/driver.py)."""
+        loop = asyncio.get_running_loop()
+        if self._batcher is None or self._batcher.loop is not loop:
+            self._batcher = _Batcher(self, loop)
+        return await self._batcher.submit(list(input_ids), sampling)
 
     # -- internals -----------------------------------------------------------------------------
 
     def _blocks_for(self, prompt_len: int, max_new_tokens: int) -> int:
         return math.ceil((prompt_len + max_new_tokens) / self.block_size)
 
-    def _plan_waves(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    def _plan_waves(
+        self, prompts: Sequence[Sequence[int]], limits: Sequence[int]
+    ) -> list[list[int]]:
         waves: list[list[int]] = [[]]
         used = 0
         for index, prompt in enumerate(prompts):
+            max_new_tokens = limits[index]
             if len(prompt) == 0:
                 raise ValueError(f"torch engine: prompt {index} is empty")
             need = self._blocks_for(len(prompt), max_new_tokens)
@@ -360,13 +387,18 @@ class TorchEngine:
         return [w for w in waves if w]
 
     def _generate_wave(
-        self, prompts: list[list[int]], sampling: SamplingParams, generator: torch.Generator | None
+        self,
+        prompts: list[list[int]],
+        limits: list[int],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
     ) -> list[Completion]:
         device, bs = self.device, self.block_size
         batch = len(prompts)
         lens = [len(p) for p in prompts]
         reserved = [
-            self._allocator.allocate(self._blocks_for(n, sampling.max_new_tokens)) for n in lens
+            self._allocator.allocate(self._blocks_for(n, limit))
+            for n, limit in zip(lens, limits, strict=True)
         ]
         try:
             width = max(len(r) for r in reserved)
@@ -399,7 +431,7 @@ class TorchEngine:
             responses: list[list[int]] = [[] for _ in range(batch)]
             logprobs: list[list[float]] = [[] for _ in range(batch)]
             active = list(range(batch))
-            for step in range(sampling.max_new_tokens):
+            for _step in range(max(limits)):
                 next_tokens, next_logprobs = sample_next(logits, sampling, generator)
                 still: list[int] = []
                 for row, token, logprob in zip(
@@ -407,9 +439,9 @@ class TorchEngine:
                 ):
                     responses[row].append(token)
                     logprobs[row].append(logprob)
-                    if token not in self.eos_token_ids:
+                    if token not in self.eos_token_ids and len(responses[row]) < limits[row]:
                         still.append(row)
-                if not still or step == sampling.max_new_tokens - 1:
+                if not still:
                     break
                 keep = [active.index(r) for r in still] if len(still) < len(active) else None
                 rows = torch.tensor(still, device=device)
@@ -464,3 +496,55 @@ class TorchEngine:
     def _require_alive(self) -> None:
         if self._shut_down:
             raise RuntimeError("torch engine: used after shutdown()")
+
+
+class _Batcher:
+    """Collects the async_generate requests of one event loop and runs them in batches.
+
+    Requests that arrive while a batch runs wait for the next one: what sglang's scheduler does
+    continuously, this does per batch (the reference engine has no continuous batching). Each
+    batch runs in a worker thread, so tools and other conversations keep the loop busy.
+    """
+
+    def __init__(self, engine: TorchEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine, self.loop = engine, loop
+        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future[Completion]]] = []
+        self._running: asyncio.Task[None] | None = None
+        self.batches = 0
+
+    async def submit(self, input_ids: list[int], sampling: SamplingParams) -> Completion:
+        future: asyncio.Future[Completion] = self.loop.create_future()
+        self._pending.append((input_ids, sampling, future))
+        if self._running is None or self._running.done():
+            self._running = self.loop.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            # One pass of the loop first: requests sent in the same step join this batch; with a
+            # window, those that come within it too (fewer, larger batches).
+            await asyncio.sleep(self.engine.batch_window_seconds)
+            taken, self._pending = self._pending, []
+            # Requests sample alike but for max_new_tokens (and the seed: the first one's).
+            groups: dict[SamplingParams, list[int]] = {}
+            for index, (_, sampling, _) in enumerate(taken):
+                key = dataclasses.replace(sampling, max_new_tokens=1, seed=None)
+                groups.setdefault(key, []).append(index)
+            for rows in groups.values():
+                first = taken[rows[0]][1]
+                try:
+                    answers = await asyncio.to_thread(
+                        self.engine._generate_rows,
+                        [taken[i][0] for i in rows],
+                        [taken[i][1].max_new_tokens for i in rows],
+                        dataclasses.replace(first, seed=first.seed),
+                    )
+                except Exception as error:  # every waiting request gets the failure
+                    for i in rows:
+                        if not taken[i][2].done():
+                            taken[i][2].set_exception(error)
+                    continue
+                self.batches += 1
+                for i, answer in zip(rows, answers, strict=True):
+                    if not taken[i][2].done():
+                        taken[i][2].set_result(answer)

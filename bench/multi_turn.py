@@ -1,0 +1,265 @@
+"""Multi-turn rollout (issue 32): the async path against the same conversations run turn by turn.
+
+`python bench/multi_turn.py` (CPU, torch engine, the builtin tiny model) or, on a GPU,
+`python bench/multi_turn.py --engine sglang --device cuda --model DIR` measures, per number of
+turns (--turns 2 3 4):
+- throughput: trajectory tokens (everything after the prompt) per second, async
+  (MultiTurnRollout.run: every conversation at its own pace) against turn-by-turn
+  (run_turn_by_turn: turn k of every conversation as one batch, then all their tools);
+- p50/p99 conversation latency and the straggler share: (last end - median end) / the rollout;
+- with --engines 2: the prefix-cache hit rate (cached prompt tokens / prompt tokens sent) of
+  sticky against random routing, where the engine reports cached tokens (sglang; torch has no
+  prefix cache, so n/a).
+
+Each conversation calls builtin:python (a child process, ~20 ms) after each of its first
+turns-1 turns and answers at the last one: the bench fixes the turn count (BenchRollout.calls_of);
+generation is the engine's own. Results: JSON and a Markdown table with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rljob.api import BUILTIN_CALCULATOR, DataSpec, MultiTurnSpec
+from rljob_worker.agentic.chat import ChatFormat
+from rljob_worker.agentic.driver import Limits, MultiTurnRollout, Trajectory
+from rljob_worker.agentic.routing import EngineRouter, Routing
+from rljob_worker.agentic.tool_calls import ParsedCall, ToolCall
+from rljob_worker.agentic.tools import make_tools
+from rljob_worker.engines.base import ALL_TAGS, SamplingParams
+from rljob_worker.model import load_tokenizer, resolve_model_path
+from rljob_worker.task import make_task
+
+REPO = Path(__file__).resolve().parents[1]
+# --spread: a turn's cap is --turn-tokens times one of these (mean 1.17, most turns short).
+SPREAD = (0.25, 0.25, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 4.0)
+
+
+class BenchRollout(MultiTurnRollout):
+    """Every conversation takes exactly `turns` turns: a python call after each turn but the
+    last, whatever the (tiny, untrained) model wrote."""
+
+    turns = 2
+    spread = False
+
+    def turn_tokens(self, t: Trajectory) -> int | None:
+        """With --spread, each turn's length cap is drawn (seeded by conversation and turn, so
+        both modes get the same) from 1/4 to 4 times --turn-tokens, long-tailed as agent turns
+        are; the untrained model rarely samples end-of-sequence, so the cap is the length."""
+        cap = self.limits.max_turn_tokens
+        if not self.spread or cap is None:
+            return cap
+        factor = random.Random(t.conversation * 1009 + t.turns).choice(SPREAD)
+        return max(1, int(cap * factor))
+
+    def calls_of(self, t: Trajectory) -> list[ParsedCall]:
+        if t.turns < self.turns:
+            return [ToolCall("python", {"expression": f"sum(range({t.conversation + 10}))"})]
+        return []
+
+
+def _machine(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+
+
+def _engines(args: argparse.Namespace, model_path: str, eos: list[int]) -> list[Any]:
+    engines: list[Any] = []
+    for _ in range(args.engines):
+        if args.engine == "torch":
+            from rljob_worker.engines.torch_engine import TorchEngine
+
+            reference = TorchEngine(model_path, device=args.device, dtype=args.dtype,
+                                    kv_capacity_tokens=args.kv_tokens, eos_token_ids=eos)  # fmt: skip
+            reference.batch_window_seconds = args.batch_window
+            engines.append(reference)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            from rljob_worker.engines.sglang_engine import SGLangEngine
+
+            engine = SGLangEngine(model_path=model_path, dtype=args.dtype,
+                                  mem_fraction_static=args.mem_fraction / args.engines)  # fmt: skip
+            # It starts with every tag released and its weights' contents gone: load them.
+            engine.resume(["weights"])
+            hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
+            engine.update_weights([(n, p.detach().to("cuda")) for n, p in hf.named_parameters()])
+            del hf
+            engine.flush_cache()
+            engine.resume([t for t in ALL_TAGS if t != "weights"])
+            engines.append(engine)
+    return engines
+
+
+def _flush(engine: Any, runner: Any, engines: int) -> None:
+    """Drop the engine's prefix cache. Several sglang engines in one process: each Engine made
+    its own event loop, but their tokenizer managers answer on the loop the rollout runs on
+    (the first engine's), so the flush is awaited there too, not through Engine.flush_cache's
+    own loop (which nothing would answer on)."""
+    if engines > 1 and hasattr(engine, "run_async"):
+        runner(engine._engine.tokenizer_manager.flush_cache())
+    else:
+        engine.flush_cache()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def measure(rollout: BenchRollout, runner: Any, prompts: list[list[int]], mode: str,
+            sampling: SamplingParams) -> dict[str, Any]:  # fmt: skip
+    run = rollout.run if mode == "async" else rollout.run_turn_by_turn
+    start = time.perf_counter()
+    trajectories: list[Trajectory] = runner(run(prompts, sampling))
+    seconds = time.perf_counter() - start
+    ends = [t.finished_seconds for t in trajectories]
+    latencies = [t.seconds for t in trajectories]
+    tokens = sum(len(t.response_ids) for t in trajectories)
+    sent = sum(t.prompt_tokens for t in trajectories)
+    cached = [t.cached_tokens for t in trajectories if t.cached_tokens is not None]
+    return {
+        "mode": mode,
+        "seconds": round(seconds, 3),
+        "trajectory_tokens": tokens,
+        "sampled_tokens": sum(sum(t.loss_mask) for t in trajectories),
+        "tokens_per_second": round(tokens / seconds, 1),
+        "turns": sum(t.turns for t in trajectories),
+        "tool_calls": sum(t.tool_calls for t in trajectories),
+        "tool_errors": sum(t.tool_errors for t in trajectories),
+        "tool_timeouts": sum(t.tool_timeouts for t in trajectories),
+        "p50_latency_seconds": round(statistics.median(latencies), 3),
+        "p99_latency_seconds": round(_percentile(latencies, 0.99), 3),
+        "straggler_share": round((max(ends) - statistics.median(ends)) / seconds, 3),
+        "prefix_cache_hit_rate": round(sum(cached) / sent, 3) if cached and sent else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="builtin:tiny-qwen2")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--turn-tokens", type=int, default=24, help="tokens one turn may sample")
+    parser.add_argument("--engines", type=int, default=1)
+    parser.add_argument("--kv-tokens", type=int, default=65536, help="torch engine KV pool")
+    parser.add_argument("--mem-fraction", type=float, default=0.6, help="sglang, all engines")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
+    parser.add_argument("--spread", action="store_true", help="long-tailed turn lengths")
+    parser.add_argument("--batch-window", type=float, default=0.0,
+                        help="torch engine: seconds a batch waits for more requests")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "multi_turn")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_path = str(resolve_model_path(args.model))
+    tokenizer = load_tokenizer(model_path)
+    eos = [tokenizer.eos_token_id]
+    engines = _engines(args, model_path, eos)
+    tools = make_tools(MultiTurnSpec(tools=["builtin:calculator", "builtin:python"],
+                                     tool_timeout_seconds=10))  # fmt: skip
+    task = make_task(DataSpec(source=BUILTIN_CALCULATOR, max_prompt_length=1024), 0, tokenizer,
+                     tools.schemas)  # fmt: skip
+    prompts = [list(p.prompt_ids) for p in task.sample(args.conversations, salt=0)]
+    sampling = SamplingParams(max_new_tokens=1, temperature=1.0, seed=11)
+    runner = getattr(engines[0], "run_async", None) or asyncio.run
+    rows: list[dict[str, Any]] = []
+    routings = [Routing.STICKY, Routing.RANDOM] if args.engines > 1 else [Routing.STICKY]
+    for turns in args.turns:
+        limits = Limits(max_turns=turns, max_response_length=turns * (4 * args.turn_tokens + 64),
+                        max_tool_response_length=32, max_concurrent_conversations=args.conversations,
+                        max_turn_tokens=args.turn_tokens)  # fmt: skip
+        for routing in routings:
+            for mode in ("turn-by-turn", "async"):
+                for engine in engines:  # each measurement starts with a cold cache
+                    _flush(engine, runner, len(engines))
+                rollout = BenchRollout(
+                    EngineRouter(engines, routing, seed=turns), ChatFormat(tokenizer, tools.schemas),
+                    tools, limits, eos, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+                )  # fmt: skip
+                rollout.turns, rollout.spread = turns, args.spread
+                row = {"turns_per_conversation": turns, "routing": str(routing),
+                       **measure(rollout, runner, prompts, mode, sampling)}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    result = {
+        "machine": _machine(args.device),
+        # The host is shared: its 1-minute load average, at the end, next to the figures.
+        "load_average": round(os.getloadavg()[0], 1),
+        "torch": torch.__version__,
+        "engine": args.engine,
+        "engines": args.engines,
+        "model": args.model,
+        "conversations": args.conversations,
+        "turn_tokens": args.turn_tokens,
+        "spread": args.spread,
+        "command": "python bench/multi_turn.py " + " ".join(
+            f"--{k.replace('_', '-')}" if v is True else
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items() if k != "out" and v is not False
+        ),
+        "rows": rows,
+    }  # fmt: skip
+    for engine in engines:
+        engine.shutdown()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"# Multi-turn rollout: {result['engine']} engine x{result['engines']}, {result['model']}",
+        "",
+        f"Machine: {result['machine']} (load average {result.get('load_average')} at the end); "
+        f"torch {result['torch']}; {result['conversations']} "
+        f"conversations, up to {result['turn_tokens']} sampled tokens a turn"
+        f"{' times 1/4..4 (--spread)' if result.get('spread') else ''}, builtin:python after "
+        "every turn but the last.",
+        f"Command: `{result['command']}`",
+        "",
+        "| turns | routing | mode | tokens/s | speed-up | p50 s | p99 s | straggler share | "
+        "prefix-cache hit |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    base: dict[tuple[int, str], float] = {}
+    for row in result["rows"]:
+        key = (row["turns_per_conversation"], row["routing"])
+        if row["mode"] == "turn-by-turn":
+            base[key] = row["tokens_per_second"]
+        speed = row["tokens_per_second"] / base[key] if key in base else None
+        hit = row["prefix_cache_hit_rate"]
+        lines.append(
+            f"| {key[0]} | {key[1]} | {row['mode']} | {row['tokens_per_second']} | "
+            f"{'-' if speed is None else f'{speed:.2f}x'} | {row['p50_latency_seconds']} | "
+            f"{row['p99_latency_seconds']} | {row['straggler_share']} | "
+            f"{'n/a' if hit is None else hit} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Issue 32 on the CPU: examples/multi-turn-tools.yaml under `rljob run` (2 ranks on gloo, 2
+iterations, torch engine, staged awake), and the torch engine's async path under the multi-turn
+driver with the real tiny model: the trained ids are the sampled ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from rljob.api import MultiTurnSpec
+from rljob.report import Stage
+from rljob_worker.agentic.chat import ChatFormat
+from rljob_worker.agentic.driver import Limits, MultiTurnRollout
+from rljob_worker.agentic.routing import EngineRouter
+from rljob_worker.agentic.tools import make_tools
+from rljob_worker.cli_run import main
+from rljob_worker.engines.base import Completion, SamplingParams
+from rljob_worker.engines.torch_engine import TorchEngine
+from rljob_worker.model import TINY_QWEN2, load_tokenizer, resolve_model_path
+from rljob_worker.task import make_task
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_multi_turn_example_runs_two_staged_iterations_on_two_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    manifest = REPO / "examples" / "multi-turn-tools.yaml"
+    assert main([str(manifest), "--out", str(out), "--ranks", "2", "--verify-weights"]) == 0
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "Succeeded" and status["iteration"] == 2
+    metrics = status["metrics"]
+    assert [m["iteration"] for m in metrics] == [0, 1, 2]
+    for m in metrics:
+        # 2 ranks x 2 prompts x groupSize 4 conversations, each at least one turn; every one
+        # ended or was cut off (and counted) before the engine slept.
+        turns = m["multiTurn"]
+        assert turns["turnsMean"] >= 1 and turns["toolCalls"] >= 0 and turns["cutOff"] <= 16
+        assert turns["toolErrors"] <= turns["toolCalls"]
+        assert turns["toolTimeouts"] <= turns["toolErrors"]
+        assert m["responseLengthMax"] <= 96  # rollout.multiTurn.maxResponseLength
+    assert all(m["policyLoss"] is not None for m in metrics[1:])  # trained on the trajectories
+    reports = json.loads((out / "reports.json").read_text())
+    for report in reports[1:]:
+        stages = [s["stage"] for s in report["samples"] if s["rank"] == 0]
+        # staged awake around the multi-turn rollout, as around a single-turn one
+        assert stages == [str(s) for s in (Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER, Stage.WAKE_WEIGHTS,
+                                           Stage.OFFLOAD_TRAIN, Stage.WAKE_KV_CACHE, Stage.ROLLOUT,
+                                           Stage.SLEEP)]  # fmt: skip
+
+
+class Recording:
+    """The real TorchEngine, with every answer it gave recorded (a spy, not a fake)."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.engine = engine
+        self.answers: list[tuple[list[int], Completion]] = []
+
+    async def async_generate(self, input_ids: Any, sampling: SamplingParams) -> Completion:
+        answer = await self.engine.async_generate(input_ids, sampling)
+        self.answers.append((list(input_ids), answer))
+        return answer
+
+
+def test_torch_engine_trajectories_train_exactly_the_sampled_ids() -> None:
+    path = resolve_model_path(TINY_QWEN2)
+    tokenizer = load_tokenizer(path)
+    engine = TorchEngine(path, dtype="float32", kv_capacity_tokens=8192)
+    spy = Recording(engine)
+    settings = MultiTurnSpec(max_turns=3, max_response_length=48, max_tool_response_length=8)
+    tools = make_tools(settings)
+    from rljob.api import DataSpec
+
+    task = make_task(DataSpec(source="builtin:calculator", max_prompt_length=256), 0, tokenizer)
+    # Distinct prompts: a turn's answer is found below by its input ids.
+    prompts = [list(p.prompt_ids) for p in task.sample(32, salt=1)]
+    assert len({tuple(p) for p in prompts}) == 32
+    rollout = MultiTurnRollout(
+        EngineRouter([spy]),
+        ChatFormat(tokenizer, tools.schemas),
+        tools,
+        Limits(3, 48, 8, max_concurrent_conversations=16),
+        [tokenizer.eos_token_id],
+        lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+    )
+    trajectories = asyncio.run(rollout.run(prompts, SamplingParams(1, temperature=1.0, seed=7)))
+    assert len(trajectories) == 32
+    by_input = {tuple(ids): answer for ids, answer in spy.answers}
+    for t in trajectories:
+        sampled: list[int] = []
+        logprobs: list[float] = []
+        # The turns' answers, found by their inputs, concatenated, are the mask-1 tokens.
+        prefix = list(t.prompt_ids)
+        position = 0
+        while position < len(t.response_ids):
+            answer = by_input[tuple(prefix)]
+            size = len(answer.token_ids)
+            assert t.response_ids[position : position + size] == answer.token_ids
+            assert t.loss_mask[position : position + size] == [1] * size
+            sampled += answer.token_ids
+            logprobs += answer.logprobs
+            position += size
+            prefix = t.prompt_ids + t.response_ids[:position]
+            while position < len(t.response_ids) and not t.loss_mask[position]:
+                position += 1  # a tool turn
+            prefix = t.prompt_ids + t.response_ids[:position]
+        assert [x for x, m in zip(t.response_ids, t.loss_mask, strict=True) if m] == sampled
+        assert t.logprobs == logprobs and len(t.response_ids) <= 48
+    # Conversations that asked together were generated together (the batcher's batches).
+    assert engine._batcher is not None and engine._batcher.batches < len(spy.answers)
+    engine.shutdown()

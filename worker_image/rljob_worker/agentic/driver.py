@@ -1,0 +1,254 @@
+"""The multi-turn rollout: many conversations at once with asyncio over engines that take token
+ids and give back token ids with their log-probs (base.AsyncGenerate).
+
+A trajectory is token ids from the start: the prompt's, then each model turn's sampled ids (loss
+mask 1, with their log-probs) and each tool turn's ids (mask 0). Every conversation ends with an
+answer (a turn that calls no tool), or is cut off at maxResponseLength or maxTurns and trained
+with what it has: none is dropped, and when run() returns no request is in flight, so the
+engine may sleep (sglang refuses to release memory while a request is queued or running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from rljob_worker.agentic.chat import ChatFormat
+from rljob_worker.agentic.routing import EngineRouter
+from rljob_worker.agentic.tool_calls import ParsedCall, parse_tool_calls
+from rljob_worker.agentic.tools import ToolSet
+from rljob_worker.engines.base import AsyncGenerate, SamplingParams
+
+
+class Ending(StrEnum):
+    ANSWER = "answer"  # a turn without a tool call
+    BUDGET = "budget"  # maxResponseLength reached (cut off)
+    MAX_TURNS = "maxTurns"  # still calling tools after maxTurns turns (cut off)
+
+
+@dataclass
+class Trajectory:
+    """One conversation as the trainer gets it. `logprobs` has one entry per sampled token
+    (mask 1), in order; `response_ids` is everything after the prompt."""
+
+    conversation: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    truncated_tool_results: int = 0
+    ending: Ending | None = None
+    last_turn_text: str = ""  # the final model turn, decoded: what the reward reads
+    # Prompt tokens sent over all turns, and those the engine had cached (None: not reported).
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    engines: list[int] = field(default_factory=list)  # the engine of each turn
+    seconds: float = 0.0  # from its first request to its end
+    finished_seconds: float = 0.0  # from the rollout's start to its end (stragglers)
+
+    @property
+    def cut_off(self) -> bool:
+        return self.ending in (Ending.BUDGET, Ending.MAX_TURNS)
+
+    def append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] = ()) -> None:
+        self.response_ids += ids
+        self.loss_mask += [1 if sampled else 0] * len(ids)
+        self.logprobs += logprobs
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_turns: int
+    max_response_length: int
+    max_tool_response_length: int
+    max_concurrent_conversations: int
+    # Tokens one model turn may sample (None: what is left of max_response_length).
+    max_turn_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class RolloutCounts:
+    """One rank's multi-turn rollout in figures (status and the `rljob run` table)."""
+
+    conversations: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    cut_off: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+
+    @classmethod
+    def of(cls, trajectories: Sequence[Trajectory]) -> RolloutCounts:
+        cached = [t.cached_tokens for t in trajectories if t.cached_tokens is not None]
+        return cls(
+            conversations=len(trajectories),
+            turns=sum(t.turns for t in trajectories),
+            tool_calls=sum(t.tool_calls for t in trajectories),
+            tool_errors=sum(t.tool_errors for t in trajectories),
+            tool_timeouts=sum(t.tool_timeouts for t in trajectories),
+            cut_off=sum(t.cut_off for t in trajectories),
+            prompt_tokens=sum(t.prompt_tokens for t in trajectories),
+            cached_tokens=sum(cached) if cached else None,
+        )
+
+
+class MultiTurnRollout:
+    """Drives conversations over the router's engines; run() (async) or run_turn_by_turn()
+    (the synchronous baseline: every conversation's turn k as one batch, then its tools)."""
+
+    def __init__(
+        self,
+        router: EngineRouter[AsyncGenerate],
+        chat: ChatFormat,
+        tools: ToolSet,
+        limits: Limits,
+        eos_ids: Sequence[int],
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self.router, self.chat, self.tools, self.limits = router, chat, tools, limits
+        self.eos_ids = frozenset(eos_ids)
+        self.decode = decode
+
+    async def _model_turn(
+        self, t: Trajectory, sampling: SamplingParams
+    ) -> tuple[list[ParsedCall], bool]:
+        """One model turn; the calls it makes and whether it ended with end-of-sequence."""
+        remaining = self.limits.max_response_length - len(t.response_ids)
+        turn_tokens = self.turn_tokens(t)
+        if turn_tokens is not None:
+            remaining = min(remaining, turn_tokens)
+        seed = None if sampling.seed is None else sampling.seed + 1009 * t.conversation + t.turns
+        request = dataclasses.replace(sampling, max_new_tokens=remaining, seed=seed)
+        input_ids = t.prompt_ids + t.response_ids
+        index, engine = self.router.acquire(t.conversation)
+        try:
+            answer = await engine.async_generate(input_ids, request)
+        finally:
+            self.router.release(index)
+        ids = list(answer.token_ids[:remaining])
+        t.append(ids, sampled=True, logprobs=answer.logprobs[: len(ids)])
+        t.turns += 1
+        t.engines.append(index)
+        t.prompt_tokens += len(input_ids)
+        if answer.cached_tokens is not None:
+            t.cached_tokens = (t.cached_tokens or 0) + answer.cached_tokens
+        ended_with_eos = bool(ids) and ids[-1] in self.eos_ids
+        t.last_turn_text = self.decode(ids)  # decoded once: parsed and (last turn) rewarded
+        if len(t.response_ids) >= self.limits.max_response_length and not ended_with_eos:
+            t.ending = Ending.BUDGET
+            return [], ended_with_eos
+        calls = self.calls_of(t)
+        if not calls:
+            t.ending = Ending.ANSWER
+        elif t.turns >= self.limits.max_turns:
+            t.ending = Ending.MAX_TURNS
+        return calls, ended_with_eos
+
+    def turn_tokens(self, t: Trajectory) -> int | None:
+        """Tokens the next turn of `t` may sample, besides the budget (the bench varies it)."""
+        return self.limits.max_turn_tokens
+
+    def calls_of(self, t: Trajectory) -> list[ParsedCall]:
+        """The tool calls of the turn just sampled (the bench overrides it to fix turn counts)."""
+        return parse_tool_calls(t.last_turn_text, self.tools.names)
+
+    async def _tool_turn(
+        self, t: Trajectory, calls: list[ParsedCall], ended_with_eos: bool
+    ) -> None:
+        outcomes = await asyncio.gather(*(self.tools.run(c) for c in calls))
+        t.tool_calls += len(calls)
+        t.tool_errors += sum(o.error for o in outcomes)
+        t.tool_timeouts += sum(o.timed_out for o in outcomes)
+        turn = self.chat.tool_turn(
+            [o.text for o in outcomes], ended_with_eos, self.limits.max_tool_response_length
+        )
+        t.truncated_tool_results += turn.truncated_results
+        # Room for the tool turn and at least one more sampled token, or the conversation ends
+        # here (the tool tokens would only be masked out).
+        if len(t.response_ids) + len(turn.ids) >= self.limits.max_response_length:
+            t.ending = Ending.BUDGET
+            return
+        t.append(turn.ids, sampled=False)
+
+    async def _conversation(
+        self, t: Trajectory, sampling: SamplingParams, slots: asyncio.Semaphore, began: float
+    ) -> Trajectory:
+        async with slots:
+            start = time.perf_counter()
+            try:
+                while t.ending is None:
+                    calls, ended_with_eos = await self._model_turn(t, sampling)
+                    if t.ending is None:
+                        await self._tool_turn(t, calls, ended_with_eos)
+            finally:
+                self.router.forget(t.conversation)
+                end = time.perf_counter()
+                t.seconds, t.finished_seconds = end - start, end - began
+        return t
+
+    def _start(self, prompts: Sequence[Sequence[int]]) -> list[Trajectory]:
+        return [Trajectory(i, list(p)) for i, p in enumerate(prompts)]
+
+    async def run(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[Trajectory]:
+        """Every conversation to its end, at most maxConcurrentConversations at a time."""
+        slots = asyncio.Semaphore(self.limits.max_concurrent_conversations)
+        trajectories = self._start(prompts)
+        began = time.perf_counter()
+        await asyncio.gather(*(self._conversation(t, sampling, slots, began) for t in trajectories))
+        self._check_idle()
+        return trajectories
+
+    async def run_turn_by_turn(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[Trajectory]:
+        """The baseline: turn k of every open conversation together, then all their tools."""
+        trajectories = self._start(prompts)
+        start = time.perf_counter()
+        size = self.limits.max_concurrent_conversations
+        while open_ := [t for t in trajectories if t.ending is None]:
+            for part in range(0, len(open_), size):
+                batch = open_[part : part + size]
+                turns = await asyncio.gather(*(self._model_turn(t, sampling) for t in batch))
+                await asyncio.gather(
+                    *(
+                        self._tool_turn(t, calls, eos)
+                        for t, (calls, eos) in zip(batch, turns, strict=True)
+                        if t.ending is None
+                    )
+                )
+                now = time.perf_counter()
+                for t in batch:
+                    if t.ending is not None and not t.seconds:
+                        t.seconds = t.finished_seconds = now - start
+        self._check_idle()
+        return trajectories
+
+    def _check_idle(self) -> None:
+        # What staged awake relies on: the engines may sleep once the rollout returns.
+        if self.router.requests_in_flight:
+            raise RuntimeError(
+                f"multi-turn rollout ended with {self.router.requests_in_flight} requests in "
+                "flight; the engine must not sleep now"
+            )
+
+
+def run_on(engine: Any, coroutine: Any) -> Any:
+    """Run the rollout's coroutine to its end from the stage machine's (blocking) code: on the
+    engine's own event loop where it has one (sglang's tokenizer manager lives on it)."""
+    runner = getattr(engine, "run_async", None)
+    if runner is not None:
+        return runner(coroutine)
+    return asyncio.run(coroutine)
