@@ -199,7 +199,9 @@ def test_the_flattened_path_is_found_by_import_and_missing_means_the_fallback(
     tensor_bucket: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     contract = CONTRACTS[SUPPORTED_SGLANG_VERSIONS[-1]]
-    monkeypatch.delenv(WEIGHT_SYNC_ENV, raising=False)
+    monkeypatch.delenv(WEIGHT_SYNC_ENV, raising=False)  # the default: the verified path
+    assert flattened_bucket_metadata(contract) is None
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, "auto")
     assert flattened_bucket_metadata(contract) is tensor_bucket.FlattenedTensorMetadata
     monkeypatch.setenv(WEIGHT_SYNC_ENV, "tensors")
     assert flattened_bucket_metadata(contract) is None
@@ -214,13 +216,13 @@ def test_an_sglang_without_the_bucket_module_falls_back_unless_it_is_required(
     contract = CONTRACTS[SUPPORTED_SGLANG_VERSIONS[-1]]
     # None in sys.modules makes the import fail, as on a release without the module.
     monkeypatch.setitem(sys.modules, BUCKET_MODULE, None)
-    monkeypatch.delenv(WEIGHT_SYNC_ENV, raising=False)
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, "auto")
     assert flattened_bucket_metadata(contract) is None
     monkeypatch.setenv(WEIGHT_SYNC_ENV, "flattened_bucket")
     with pytest.raises(SGLangVersionError, match="no flattened-bucket weight update"):
         flattened_bucket_metadata(contract)
     # A contract that declares no such path falls back without looking.
-    monkeypatch.delenv(WEIGHT_SYNC_ENV)
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, "auto")
     assert (
         flattened_bucket_metadata(
             sglang_engine.dataclasses.replace(contract, flattened_bucket=None)

@@ -66,6 +66,8 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     sglang_engine.installed_contract = lambda: SGLANG_NEWEST  # type: ignore[assignment]
     # "flattened": the installed sglang has the flattened-bucket path (one payload per bucket).
     handoff = HANDOFF_FLAT_STAND_IN if scenario == "flattened" else HANDOFF_STAND_IN
+    if scenario == "flattened":  # opt-in (the default is the per-tensor hand-off)
+        os.environ[sglang_engine.WEIGHT_SYNC_ENV] = "auto"
     sglang_engine.load_tensor_handoff = lambda: handoff  # type: ignore[assignment]
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)

@@ -523,19 +523,21 @@ class TensorHandoff:
     flattened_metadata: Callable[..., Any] | None = None
 
 
-# RLJOB_SGLANG_WEIGHT_SYNC: "auto" (the default: flattened buckets where the installed sglang
-# has them), "tensors" (one tensor per parameter, the path before issue 33), "flattened_bucket"
-# (required: an error where sglang lacks it). For measurements (bench/colocate.py --sync-path)
-# and as a way back should a release's flattened path misbehave.
+# RLJOB_SGLANG_WEIGHT_SYNC: "tensors" (the default: one tensor per parameter, the path the GPU
+# tests verified), "auto" (flattened buckets where the installed sglang has them), or
+# "flattened_bucket" (required: an error where sglang lacks it). The flattened path is opt-in
+# until it has run on a GPU (docs/performance.md); bench/colocate.py --sync-path measures each.
 WEIGHT_SYNC_ENV = "RLJOB_SGLANG_WEIGHT_SYNC"
 WEIGHT_SYNC_PATHS = ("auto", "tensors", "flattened_bucket")
+DEFAULT_WEIGHT_SYNC = "tensors"
 
 
 def flattened_bucket_metadata(contract: SGLangContract) -> Callable[..., Any] | None:
     """sglang's metadata class of the flattened-bucket path, found by import (the feature, not
     the version number), or None where the path is not taken: RLJOB_SGLANG_WEIGHT_SYNC says
     "tensors", or (under "auto") the contract has none or the installed sglang lacks the class."""
-    choice = os.environ.get(WEIGHT_SYNC_ENV, "auto").strip().lower() or "auto"
+    choice = os.environ.get(WEIGHT_SYNC_ENV, DEFAULT_WEIGHT_SYNC).strip().lower()
+    choice = choice or DEFAULT_WEIGHT_SYNC
     if choice not in WEIGHT_SYNC_PATHS:
         raise ValueError(f"{WEIGHT_SYNC_ENV}={choice!r} must be one of {WEIGHT_SYNC_PATHS}")
     if choice == "tensors":
