@@ -14,7 +14,7 @@ from pydantic.alias_generators import to_camel
 
 
 class Stage(StrEnum):
-    """The stages of one colocated iteration, in staged-awake order (see DESIGN.md).
+    """The stages of one colocated iteration, in staged-awake order (docs/design.md).
 
     These names are the ones in code, logs, status, metrics and plots.
     """

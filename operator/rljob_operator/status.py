@@ -3,7 +3,7 @@ operator-owned status fields out. Pure; computed each time from observations, ne
 
 The operator owns phase, observedGeneration, conditions, rayJob, attempts (the OOM policy's,
 advanced by attempts.py) and the derived printer-column fields; the job's driver owns
-iteration, memory and CUDA OOMs (see DESIGN.md).
+iteration, memory and CUDA OOMs (docs/design.md, "Boundaries").
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from rljob_worker.engines.base import TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS,
 from rljob_worker.memory import MemoryMeter
 from rljob_worker.train import Experience, NamedTensors, TrainStats
 
-# Staged awake (DESIGN.md, "Why staged awake"): the engine's weights come back while the
+# Staged awake (docs/design.md, "The stage machine"): the engine's weights come back while the
 # training params are still resident (they are the source of the update), but the KV cache only
 # comes back once the training params are gone. Peak: max(train, train params + engine weights,
 # engine weights + KV cache) instead of their sum.
