@@ -728,9 +728,11 @@ class environment_set:
 def weight_sync_floor_bytes(model: dict[str, Any]) -> int:
     """HBM bytes the weight sync cannot do without, per rank: its fp32 shard of the policy read
     once, the engine's bf16 weights (its TP shard) written once."""
-    # The fp32 policy shard: the params offloaded, less the reference where there is one
-    # (computed so, results stored before issue 33 merge too).
-    policy = model["train_param_bytes"] // (2 if model["reference"] else 1)
+    # The fp32 policy shard, as recorded; results stored before it was recorded had an fp32
+    # reference beside it in train_param_bytes (half of it, where there was a reference).
+    policy = model.get("policy_shard_bytes") or (
+        model["train_param_bytes"] // (2 if model["reference"] else 1)
+    )
     return policy + model["engine_weight_bytes"] // model.get("tp", 1)
 
 
