@@ -159,11 +159,11 @@ def test_a_resumed_prologue_offloads_the_loaded_moments_before_the_engine_wakes(
     wake_up: WakeUp,
 ) -> None:
     fresh = stage_order(wake_up, 0)
-    resumed = stage_order(wake_up, 3, prologue=True, resumed=True)
+    resumed = stage_order(wake_up, 3, resumed=True)
     assert Stage.OFFLOAD_OPTIMIZER not in fresh and Stage.TRAIN not in fresh
     assert resumed == (Stage.OFFLOAD_OPTIMIZER, *fresh)
     machine, _, log = _machine(wake_up)
-    machine.run_iteration(3, prologue=True, resumed=True)
+    machine.run_iteration(3, resumed=True)
     assert log[0] == "offload_optimizer" and log[-1] == "load_optimizer"
 
 
@@ -216,8 +216,9 @@ def test_checkpoint_stage_runs_after_train_only_when_due(wake_up: WakeUp) -> Non
 
 def test_a_resumed_run_starts_with_the_second_half_of_its_checkpoints_iteration() -> None:
     machine, _, log = _machine(WakeUp.STAGED, checkpoint_every=1)
-    outcome = machine.run_iteration(2, prologue=True)
-    assert outcome.stages == stage_order(WakeUp.STAGED, 0)
+    outcome = machine.run_iteration(2, resumed=True)
+    # The prologue's stages, after offloading the moments the checkpoint loaded.
+    assert outcome.stages == (Stage.OFFLOAD_OPTIMIZER, *stage_order(WakeUp.STAGED, 0))
     assert outcome.train is None and "save 2" not in log
     assert Stage.CHECKPOINT in machine.run_iteration(3).stages
 

@@ -5,6 +5,7 @@ picks, records the choice in status.plan, runs it, and a retry after an OOM rais
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -19,21 +20,31 @@ pytestmark = pytest.mark.worker
 REPO = Path(__file__).parents[2]
 
 
-def test_rljob_run_with_auto_picks_records_runs_and_retries_with_a_larger_margin(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _run_tiny_with_an_oom(
+    tmp_path: Path, rollout: Mapping[str, object], gpu_memory: str, inject: str
+) -> dict:
+    """`rljob run` of examples/tiny-local.yaml on 2 ranks with these rollout knobs,
+    spec.memoryPlan.gpuMemory, one OOM retry allowed and `inject` on the first attempt; exit
+    status 0 asserted; the status.json it wrote."""
     from rljob_worker.cli_run import main
 
     doc = yaml.safe_load((REPO / "examples" / "tiny-local.yaml").read_text())
-    doc["spec"]["rollout"].update({"memFractionStatic": AUTO, "wakeUp": AUTO})
-    doc["spec"]["memoryPlan"] = {"gpuMemory": "80Gi"}
+    doc["spec"]["rollout"].update(rollout)
+    doc["spec"]["memoryPlan"] = {"gpuMemory": gpu_memory}
     doc["spec"]["oomPolicy"] = {"maxRetries": 1}
-    manifest = tmp_path / "tiny-auto.yaml"
+    manifest = tmp_path / "tiny.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "out"
     argv = [str(manifest), "--out", str(out), "--ranks", "2"]
-    assert main([*argv, "--inject-oom", "wake_kv_cache@rank=1@iteration=1"]) == 0
-    status = json.loads((out / "status.json").read_text())
+    assert main([*argv, "--inject-oom", inject]) == 0
+    return json.loads((out / "status.json").read_text())
+
+
+def test_rljob_run_with_auto_picks_records_runs_and_retries_with_a_larger_margin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rollout = {"memFractionStatic": AUTO, "wakeUp": AUTO}
+    status = _run_tiny_with_an_oom(tmp_path, rollout, "80Gi", "wake_kv_cache@rank=1@iteration=1")
     assert status["phase"] == "Succeeded"
     plan = status["plan"]
     auto = plan["auto"]
@@ -71,19 +82,11 @@ def test_a_retry_plans_on_the_capacity_the_ranks_measured_and_says_the_spec_is_o
     capacity, and the attempt's message says how far off the spec was."""
     import os
 
-    from rljob_worker.cli_run import main
-
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    doc = yaml.safe_load((REPO / "examples" / "tiny-local.yaml").read_text())
-    doc["spec"]["rollout"].update({"memFractionStatic": 0.9, "wakeUp": "staged"})
-    doc["spec"]["memoryPlan"] = {"gpuMemory": str(4 * host)}
-    doc["spec"]["oomPolicy"] = {"maxRetries": 1}
-    manifest = tmp_path / "tiny-off.yaml"
-    manifest.write_text(yaml.safe_dump(doc))
-    out = tmp_path / "out"
-    argv = [str(manifest), "--out", str(out), "--ranks", "2"]
-    assert main([*argv, "--inject-oom", "wake_kv_cache@rank=0@iteration=1"]) == 0
-    status = json.loads((out / "status.json").read_text())
+    rollout = {"memFractionStatic": 0.9, "wakeUp": "staged"}
+    status = _run_tiny_with_an_oom(
+        tmp_path, rollout, str(4 * host), "wake_kv_cache@rank=0@iteration=1"
+    )
     measured = status["memory"]["capacityBytes"]
     assert abs(measured - host) / host < 0.01  # the ranks measured this machine
     first, second = status["attempts"]

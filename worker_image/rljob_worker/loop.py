@@ -452,9 +452,7 @@ def run_rank(
             machine.weight_sync_seconds = None
             machine.weight_handoff_seconds = None
             resumed = resumed_from is not None and iteration == start
-            outcome = machine.run_iteration(
-                iteration, prologue=iteration == 0 or resumed, resumed=resumed
-            )
+            outcome = machine.run_iteration(iteration, resumed=resumed)
             if iteration == spec.algorithm.iterations:
                 keeper.export_final()  # the policy as its last update left it
             saved, exported = keeper.take()

@@ -63,19 +63,18 @@ def stage_order(
     iteration: int = 1,
     *,
     checkpoint: bool = False,
-    prologue: bool | None = None,
     resumed: bool = False,
 ) -> tuple[Stage, ...]:
     """The stages of an iteration for the spec's rollout.wakeUp (iteration 0: the prologue).
 
     `checkpoint` adds the checkpoint stage right after train: the training state (params and
     AdamW moments) is still on the device there, before offload_optimizer moves the moments
-    away, so the save reads it where it is. `prologue` (default: iteration 0) also serves a run
-    resumed from iteration N's checkpoint (`resumed`): N's train is in the checkpoint, its
+    away, so the save reads it where it is. `resumed` (the first iteration of a run resumed
+    from this iteration's checkpoint) is a prologue too: N's train is in the checkpoint, its
     rollout is not, and the moments the checkpoint loaded are offloaded first.
     """
     order = STAGED_ORDER if wake_up == WakeUp.STAGED else SINGLE_ORDER
-    if (iteration == 0) if prologue is None else prologue:
+    if iteration == 0 or resumed:
         skipped = (Stage.TRAIN,) if resumed else _TRAINING_STAGES
         return tuple(stage for stage in order if stage not in skipped)
     if checkpoint:
@@ -176,20 +175,14 @@ class StageMachine:
             and iteration % self.checkpoint_every == 0
         )
 
-    def run_iteration(
-        self, iteration: int, prologue: bool | None = None, resumed: bool = False
-    ) -> IterationOutcome:
+    def run_iteration(self, iteration: int, resumed: bool = False) -> IterationOutcome:
         """One iteration in the spec's wake-up order; iteration 0 is the prologue (see above),
-        and so is the first iteration of a resumed run (prologue=True, resumed=True).
+        and so is the first iteration of a resumed run (resumed=True).
 
         Expects the engine released and the training state on the device, and leaves them so.
         """
         order = stage_order(
-            self.wake_up,
-            iteration,
-            checkpoint=self.checkpoint_due(iteration),
-            prologue=prologue,
-            resumed=resumed,
+            self.wake_up, iteration, checkpoint=self.checkpoint_due(iteration), resumed=resumed
         )
         self._iteration, self._train_stats = iteration, None
         for stage in order:
