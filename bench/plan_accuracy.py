@@ -30,7 +30,7 @@ TOLERANCE = 0.05
 # workspaces before both offload stages' empty_cache() (one H100, sglang 0.5.17, 2026-11-25).
 # Every other stored run predates that, or half of it (v1: offload_train only), and then cuBLAS's
 # 32 MiB workspace, taken out of a freed training block, kept that block's whole segment:
-# 0.01-0.40 GiB by model size (README, "The allocator finding").
+# 0.01-0.40 GiB by model size (docs/memory-plan.md, "The allocator finding").
 CURRENT_RUNS = ("r2-", "r3-")
 # The reference's dtype of runs that do not record it: every stored run predates the sharded
 # loader (issue 30) and kept an fp32 reference; bench/colocate.py records it from then on.
@@ -201,7 +201,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         "2026-11-25, the workspaces freed before both offload stages' empty_cache) are "
         "in sample for one constant (the torch engine's baseline, "
         "ENGINE_OUTSIDE_REGIONS_BYTES, taken from r2) and out of sample otherwise. See the "
-        "README (Memory plan and OOM policy) for what each disagreement is.",
+        "docs/memory-plan.md for what each disagreement is.",
         "",
         f"**On the current tree** ({', '.join(models)}):",
         "",

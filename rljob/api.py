@@ -1515,7 +1515,7 @@ class RLJobSpec(_Spec):
     )
     memory_plan: MemoryPlanSpec = Field(
         default_factory=MemoryPlanSpec,
-        description="Admission by the per-stage memory plan (README: memory plan).",
+        description="Admission by the per-stage memory plan (docs/memory-plan.md).",
     )
     offload: OffloadMode = Field(
         default=OffloadMode.AUTO,

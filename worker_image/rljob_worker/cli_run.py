@@ -410,8 +410,8 @@ def main(argv: list[str]) -> int:
         measured where they reported it, else on spec.memoryPlan.gpuMemory."""
         return plan_fits(spec, knobs, capacity[0] if capacity else None)
 
-    # Locally this command is the operator too: it applies spec.oomPolicy (README: the OOM
-    # policy) between attempts, each a fresh set of rank processes. --inject-oom applies to the
+    # Locally this command is the operator too: it applies spec.oomPolicy (docs/memory-plan.md)
+    # between attempts, each a fresh set of rank processes. --inject-oom applies to the
     # first attempt only, so a policy can be tried on the CPU.
     knobs = first_knobs(spec)
     attempts: list[Attempt] = []
