@@ -148,6 +148,7 @@ def measure(rollout: BenchRollout, runner: Any, prompts: list[list[int]], mode: 
         "tool_calls": sum(t.tool_calls for t in trajectories),
         "tool_errors": sum(t.tool_errors for t in trajectories),
         "tool_timeouts": sum(t.tool_timeouts for t in trajectories),
+        "cut_off": sum(t.cut_off for t in trajectories),
         "p50_latency_seconds": round(statistics.median(latencies), 3),
         "p99_latency_seconds": round(_percentile(latencies, 0.99), 3),
         "straggler_share": round((max(ends) - statistics.median(ends)) / seconds, 3),
@@ -187,10 +188,15 @@ def main() -> None:
     runner = getattr(engines[0], "run_async", None) or asyncio.run
     rows: list[dict[str, Any]] = []
     routings = [Routing.STICKY, Routing.RANDOM] if args.engines > 1 else [Routing.STICKY]
+    # The model's context: no request asks past it (the builtin model's is 256 tokens, too few
+    # for several turns of the calculator task on sglang: give --model a longer one there).
+    context = json.loads((Path(model_path) / "config.json").read_text()).get(
+        "max_position_embeddings"
+    )
     for turns in args.turns:
         limits = Limits(max_turns=turns, max_response_length=turns * (4 * args.turn_tokens + 64),
                         max_tool_response_length=32, max_concurrent_conversations=args.conversations,
-                        max_turn_tokens=args.turn_tokens)  # fmt: skip
+                        max_turn_tokens=args.turn_tokens, context_length=context)  # fmt: skip
         for routing in routings:
             for mode in ("turn-by-turn", "async"):
                 for engine in engines:  # each measurement starts with a cold cache

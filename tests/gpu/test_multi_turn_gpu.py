@@ -7,6 +7,7 @@ missing sglang is an error, not a skip. Memory is measured by the driver (mem_ge
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,20 @@ def _free() -> int:
 
 @pytest.fixture(scope="module")
 def builtin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The builtin model as it is: a context of 256 tokens, which the calculator task's
+    conversations outgrow (the loop must cut them off there; sglang refuses a request past it)."""
     return builtin_model_copy(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The builtin model with room for several turns (max_position_embeddings 2048; RoPE
+    extends to it, and the random weights do not care)."""
+    directory = builtin_model_copy(tmp_path_factory.mktemp("tiny-qwen2-2k"))
+    config = json.loads((directory / "config.json").read_text())
+    config["max_position_embeddings"] = 2048
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
 
 
 class ThreeTurns(MultiTurnRollout):
@@ -56,8 +70,9 @@ class ThreeTurns(MultiTurnRollout):
 
 
 def test_staged_multi_turn_rollouts_end_before_release_and_give_every_byte_back(
-    builtin_dir: Path,
+    long_context_dir: Path,
 ) -> None:
+    builtin_dir = long_context_dir
     from transformers import AutoModelForCausalLM
 
     tokenizer = load_tokenizer(builtin_dir)
@@ -80,7 +95,7 @@ def test_staged_multi_turn_rollouts_end_before_release_and_give_every_byte_back(
                 ChatFormat(tokenizer, tools.schemas),
                 tools,
                 Limits(max_turns=4, max_response_length=160, max_tool_response_length=16,
-                       max_concurrent_conversations=32, max_turn_tokens=32),
+                       max_concurrent_conversations=32, max_turn_tokens=32, context_length=2048),
                 [tokenizer.eos_token_id],
                 lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
             )  # fmt: skip
@@ -118,7 +133,7 @@ def test_rljob_run_loop_in_mode_multi_turn_with_sglang(builtin_dir: Path) -> Non
         "spec": {
             "model": {"path": str(builtin_dir), "dtype": "bfloat16"},
             "algorithm": {"groupSize": 4, "iterations": 2},
-            "data": {"source": "builtin:calculator", "trainBatchSize": 4, "maxPromptLength": 256},
+            "data": {"source": "builtin:calculator", "trainBatchSize": 4, "maxPromptLength": 200},
             "reward": {"function": "numeric"},
             "rollout": {
                 "engine": "sglang",
@@ -137,6 +152,8 @@ def test_rljob_run_loop_in_mode_multi_turn_with_sglang(builtin_dir: Path) -> Non
     assert [r.iteration for r in reports] == [0, 1, 2]
     for report in reports:
         assert report.multi_turn is not None and report.multi_turn.turns_mean >= 1
+        # Prompts of up to 192 tokens leave the 256-token context 64: conversations end there.
+        assert report.multi_turn.cut_off >= 1
         assert report.multi_turn.prefix_cache_hit_rate is not None  # sglang reports cached tokens
     for report in reports[1:]:
         stages = [s.stage for s in report.samples]

@@ -281,6 +281,58 @@ def test_the_budget_cuts_a_trajectory_off_and_it_keeps_what_it_has(tokenizer: An
     assert t.response_ids[-asked:] == engine.answers[1][1] and t.loss_mask[-asked:] == [1] * asked
 
 
+def test_no_request_asks_past_the_models_context_and_a_full_context_ends_the_conversation(
+    tokenizer: Any,
+) -> None:
+    # sglang refuses a request whose ids plus max_new_tokens pass the model's context (the
+    # builtin model's is 256), failing the whole rollout: the driver must ask for less, and end
+    # the conversation where the context is full.
+    prompts = _prompts(tokenizer, 2)
+    context = len(prompts[0]) + 200  # room for the call (about 60 tokens) and its tool turn
+    engine = ScriptedEngine(_encode(tokenizer), {
+        prompts[0]: [call("calculator", expression="2+2"), "Answer: " + "9" * 300],
+        prompts[1]: ["9" * 300],  # its first turn alone fills the context
+    }, tokenizer.eos_token_id)  # fmt: skip
+    limits = Limits(max_turns=4, max_response_length=4000, max_tool_response_length=8,
+                    max_concurrent_conversations=1, context_length=context)  # fmt: skip
+    calling, filling = asyncio.run(
+        _rollout(tokenizer, [engine], limits).run([list(p) for p in prompts], SAMPLING)
+    )
+    for ids, sampling in engine.requests:
+        assert len(ids) + sampling.max_new_tokens <= context
+    # The first request of each: the whole room, 200 tokens (not the 4000 of the budget).
+    first = {tuple(ids): s.max_new_tokens for ids, s in engine.requests}
+    assert first[tuple(prompts[0])] == first[tuple(prompts[1])] == 200
+    assert filling.ending is Ending.CONTEXT and filling.cut_off and filling.turns == 1
+    assert len(filling.prompt_ids) + len(filling.response_ids) == context
+    assert filling.loss_mask == [1] * 200 and len(filling.logprobs) == 200
+    # The call's turn fitted; the answer after the tool result got what was left, then ended.
+    assert calling.ending is Ending.CONTEXT and calling.tool_calls == 1 and calling.turns == 2
+    assert len(calling.prompt_ids) + len(calling.response_ids) == context
+    (ids, last), *_ = [
+        r for r in engine.requests[::-1] if tuple(r[0][: len(prompts[0])]) == prompts[0]
+    ]
+    assert last.max_new_tokens == context - len(ids) < 200
+    assert calling.loss_mask[-last.max_new_tokens :] == [1] * last.max_new_tokens
+    counts = RolloutCounts.of([calling, filling])
+    assert counts.cut_off == 2
+
+
+def test_a_tool_turn_that_would_fill_the_context_ends_the_conversation(tokenizer: Any) -> None:
+    (prompt,) = _prompts(tokenizer, 1)
+    first = call("calculator", expression="2+2")
+    first_ids = len(_encode(tokenizer)(first)) + 1  # with EOS
+    # Room for the first turn and less than its tool turn: the tool tokens are not appended.
+    context = len(prompt) + first_ids + 3
+    engine = ScriptedEngine(_encode(tokenizer), {prompt: [first, "Answer: 4"]},
+                            tokenizer.eos_token_id)  # fmt: skip
+    limits = Limits(max_turns=4, max_response_length=4000, max_tool_response_length=8,
+                    max_concurrent_conversations=1, context_length=context)  # fmt: skip
+    (t,) = asyncio.run(_rollout(tokenizer, [engine], limits).run([list(prompt)], SAMPLING))
+    assert t.ending is Ending.CONTEXT and t.turns == 1 and len(engine.requests) == 1
+    assert t.response_ids == engine.answers[0][1] and t.loss_mask == [1] * first_ids
+
+
 def test_max_turns_and_tool_timeouts_end_or_continue_as_documented(tokenizer: Any) -> None:
     prompts = _prompts(tokenizer, 2)
     slow = call("python", expression="sum(range(10**12))")

@@ -282,10 +282,17 @@ class _MultiTurnRollout(_Rollout):
         scorer: Scorer,
         tools: ToolSet,
         eos_ids: Sequence[int],
+        context_length: int | None,
     ):
         super().__init__(spec, config, engine, tokenizer, task, scorer)
         settings = spec.rollout.multi_turn_settings
         assert settings is not None
+        if context_length is not None and spec.data.max_prompt_length >= context_length:
+            raise ValueError(
+                f"spec.data.maxPromptLength {spec.data.max_prompt_length} leaves no room for a "
+                f"turn in the model's context of {context_length} tokens "
+                "(config.json max_position_embeddings): lower it"
+            )
         if not isinstance(engine, AsyncGenerate):
             raise ValueError(
                 f"spec.rollout.mode multiTurn: the {spec.rollout.engine} engine has no "
@@ -300,6 +307,7 @@ class _MultiTurnRollout(_Rollout):
                 max_response_length=settings.max_response_length,
                 max_tool_response_length=settings.max_tool_response_length,
                 max_concurrent_conversations=settings.max_concurrent_conversations,
+                context_length=context_length,
             ),
             eos_ids,
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -422,10 +430,13 @@ def run_rank(
         for name, tensor in bucket:
             checks[name] = (tensor_digest(tensor), tensor_digest(held[name]))
 
+    context = getattr(trainer.model.config, "max_position_embeddings", None)
     rollout = (
         _Rollout(spec, config, engine, tokenizer, task, scorer)
         if tools is None
-        else _MultiTurnRollout(spec, config, engine, tokenizer, task, scorer, tools, eos_ids)
+        else _MultiTurnRollout(
+            spec, config, engine, tokenizer, task, scorer, tools, eos_ids, context
+        )
     )
     keeper = checkpoints.Keeper(spec, trainer.model, trainer.optimizer, model_path)
     machine = StageMachine(

@@ -3,8 +3,8 @@ ids and give back token ids with their log-probs (base.AsyncGenerate).
 
 A trajectory is token ids from the start: the prompt's, then each model turn's sampled ids (loss
 mask 1, with their log-probs) and each tool turn's ids (mask 0). Every conversation ends with an
-answer (a turn that calls no tool), or is cut off at maxResponseLength or maxTurns and trained
-with what it has: none is dropped, and when run() returns no request is in flight, so the
+answer (a turn that calls no tool), or is cut off at maxResponseLength, at maxTurns or where the
+model's context is full, and trained with what it has: none is dropped, and when run() returns no request is in flight, so the
 engine may sleep (sglang refuses to release memory while a request is queued or running).
 """
 
@@ -29,6 +29,7 @@ class Ending(StrEnum):
     ANSWER = "answer"  # a turn without a tool call
     BUDGET = "budget"  # maxResponseLength reached (cut off)
     MAX_TURNS = "maxTurns"  # still calling tools after maxTurns turns (cut off)
+    CONTEXT = "context"  # prompt and turns fill the model's context (cut off)
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Trajectory:
 
     @property
     def cut_off(self) -> bool:
-        return self.ending in (Ending.BUDGET, Ending.MAX_TURNS)
+        return self.ending in (Ending.BUDGET, Ending.MAX_TURNS, Ending.CONTEXT)
 
     def append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] = ()) -> None:
         self.response_ids += ids
@@ -73,6 +74,13 @@ class Limits:
     max_concurrent_conversations: int
     # Tokens one model turn may sample (None: what is left of max_response_length).
     max_turn_tokens: int | None = None
+    # The model's context (max_position_embeddings): a request never asks past it (sglang refuses
+    # one that does, failing the rollout); None: no limit.
+    context_length: int | None = None
+
+    def room(self, tokens: int) -> int:
+        """Tokens a request of `tokens` ids may still sample within the context."""
+        return tokens if self.context_length is None else self.context_length - tokens
 
 
 @dataclass(frozen=True)
@@ -128,9 +136,14 @@ class MultiTurnRollout:
         turn_tokens = self.turn_tokens(t)
         if turn_tokens is not None:
             remaining = min(remaining, turn_tokens)
+        input_ids = t.prompt_ids + t.response_ids
+        if self.limits.context_length is not None:
+            remaining = min(remaining, self.limits.room(len(input_ids)))
+        if remaining <= 0:  # a prompt that fills the context on its own
+            t.ending = Ending.CONTEXT
+            return [], False
         seed = None if sampling.seed is None else sampling.seed + 1009 * t.conversation + t.turns
         request = dataclasses.replace(sampling, max_new_tokens=remaining, seed=seed)
-        input_ids = t.prompt_ids + t.response_ids
         index, engine = self.router.acquire(t.conversation)
         try:
             answer = await engine.async_generate(input_ids, request)
@@ -147,6 +160,9 @@ class MultiTurnRollout:
         t.last_turn_text = self.decode(ids)  # decoded once: parsed and (last turn) rewarded
         if len(t.response_ids) >= self.limits.max_response_length and not ended_with_eos:
             t.ending = Ending.BUDGET
+            return [], ended_with_eos
+        if self.limits.room(len(t.prompt_ids) + len(t.response_ids)) <= 0 and not ended_with_eos:
+            t.ending = Ending.CONTEXT
             return [], ended_with_eos
         calls = self.calls_of(t)
         if not calls:
@@ -178,6 +194,9 @@ class MultiTurnRollout:
         # here (the tool tokens would only be masked out).
         if len(t.response_ids) + len(turn.ids) >= self.limits.max_response_length:
             t.ending = Ending.BUDGET
+            return
+        if self.limits.room(len(t.prompt_ids) + len(t.response_ids) + len(turn.ids)) <= 0:
+            t.ending = Ending.CONTEXT
             return
         t.append(turn.ids, sampled=False)
 
