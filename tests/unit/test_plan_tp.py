@@ -10,16 +10,18 @@ from typing import Any
 import pytest
 
 from rljob import plan as plan_module
-from rljob.api import RLJobSpec, WakeUp
+from rljob.api import RLJobSpec, WakeUp, load_manifest
 from rljob.plan import (
     ALLOCATOR_SLACK_BYTES,
     SGLANG_TP_RESIDENT_BYTES,
     TRAIN_RESIDUAL_BYTES,
+    AutoRefused,
     GiB,
     ModelShape,
     auto_choice,
     mode_plan,
     parts,
+    shape_for,
 )
 from rljob.report import Stage
 
@@ -164,3 +166,23 @@ def test_auto_at_tp2_on_the_h200s_stays_under_the_margin_where_tp1_completed() -
     tp1_rollout = {s.stage: s.peak_bytes for s in tp1.stages}[Stage.ROLLOUT]
     assert chosen.mem_fraction_static <= 0.95
     assert rollout <= tp1_rollout + (1 - 0.95) * SGLANG_TP_RESIDENT_BYTES + 0.1 * GiB
+
+
+def test_issue_35s_7b_job_on_two_cards_fits_two_h200s_and_is_refused_on_two_h100s() -> None:
+    """bench/plans/auto-sglang-7b-two-gpu-*.yaml, one engine per GPU: on two H200s Auto finds a
+    staged fraction under the margin; on two H100s even the lightest job (no reference,
+    micro-batch 2) is refused at train: fp32 params, grads, AdamW's moments and the step's
+    temporary of 7.6 B params over two ranks are 16 B x 7.615e9 / 2 = 60.9 GB before anything
+    else."""
+    plans = Path(__file__).parents[2] / "bench" / "plans"
+    _, h200 = load_manifest(plans / "auto-sglang-7b-two-gpu-h200.yaml")
+    shape = shape_for(h200)
+    assert shape is not None and h200.world_size == 2 and h200.rollout.tensor_parallel_size == 1
+    choice = auto_choice(h200, shape, H200)
+    assert choice.chosen.wake_up is WakeUp.STAGED
+    assert choice.chosen.fits_under(choice.limit_bytes)
+    _, h100 = load_manifest(plans / "auto-sglang-7b-two-gpu-h100.yaml")
+    assert (h100.algorithm.kl_coef, h100.training.micro_batch_size) == (0.0, 2)
+    assert 16 * shape.parameters / 2 > 60.9e9
+    with pytest.raises(AutoRefused, match="where train needs"):
+        auto_choice(h100, shape, 85_017_493_504)  # an H100 80GB HBM3's mem_get_info total
