@@ -382,7 +382,9 @@ class Point:
     oom_iteration: int | None = None
     kv_capacity_tokens: int | None = None
     kv_pool_bytes: int | None = None
-    stage_peak_bytes: dict[str, int] = field(default_factory=dict)
+    stage_peak_bytes: dict[str, int] = field(default_factory=dict)  # rank 0's GPU
+    # The other ranks' GPUs, by rank (str), where there are several.
+    stage_peak_bytes_other_ranks: dict[str, dict[str, int]] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     rollout_tokens_per_second: float | None = None
     weight_sync_seconds: float | None = None
@@ -562,18 +564,37 @@ def summarize_point(
          "allocated_bytes": s.allocated_bytes, "reserved_bytes": s.reserved_bytes}
         for s in ordered
     ]  # fmt: skip
+    # Every rank's peaks where there are several: a tensor-parallel engine's leader takes
+    # memory on the other ranks' GPUs too, and the plan is checked against each (rank 0's
+    # stay in stage_peak_bytes, as every stored point has them).
+    for sample in run.samples:
+        if sample.rank != 0:
+            peaks = point.stage_peak_bytes_other_ranks.setdefault(str(sample.rank), {})
+            name = str(sample.stage)
+            peaks[name] = max(peaks.get(name, 0), sample.device_peak_used_bytes)
     # Host memory (smoke runs) says nothing about device releases: checked on CUDA only.
     if point.completed and last >= 1 and samples[0].kind == "cuda":
-        point.released = release_check(ordered, model, point.kv_pool_bytes or 0, offloads)
+        card_pool = kv_pool_bytes(args.engine, point.kv_capacity_tokens or 0, model, per_gpu=True)
+        for rank in sorted({s.rank for s in run.samples}):
+            mine = sorted(
+                (s for s in run.samples if s.rank == rank and s.iteration == last),
+                key=lambda s: s.start_seconds,
+            )
+            checks = release_check(mine, model, card_pool, offloads)
+            point.released.update({k if rank == 0 else f"rank {rank} {k}": c for k, c in checks.items()})  # fmt: skip
     return point
 
 
-def kv_pool_bytes(engine: str, capacity_tokens: int, model: dict[str, Any]) -> int:
+def kv_pool_bytes(
+    engine: str, capacity_tokens: int, model: dict[str, Any], per_gpu: bool = False
+) -> int:
     """The KV pool's device bytes for the capacity the engine reports: K and V, every layer.
     The torch engine adds one null block (16 tokens); sglang's pool (MHATokenToKVPool) one
-    padding page of a token."""
+    padding page of a token. `per_gpu`: one GPU's part of a tensor-parallel engine's pool (its
+    KV heads), the whole pool at TP 1."""
     extra = 16 if engine == "torch" else 1
-    return (capacity_tokens + extra) * model["kv_bytes_per_token"]
+    key = "kv_bytes_per_token_per_gpu" if per_gpu else "kv_bytes_per_token"
+    return (capacity_tokens + extra) * model.get(key, model["kv_bytes_per_token"])
 
 
 def staging_tax(stage_seconds: dict[str, float]) -> tuple[float | None, str | None]:
@@ -591,13 +612,15 @@ def release_check(
     kv_pool_bytes: int,
     offloads: tuple[bool, bool] = (True, True),
 ) -> dict[str, dict[str, int]]:
-    """Device memory each release gave back (mem_get_info at stage ends) against its bytes.
+    """Device memory each release gave back on one rank's GPU (mem_get_info at its stage
+    ends, `ordered`) against that GPU's share of the bytes released.
 
-    offload_optimizer frees the AdamW moments (plus gradients and activations cached since
-    train, hence >=); offload_train the sharded params; sleep the engine's weights and KV pool
-    while it loads the offloaded training state back, so its freed bytes are
-    (end of rollout - end of sleep) + bytes loaded back. A part that `offloads` (optimizer,
-    params) keeps on the device releases nothing and is not checked.
+    offload_optimizer frees the rank's AdamW moments (plus gradients and activations cached
+    since train, hence >=); offload_train its sharded params; sleep the engine's weights and KV
+    pool on this GPU (`kv_pool_bytes`: this GPU's part of the pool; at tensor parallel N each
+    GPU holds 1/N of the weights and its KV heads) while it loads the offloaded training state
+    back, so its freed bytes are (end of rollout - end of sleep) + bytes loaded back. A part
+    that `offloads` (optimizer, params) keeps on the device releases nothing and is not checked.
     """
     end = {str(s.stage): s.device_used_bytes for s in ordered}
     order = [str(s.stage) for s in ordered]
@@ -613,7 +636,8 @@ def release_check(
                                    "freed_bytes": before["offload_train"] - end["offload_train"]}  # fmt: skip
     if "sleep" in before:
         loaded = param_bytes + optimizer_bytes
-        checks["sleep"] = {"released_bytes": model["engine_weight_bytes"] + kv_pool_bytes,
+        engine_bytes = model.get("engine_weight_bytes_per_gpu", model["engine_weight_bytes"])
+        checks["sleep"] = {"released_bytes": engine_bytes + kv_pool_bytes,
                            "freed_bytes": before["sleep"] - end["sleep"] + loaded}  # fmt: skip
     return checks
 
@@ -1120,10 +1144,14 @@ def model_figures(name: str, n_params: int, args: argparse.Namespace) -> dict[st
     """Bytes of everything the iteration moves, from the architecture (ranks shard training)."""
     shard = max(args.ranks, 1)
     arch = QWEN25.get(name, {})
-    kv_per_token = 0
+    kv_per_token = kv_per_gpu = 0
+    tp = max(args.tp, 1)
     if arch:
         head_dim = arch["hidden_size"] // arch["num_attention_heads"]
         kv_per_token = 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * head_dim * 2
+        # sglang gives each TP rank kv_heads / tp heads (one, replicated, where fewer).
+        heads_per_gpu = max(arch["num_key_value_heads"] // tp, 1)
+        kv_per_gpu = 2 * arch["num_hidden_layers"] * heads_per_gpu * head_dim * 2
     reference = args.kl_coef > 0
     # fp32 policy (+ the reference in the engine's bf16, since the sharded loader of issue 30)
     param_bytes = (4 + (2 if reference else 0)) * n_params // shard
@@ -1134,7 +1162,9 @@ def model_figures(name: str, n_params: int, args: argparse.Namespace) -> dict[st
         **arch,
         "reference": reference,
         "kv_bytes_per_token": kv_per_token,
+        "kv_bytes_per_token_per_gpu": kv_per_gpu,
         "engine_weight_bytes": 2 * n_params,
+        "engine_weight_bytes_per_gpu": 2 * n_params // tp,  # TP shards (norms replicated: KiB)
         "tp": args.tp,
         "policy_shard_bytes": 4 * n_params // shard,  # fp32, what the weight sync reads
         "train_param_bytes": param_bytes,
@@ -1361,6 +1391,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{point.wall_seconds:.0f} s wall",
             flush=True,
         )
+        for rank, peaks in point.stage_peak_bytes_other_ranks.items():
+            print(f"  rank {rank}'s GPU peaks {{{', '.join(f'{k}: {_gib(v)}' for k, v in peaks.items())}}} GiB", flush=True)  # fmt: skip
         if not point.completed and not args.keep_going:
             failed_modes.add(mode)
     completed = [p for p in result["points"] if p["completed"]]

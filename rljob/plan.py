@@ -102,6 +102,17 @@ SGLANG_BOOTSTRAP_USED_BYTES = 2_755_540_650
 # wake_weights over the plan with sglang's own pool size, +0.84 GiB at rollout; the wake figure
 # taken).
 SGLANG_SINGLE_WAKE_BYTES = 397 * MiB
+# sglang with tensorParallelSize > 1, per GPU of the group: what its schedulers hold outside the
+# memory-saver regions beyond a TP-1 engine's (the TP group's communicators: sglang's
+# _init_parallel_groups builds a PyNccl communicator, whose warm-up all_reduce allocates NCCL's
+# buffers, and custom all-reduce buffers). sglang takes its "free memory before the model"
+# (distributed/bootstrap.py, pre_model_load_memory) after that init, so the pool shrinks by
+# memFractionStatic x this while the device holds all of it. Measured at TP 2 (sglang 0.5.17,
+# Qwen2.5-3B shape, two H200s, bench/results/raw/two-gpu-3b-tp-h200x2): sglang's pool at single
+# 0.70 held 40,248 tokens (18,432 B each per GPU) fewer than the TP-1 accounting, i.e. 0.70 x
+# 1.060 GB; rank 0's device at offload_train's end of staged 0.95 (engine weights resident, no
+# training state) held 1.054 GB more than it. The higher is taken; TP 4 and up not measured.
+SGLANG_TP_RESIDENT_BYTES = 40_248 * 18_432 * 10 // 7
 # The torch engine's pool: whole 16-token blocks plus one null block (torch_engine.py).
 TORCH_KV_BLOCK_TOKENS = 16
 
@@ -358,6 +369,12 @@ def activation_bytes(spec: RLJobSpec, shape: ModelShape) -> int:
     return tokens * (layers + LOGIT_BYTES_PER_ENTRY * shape.vocab)
 
 
+def sglang_tp_resident_bytes(tp: int) -> int:
+    """What an sglang engine of `tp` GPUs holds per GPU outside its regions beyond a TP-1
+    engine's (SGLANG_TP_RESIDENT_BYTES; none at TP 1)."""
+    return SGLANG_TP_RESIDENT_BYTES if tp > 1 else 0
+
+
 def kv_pool(
     spec: RLJobSpec, shape: ModelShape, capacity_bytes: int, engine_weights: int
 ) -> tuple[int, int]:
@@ -373,8 +390,11 @@ def kv_pool(
     if rollout.engine is EngineName.TORCH:
         tokens = max(budget, 0) // per_token // TORCH_KV_BLOCK_TOKENS * TORCH_KV_BLOCK_TOKENS
         return (tokens + TORCH_KV_BLOCK_TOKENS) * per_token, tokens
-    budget -= CUDA_CONTEXT_BYTES + SGLANG_PROCESS_CONTEXT_BYTES
-    budget += int((1 - fraction) * SGLANG_BOOTSTRAP_USED_BYTES)
+    # Held before sglang takes its free memory before the model, and still at profile time:
+    # the pool loses fraction x it (sglang's _profile_available_bytes).
+    tp_resident = sglang_tp_resident_bytes(rollout.tensor_parallel_size)
+    budget -= CUDA_CONTEXT_BYTES + SGLANG_PROCESS_CONTEXT_BYTES + tp_resident
+    budget += int((1 - fraction) * (SGLANG_BOOTSTRAP_USED_BYTES + tp_resident))
     tokens = max(budget, 0) // per_token
     return tokens * per_token + SGLANG_CUDA_GRAPH_BYTES, tokens
 
@@ -425,7 +445,7 @@ def parts(
     outside = (
         ENGINE_OUTSIDE_REGIONS_BYTES
         if spec.rollout.engine is EngineName.TORCH
-        else SGLANG_RESIDENT_BYTES
+        else SGLANG_RESIDENT_BYTES + sglang_tp_resident_bytes(tp)
     )
     context = CUDA_CONTEXT_BYTES + TRAIN_RESIDUAL_BYTES + outside
     fsdp = 0

@@ -10,6 +10,7 @@ import pytest
 from rljob.api import RLJobSpec, load_manifest
 from rljob.plan import (
     BUILTIN_MODEL_SHAPES,
+    SGLANG_TP_RESIDENT_BYTES,
     TRAIN_RESIDUAL_BYTES,
     GiB,
     ModelShape,
@@ -78,8 +79,9 @@ def test_a_card_smaller_than_the_load_fails_the_plan_naming_load() -> None:
 
 
 def test_qwen32b_on_8_h200_loads_in_28_gib_and_4_35_gib_of_host_per_pod() -> None:
-    for name in ("qwen32b-8xh200-tp1.yaml", "qwen32b-8xh200-tp4.yaml"):
-        _, spec = load_manifest(REPO / "bench" / "plans" / name)
+    device_bytes = {}
+    for tp in (1, 4):
+        _, spec = load_manifest(REPO / "bench" / "plans" / f"qwen32b-8xh200-tp{tp}.yaml")
         shape = shape_for(spec)
         assert shape is not None
         load = plan(spec, shape, H200).chosen.load
@@ -88,8 +90,11 @@ def test_qwen32b_on_8_h200_loads_in_28_gib_and_4_35_gib_of_host_per_pod() -> Non
         # elements, as stored (bf16) plus fp32: x 6 bytes; eight ranks per worker pod.
         assert load.host_bytes_per_rank == 97320960 * 6
         assert load.host_bytes_per_node == 8 * 97320960 * 6
-        # Shards: 32.76 B params / 8 x (4 + 2) bytes = 24.6 GB, plus context and one slice.
-        assert 27.5 * GiB < load.device_bytes < 28.5 * GiB
+        device_bytes[tp] = load.device_bytes
+    # Shards: 32.76 B params / 8 x (4 + 2) bytes = 24.6 GB, plus context and one slice.
+    assert 27.5 * GiB < device_bytes[1] < 28.5 * GiB
+    # The engine started first: at TP 4 its group's communicators stay on the device.
+    assert device_bytes[4] - device_bytes[1] == SGLANG_TP_RESIDENT_BYTES
 
 
 def test_host_memory_below_the_slices_fails_the_plan(tmp_path: Path) -> None:
@@ -112,4 +117,10 @@ def test_rljob_plan_prints_the_load_row(capsys: pytest.CaptureFixture[str]) -> N
         line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("load")
     ]
     assert len(lines) == 2  # one per wakeUp mode
-    assert "28.03" in lines[0] and "host 4.35 GiB per worker pod: 8 x 0.54" in lines[0]
+    _, spec = load_manifest(REPO / "bench" / "plans" / "qwen32b-8xh200-tp4.yaml")
+    shape = shape_for(spec)
+    assert shape is not None
+    load = plan(spec, shape, H200).chosen.load
+    assert load is not None
+    assert f"{load.device_bytes / GiB:.2f}" in lines[0]
+    assert "host 4.35 GiB per worker pod: 8 x 0.54" in lines[0]

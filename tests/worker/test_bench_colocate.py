@@ -6,10 +6,14 @@ The GPU figures come from the same code on the device machines; here the plumbin
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -185,3 +189,50 @@ def test_realistic_workload_reports_each_stage_beside_its_floor_per_sync_path(
         assert f"| {label} | 0.50 | ok (2 it)" in realistic["_markdown"]
     names = [t["name"] for t in realistic["targets"]]
     assert sum("weight sync within 3x its HBM floor" in n for n in names) == len(SYNC_PATHS)
+
+
+def _colocate_module() -> Any:
+    """bench/colocate.py as a module (it is a script, not a package's)."""
+    spec = importlib.util.spec_from_file_location("bench_colocate", REPO / "bench" / "colocate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_gpu_of_a_tp2_engine_gives_back_its_share_of_what_sleep_released() -> None:
+    """The release check per GPU, on the stored 3B runs on two H200s (single 0.70): at TP 2 one
+    engine's weights and KV pool are split over both cards, so rank 0's card frees its half of
+    the weights and its one KV head of two. Before, the check asked one card for the whole
+    engine's bytes and read 0.499; it must read what TP 1's card read (0.997)."""
+    colocate = _colocate_module()
+    runs = REPO / "bench" / "results" / "raw" / "two-gpu-3b-tp-h200x2"
+    ratios = {}
+    for tp in (1, 2):
+        stored = json.loads((runs / f"tp{tp}.json").read_text())
+        (point,) = [p for p in stored["points"] if p["mode"] == "single" and p["completed"]]
+        args = argparse.Namespace(ranks=2, tp=tp, kl_coef=0.001, prompts=8, group_size=8,
+                                  response_length=128)  # fmt: skip
+        model = {
+            **colocate.model_figures("qwen2.5-3b", stored["model"]["parameters"], args),
+            # Those runs kept an fp32 reference: what sleep loaded back.
+            "train_param_bytes": stored["model"]["train_param_bytes"],
+        }
+        samples = [
+            SimpleNamespace(stage=s["stage"], device_used_bytes=s["end_bytes"])
+            for s in point["timeline"]
+        ]
+        card_pool = colocate.kv_pool_bytes(
+            "sglang", point["kv_capacity_tokens"], model, per_gpu=True
+        )
+        sleep = colocate.release_check(samples, model, card_pool)["sleep"]
+        if tp == 2:
+            # Half of 2 x 3,085,938,688 weight bytes, and 5,381,472 tokens (+1 padding) of
+            # 2 x 36 layers x 1 KV head x 128 x 2 B = 18,432 B.
+            assert sleep["released_bytes"] == 3_085_938_688 + 5_381_473 * 18_432
+        else:
+            assert sleep["released_bytes"] == 6_171_877_376 + 2_633_222 * 36_864
+        ratios[tp] = sleep["freed_bytes"] / sleep["released_bytes"]
+    assert 0.995 < ratios[1] < 1.0
+    assert abs(ratios[2] - ratios[1]) < 0.002

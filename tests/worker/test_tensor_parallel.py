@@ -26,6 +26,8 @@ ITERATIONS = 2
 GPU_IDS = ("3", "5")
 # Prompts of distinct lengths per rank: the stand-in answers [len(prompt), 7].
 PROMPTS = {0: [[1, 2], [1, 2, 3]], 1: [[4, 4, 4, 4]]}
+# How late rank 1 arrives at each resume in the "slow_peer" scenario.
+SLOW_PEER_SECONDS = 0.5
 
 
 def _spec() -> Any:
@@ -56,10 +58,24 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     from rljob_worker.engines.base import SamplingParams as Sampling
 
     built: list[SGLangEngineStandIn] = []
+    resumed_at: list[float] = []  # when the leader's engine resumed memory (CLOCK_MONOTONIC)
+
+    class TimedStandIn(SGLangEngineStandIn):
+        def _answer(self, method: str, kwargs: dict[str, Any]) -> Any:
+            if method == "resume_memory_occupation":
+                resumed_at.append(time.monotonic())
+            return super()._answer(method, kwargs)
 
     def engine_class(**kwargs: Any) -> SGLangEngineStandIn:
-        built.append(SGLangEngineStandIn(**kwargs))
+        built.append(TimedStandIn(**kwargs))
         return built[-1]
+
+    def arrive_at_resume() -> None:
+        # "slow_peer": rank 1 finishes each stage before a resume late, as a rank still
+        # offloading its params (the first offload pins host memory for seconds) does.
+        if scenario == "slow_peer" and rank == 1:
+            time.sleep(SLOW_PEER_SECONDS)
+        out.setdefault("arrived_at_resume", []).append(time.monotonic())
 
     sglang_engine._load_engine_class = lambda: engine_class  # type: ignore[assignment]
     # The stand-in imitates the newest supported release; sglang is not installed here.
@@ -88,6 +104,7 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
                 results.close()
                 results.join_thread()  # the queue's feeder thread has sent it before the kill
                 os.kill(os.getpid(), signal.SIGKILL)
+            arrive_at_resume()
             engine.resume([TAG_WEIGHTS])
             # Distinct tensors per rank show which rank's tensor each TP scheduler loaded.
             engine.update_weights(
@@ -101,6 +118,7 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
                     {n: [t.tolist() for t in ts] for n, ts in built[0].loaded.items()}
                 )
             engine.flush_cache()
+            arrive_at_resume()
             engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])
             out["generated"].append(
                 engine.generate(PROMPTS[rank], Sampling(max_new_tokens=2, seed=1000 * rank))
@@ -115,6 +133,7 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
             out["sampling"] = next(kw for n, kw in built[0].calls if n == "generate")
         out["visible_after"] = os.environ.get("CUDA_VISIBLE_DEVICES")
         out["flattened_loads"] = built[0].flattened_loads if built else None
+        out["resumed_at"] = resumed_at
     except Exception as exc:
         out["error"] = (type(exc).__name__, str(exc))
         out["failed_at"] = time.monotonic()
@@ -173,6 +192,22 @@ def test_one_engine_per_group_on_the_groups_gpus_each_rank_gets_its_own_answers(
     # Both ranks' prompts in one batch, each request with its rank's seed.
     seeds = [params["sampling_seed"] for params in out[0]["sampling"]["sampling_params"]]
     assert seeds == [0, 1, 1000]
+
+
+def test_the_leader_resumes_memory_only_once_every_rank_of_the_group_has_arrived() -> None:
+    """A resume maps memory on every GPU of the group: the leader must not do it while another
+    rank is still in the stage before (offloading its params), or it maps the KV pool on a GPU
+    that rank still fills (the TP-2 OOM on two H200s, docs/two-gpu.md)."""
+    out = _run("slow_peer")
+    assert "error" not in out[0] and "error" not in out[1], out
+    arrived, resumed = out[1]["arrived_at_resume"], out[0]["resumed_at"]
+    # Two resumes per iteration (weights, then KV cache and CUDA graphs), each one call.
+    assert len(arrived) == len(resumed) == 2 * ITERATIONS
+    # CLOCK_MONOTONIC is one clock for the host's processes.
+    for late, done in zip(arrived, resumed, strict=True):
+        assert done >= late, (arrived, resumed)
+    # The leader itself arrived SLOW_PEER_SECONDS earlier: it waited for rank 1.
+    assert resumed[0] - out[0]["arrived_at_resume"][0] >= SLOW_PEER_SECONDS * 0.9
 
 
 def test_a_failure_on_the_leader_fails_every_rank_of_the_group_naming_the_leader() -> None:

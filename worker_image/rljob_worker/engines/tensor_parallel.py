@@ -10,9 +10,11 @@ see only its own GPU (a Ray actor does), which is why the leader gathers the GPU
 
 Every rank of a group makes the same calls in the same order (the stage machine is the same on
 every rank); the leader runs them on the engine and the others wait for its answer over a gloo
-group, so each rank measures its GPU after the engine changed it. Weights travel per GPU: every
-rank serializes its own full tensors (IPC handles) and the leader passes one handle per TP rank
-to sglang, so TP rank i loads from its own GPU.
+group, so each rank measures its GPU after the engine changed it. A resume, which takes memory
+on every GPU of the group, first waits until every rank has arrived (has freed what the stage
+before gave back). Weights travel per GPU: every rank serializes its own full tensors (IPC
+handles) and the leader passes one handle per TP rank to sglang, so TP rank i loads from its
+own GPU.
 """
 
 from __future__ import annotations
@@ -251,7 +253,17 @@ class TensorParallelEngine:
             self._on_leader("release", lambda engine: engine.release(tags))
 
     def resume(self, tags: Sequence[str]) -> None:
+        """Map the tags' memory again on every GPU of the group, once every rank is here.
+
+        The leader's resume takes memory on the other ranks' GPUs too, so it waits (a gloo
+        barrier) until each rank has finished the stage before, whose empty_cache() gave its
+        training memory back: without it the leader, done first, mapped the KV pool on a GPU
+        whose rank was still offloading its params (first seen on two H200s at 3B, TP 2,
+        staged 0.95, where the first offload pins host memory for seconds; docs/two-gpu.md).
+        """
         if any(t in self._released for t in tags):
+            with _peers(self.layout, "resume"):
+                dist.barrier(group=self._group)
             self._on_leader("resume", lambda engine: engine.resume(tags))
 
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
