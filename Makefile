@@ -17,11 +17,13 @@ lint:
 	@bash hack/venv.sh
 	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy
 
-# Regenerate the checked-in CRD from the API models (a unit test fails when they drift).
+# Regenerate the checked-in CRD and the field reference (docs/rljob-spec.md) from the API models
+# (unit tests fail when either drifts).
 crd:
 	@bash hack/venv.sh
 	.venv/bin/rljob crd > crds/rljob.dev_rljobs.yaml
 	cp crds/*.yaml charts/rljob/crds/
+	.venv/bin/rljob spec-doc --out docs/rljob-spec.md
 
 lock:
 	@bash hack/lock.sh

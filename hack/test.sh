@@ -51,10 +51,11 @@ run_pytest() {
 
 phase venv bash hack/venv.sh
 phase controlplane bash hack/controlplane.sh install
-# The e2e layer (README: end-to-end on kind): its images, a kind cluster, then tests/e2e. Part of
-# the full run (no arguments) and of a run whose arguments name the layer (`make e2e`); RLJOB_E2E=1
-# adds it to any run, RLJOB_E2E=0 leaves it out. A missing dockerd, a failed image build or a
-# cluster that does not come up fails its phase (and the run), naming the step.
+# The e2e layer (docs/development.md: end-to-end on kind): its images, a kind cluster, then
+# tests/e2e. Part of the full run (no arguments) and of a run whose arguments name the layer
+# (`make e2e`); RLJOB_E2E=1 adds it to any run, RLJOB_E2E=0 leaves it out. A missing dockerd,
+# a failed image build or a cluster that does not come up fails its phase (and the run), naming
+# the step.
 E2E=0
 case ${RLJOB_E2E:-} in
   1) E2E=1 ;;

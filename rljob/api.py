@@ -1502,7 +1502,7 @@ class RLJobSpec(_Spec):
         le=7 * 24 * 3600,
         description="A job whose Ray job is not running this long after it was created (or "
         "resumed) fails with reason StartupTimeout and the last cause seen; the operator then "
-        "suspends its RayJob, so KubeRay deletes its pods (README: startup timeout).",
+        "suspends its RayJob, so KubeRay deletes its pods (docs/status-and-events.md).",
     )
     backoff_limit: int = Field(
         default=0,

@@ -18,6 +18,7 @@ commands:
   plan MANIFEST [--gpu-memory BYTES|Gi] [--json]
                              predict per-stage GPU memory and the largest fitting memFractionStatic
   crd                        print the RLJob CustomResourceDefinition generated from the models
+  spec-doc                   print the RLJob field reference (docs/rljob-spec.md) from the models
   driver [ARGS...]           the Ray driver (the RayJob's entrypoint inside the cluster)
   version                    print the version
 """
@@ -47,6 +48,12 @@ def _crd(argv: list[str]) -> int:
     return main(argv)
 
 
+def _spec_doc(argv: list[str]) -> int:
+    from rljob_operator.specdoc import main
+
+    return main(argv)
+
+
 def _driver(argv: list[str]) -> int:
     from rljob_worker.driver.ray_main import main
 
@@ -65,6 +72,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "operator": _operator,
     "plan": _plan,
     "crd": _crd,
+    "spec-doc": _spec_doc,
     "driver": _driver,
     "version": _version,
 }
@@ -88,7 +96,7 @@ def quiet_on_closed_pipe(command: Callable[[], int]) -> int:
 # or operator: there a BrokenPipeError may come from another pipe (the ranks' queues, Ray) and
 # must surface with its traceback.
 HELP = ("-h", "--help", "help")
-PIPED = ("plan", "crd", "version", *HELP)
+PIPED = ("plan", "crd", "spec-doc", "version", *HELP)
 
 
 def main(argv: list[str] | None = None) -> int:

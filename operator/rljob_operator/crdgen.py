@@ -224,22 +224,27 @@ def crd_yaml() -> str:
     return header + yaml.safe_dump(crd(), sort_keys=False, width=100)
 
 
+def emit(text: str, out: str | None, prog: str) -> int:
+    """Print generated text, or write it to `out`; 2 with the reason when the file cannot be
+    written (a generator's command line: `rljob crd`, `rljob spec-doc`)."""
+    if not out:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """`rljob crd [--out PATH]`: print (or write) the generated CRD."""
     parser = argparse.ArgumentParser(prog="rljob crd", description=main.__doc__)
     parser.add_argument("--out", help="write to this file instead of stdout")
     args = parser.parse_args(argv)
-    text = crd_yaml()
-    if args.out:
-        try:
-            with open(args.out, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as error:
-            print(f"rljob crd: {error}", file=sys.stderr)
-            return 2
-    else:
-        sys.stdout.write(text)
-    return 0
+    return emit(crd_yaml(), args.out, "rljob crd")
 
 
 if __name__ == "__main__":

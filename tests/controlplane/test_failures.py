@@ -196,7 +196,7 @@ def test_the_startup_deadline_fails_the_job_with_its_last_cause_and_suspends_it(
     assert status_of(admin, namespace, "late")["phase"] == "Failed"
     assert "Unschedulable" in failed["message"] and "late-head" in failed["message"]
     rayjob = get(admin, namespace, "rayjobs", "late") or {}
-    assert rayjob["spec"]["suspend"] is True  # KubeRay deletes the pods (README policy)
+    assert rayjob["spec"]["suspend"] is True  # KubeRay deletes the pods (docs/status-and-events.md)
     wait_for(
         "StartupTimeout Warning", lambda: "StartupTimeout" in reasons(admin, namespace, "late")
     )

@@ -130,7 +130,7 @@ def test_create_makes_owned_children_with_the_rendered_shape(
     workers = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     assert workers["rayStartParams"]["num-cpus"] == "2"
     assert rayjob["metadata"]["ownerReferences"][0]["uid"] == uid
-    # The Role and RoleBinding are applied after the RayJob (handlers.AFTER_RAYJOB); Created is
+    # The Role and RoleBinding are applied after the RayJob (children.AFTER_RAYJOB); Created is
     # written once every child is, so the children are read after it.
     created = wait_for(
         "Created=True",

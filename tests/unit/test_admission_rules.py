@@ -16,7 +16,7 @@ from rljob.api import (
     RLJobSpec,
     name_problems,
 )
-from rljob_operator.handlers import _validation_problems
+from rljob_operator.status_writer import _validation_problems
 
 
 @pytest.mark.parametrize("case", MALFORMED, ids=lambda c: c.id)

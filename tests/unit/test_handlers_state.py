@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from rljob_operator import handlers, metrics, render
+from rljob.api import RLJobSpec
+from rljob_operator import handlers, metrics, process_memos, render
 
 pytestmark = pytest.mark.unit
 
@@ -59,21 +60,25 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
 
 
 def _reset() -> None:
-    for registry in (handlers.MIRRORED._seen, handlers.APPLIED._held, handlers.KILLS._seen):
+    for registry in (
+        process_memos.MIRRORED._seen,
+        process_memos.APPLIED._held,
+        process_memos.KILLS._seen,
+    ):
         registry.clear()
-    handlers.CAUSES._live.clear()
-    handlers.CAUSES._announced.clear()
+    process_memos.CAUSES._live.clear()
+    process_memos.CAUSES._announced.clear()
     metrics.JOBS._statuses.clear()
 
 
 def _left() -> dict[str, int]:
     """Everything the process keeps per job, by registry (all 0: nothing left)."""
     return {
-        "locks": len(handlers.LOCKS),
-        "mirrored": len(handlers.MIRRORED._seen),
-        "applied": len(handlers.APPLIED._held),
-        "causes": len(handlers.CAUSES),
-        "kills": len(handlers.KILLS._seen),
+        "locks": len(process_memos.LOCKS),
+        "mirrored": len(process_memos.MIRRORED._seen),
+        "applied": len(process_memos.APPLIED._held),
+        "causes": len(process_memos.CAUSES),
+        "kills": len(process_memos.KILLS._seen),
         "metrics": len(metrics.JOBS._statuses),
     }
 
@@ -84,7 +89,7 @@ def _rljob(name: str, uid: str) -> dict[str, Any]:
 
 def _rayjob(name: str, uid: str, job_status: str = "RUNNING") -> dict[str, Any]:
     owner = render.Owner(name=name, namespace="ns", uid=uid)
-    meta = render.ray_job(owner, handlers.RLJobSpec.model_validate(SPEC))["metadata"]
+    meta = render.ray_job(owner, RLJobSpec.model_validate(SPEC))["metadata"]
     return {
         "metadata": {**meta, "uid": f"rayjob-{uid}", "creationTimestamp": "2026-11-26T00:00:00Z"},
         "status": {"jobStatus": job_status, "jobDeploymentStatus": "Running"},
@@ -215,18 +220,18 @@ def test_a_lock_lives_while_a_handler_holds_or_waits_for_it_and_is_the_same_for_
 
     def second() -> None:
         waiting.set()
-        with handlers.LOCKS.hold("ns", "j"):
+        with process_memos.LOCKS.hold("ns", "j"):
             order.append("second")
 
-    with handlers.LOCKS.hold("ns", "j"), handlers.LOCKS.hold("ns", "j"):  # reentrant
+    with process_memos.LOCKS.hold("ns", "j"), process_memos.LOCKS.hold("ns", "j"):  # reentrant
         thread = threading.Thread(target=second)
         thread.start()
         waiting.wait(5)
         held.set()
         order.append("first")
-        assert len(handlers.LOCKS) == 1
+        assert len(process_memos.LOCKS) == 1
     thread.join(5)
-    assert order == ["first", "second"] and len(handlers.LOCKS) == 0
+    assert order == ["first", "second"] and len(process_memos.LOCKS) == 0
 
 
 def test_a_cause_that_clears_leaves_pods_ready_saying_nothing_is_wrong(store: Store) -> None:
@@ -251,4 +256,4 @@ def test_a_cause_that_clears_leaves_pods_ready_saying_nothing_is_wrong(store: St
     assert (
         pods_ready()["status"] == "False" and "no pod reports a problem" in pods_ready()["message"]
     )
-    assert len(handlers.CAUSES) == 0
+    assert len(process_memos.CAUSES) == 0
