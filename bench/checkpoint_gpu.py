@@ -1,12 +1,21 @@
-"""Checkpoint cost on a GPU: synchronous dcp.save against dcp.async_save, beside the disk's floor.
+"""Checkpoint cost on a GPU: synchronous dcp.save, dcp.async_save and rljob's own asynchronous
+save (host copies the offloads reuse, a writer thread), beside the disk's floor.
 
 `python bench/checkpoint_gpu.py --model-dir /tmp/rljob-bench-models/qwen2.5-1.5b` builds the
-training state a rank holds at the checkpoint stage (fp32 master weights sharded by FSDP2 and
-AdamW's two moments, on the GPU, one rank), then saves it `--repeats` times each way:
+training state a rank holds at the checkpoint stage the way the loop does (train.Trainer: fp32
+master weights sharded by FSDP2, loaded from the model's files, and AdamW's two moments after
+one step, on the GPU, one rank), then saves it `--repeats` times each way (`--modes`):
 
 - **sync**: `torch.distributed.checkpoint.save`, the GPU idle until every byte is written;
 - **async**: `torch.distributed.checkpoint.async_save`, timed until it returns (the state is
-  staged to host memory; the GPU may go on from here) and until its future resolves (written).
+  staged to host memory; the GPU may go on from here) and until its future resolves (written);
+- **pinned**: `checkpoint.Keeper.save` with `spec.checkpoint.mode: Async`, the checkpoint stage
+  as the loop runs it: the state copied into the pinned host buffers the offloads use, the
+  files written by a thread from them; timed until the stage returns (blocked) and until the
+  marker is written (`Keeper.finish`: durable). Then the offloads that follow the stage, which
+  now only free the device memory (`offload_after_seconds`). Its first save also pins the
+  buffers (reported apart: `pinned_first`);
+- **pinned-sync**: the same with `mode: Sync` (the stage waits for the writer).
 
 Beside them, in the same run: the disk's own write bandwidth (the same number of bytes written
 with `os.write` and fsync'd, as DCP's writer fsyncs its files), and pinned device-to-host
@@ -63,65 +72,134 @@ def d2h_pinned_bandwidth(nbytes: int = 1 << 30) -> float:
     return 3 * nbytes / (time.perf_counter() - started)
 
 
+MODES = ("sync", "async", "pinned", "pinned-sync")
+
+
+def _spec(model_dir: Path, checkpoints: Path, mode: str) -> Any:
+    from rljob.api import parse_manifest
+
+    doc = {
+        "apiVersion": "rljob.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": "checkpoint-bench"},
+        "spec": {
+            "model": {"path": str(model_dir)},
+            "algorithm": {"klCoef": 0.0},  # no reference: the checkpoint holds none anyway
+            "data": {"source": "builtin:digit"},
+            "rollout": {"engine": "torch"},
+            "resources": {"workers": 1, "gpusPerWorker": 1},
+            "checkpoint": {"path": str(checkpoints), "keep": 1, "mode": mode},
+        },
+    }
+    return parse_manifest(doc)[1]
+
+
+def _pinned(trainer: Any, spec: Any, model_dir: Path | str, iteration: int) -> dict[str, float]:
+    """One checkpoint stage as the loop runs it, then the offloads that follow it."""
+    from rljob_worker.checkpoint import Keeper
+
+    keeper = Keeper(spec, trainer.model, trainer.optimizer, model_dir, host=trainer)
+    started = time.perf_counter()
+    keeper.save(iteration)
+    returned = time.perf_counter() - started
+    keeper.finish()
+    done = time.perf_counter() - started
+    saved, _ = keeper.take()
+    assert saved is not None
+    offloading = time.perf_counter()
+    trainer.offload_optimizer()
+    trainer.offload_params()
+    offload_after = time.perf_counter() - offloading
+    trainer.load_params()
+    trainer.load_optimizer()
+    shutil.rmtree(saved.path)  # one checkpoint on the disk at a time (3B: 37 GB each)
+    return {
+        "returned_seconds": returned,
+        "written_seconds": done,
+        "bytes": saved.bytes,
+        "keeper_blocked_seconds": saved.blocked_seconds or 0.0,
+        "keeper_seconds": saved.seconds,
+        "offload_after_seconds": offload_after,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"some of {', '.join(MODES)}")
     parser.add_argument("--target", type=Path, default=None, help="where to write (a disk)")
     parser.add_argument("--out", type=Path, default=None, help="a JSON summary file")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"--modes: {sorted(unknown)} not among {MODES}")
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from rljob_worker.model import load_causal_lm
-    from rljob_worker.train import _shard
+    from rljob_worker.model import resolve_model_path
+    from rljob_worker.train import Trainer
 
     root = Path(tempfile.mkdtemp(prefix="rljob-ckpt-bench-", dir=args.target))
     store = root / "store"
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl", init_method=f"file://{store}", rank=0, world_size=1
-    )
-    torch.cuda.set_device(0)
-    model = load_causal_lm(args.model_dir, torch.float32)
-    torch.nn.Module.to(model, torch.device("cuda"))  # nn.Module's signature (transformers')
-    _shard(model, init_device_mesh("cuda", (1,)), torch.bfloat16)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    ids = torch.randint(0, 1000, (1, 16), device="cuda")
+    # Without a GPU: a smoke run of the same code (CPU figures say nothing about a GPU's).
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(0)
+    model_dir = resolve_model_path(str(args.model_dir))
+    specs = {m: _spec(args.model_dir, root / m, "Sync" if m.endswith("sync") else "Async")
+             for m in ("pinned", "pinned-sync")}  # fmt: skip
+    trainer = Trainer(specs["pinned"], model_dir, device, pad_id=0)
+    model, optimizer = trainer.model, trainer.optimizer
+    ids = torch.randint(0, 100, (1, 16), device=device)
     model(ids).logits.float().sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     state = dict(zip(("model", "optim"), get_state_dict(model, optimizer), strict=True))
-    torch.cuda.synchronize()
-    results: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+    if cuda:
+        torch.cuda.synchronize()
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    first: dict[str, float] | None = None
+    if any(m.startswith("pinned") for m in modes):
+        first = _pinned(trainer, specs["pinned"], model_dir, 1)  # pins the host buffers
+        print(json.dumps({"kind": "pinned_first", **first}), flush=True)
     written_bytes = 0
     for index in range(args.repeats):
-        for kind in ("sync", "async"):
+        for kind in modes:
             target = root / f"{kind}-{index}"
             started = time.perf_counter()
             if kind == "sync":
                 dcp.save(state, checkpoint_id=str(target))
                 returned = done = time.perf_counter() - started
-            else:
+            elif kind == "async":
                 future = dcp.async_save(state, checkpoint_id=str(target))
                 returned = time.perf_counter() - started
                 # torch 2.11 returns a Future; an AsyncSaveResponse holds it as upload_completion.
                 result: Any = getattr(future, "upload_completion", future)
                 result.result()
                 done = time.perf_counter() - started
-            written_bytes = _dir_bytes(target)
-            row = {"returned_seconds": returned, "written_seconds": done, "bytes": written_bytes}
+            if kind in ("sync", "async"):
+                written_bytes = _dir_bytes(target)
+                row = {"returned_seconds": returned, "written_seconds": done,
+                       "bytes": written_bytes}  # fmt: skip
+                shutil.rmtree(target)
+            else:
+                row = _pinned(trainer, specs[kind], model_dir, 2 + index)
+                written_bytes = int(row["bytes"])
             results[kind].append(row)
             print(json.dumps({"kind": kind, "repeat": index, **row}), flush=True)
-            shutil.rmtree(target)
     disk = disk_write_bandwidth(root, written_bytes)
-    d2h = d2h_pinned_bandwidth()
+    d2h = d2h_pinned_bandwidth() if cuda else float("nan")
     summary = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu (smoke run)",
         "torch": torch.__version__,
         "model_dir": str(args.model_dir),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "pinned_first": first,
         "bytes_per_rank": written_bytes,
         "disk_write_bytes_per_second": disk,
         "d2h_pinned_bytes_per_second": d2h,
@@ -131,6 +209,14 @@ def main() -> None:
             f"{kind}_median_{key}": statistics.median(r[f"{key}_seconds"] for r in rows)
             for kind, rows in results.items()
             for key in ("returned", "written")
+            if rows
+        },
+        **{
+            f"{kind}_median_offload_after_seconds": statistics.median(
+                r["offload_after_seconds"] for r in rows
+            )
+            for kind, rows in results.items()
+            if rows and kind.startswith("pinned")
         },
     }
     print(json.dumps(summary), flush=True)

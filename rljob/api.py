@@ -1384,6 +1384,11 @@ class ResumeMode(StrEnum):
     NEVER = "Never"
 
 
+class CheckpointMode(StrEnum):
+    ASYNC = "Async"
+    SYNC = "Sync"
+
+
 class CheckpointSpec(_Spec):
     """Where and how often the job saves what a resumed run needs (docs/checkpoints.md)."""
 
@@ -1405,6 +1410,13 @@ class CheckpointSpec(_Spec):
         default=ResumeMode.AUTO,
         description="Auto: a new attempt (or run) continues from the newest complete checkpoint "
         "under path. Never: always start at iteration 0.",
+    )
+    mode: CheckpointMode = Field(
+        default=CheckpointMode.ASYNC,
+        description="Async: the loop stops only to copy the training state to host memory; the "
+        "files are written behind the next stages, complete once every rank's part and the "
+        "marker are durable (the next save and the job's end wait for it). Sync: the checkpoint "
+        "stage ends with the checkpoint complete.",
     )
 
 
@@ -1874,7 +1886,17 @@ class CheckpointStatus(_Spec):
     path: str
     completed_at: str = Field(description="RFC 3339: when its COMPLETE marker was written.")
     bytes: int = Field(ge=0, description="Every rank's files together.")
-    seconds: float = Field(ge=0, description="The checkpoint stage's time (slowest rank).")
+    seconds: float = Field(
+        ge=0,
+        description="From the checkpoint stage's start until it was durable (its marker "
+        "written): the slowest rank.",
+    )
+    blocked_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="How long the loop stood still for it: the checkpoint stage and any wait "
+        "for its writer (slowest rank). Async: less than seconds; Sync: equal.",
+    )
 
 
 class ExportStatus(_Spec):

@@ -3,6 +3,7 @@ checkpoint may load into, and the status the driver makes of the ranks' reports.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,7 @@ def test_status_names_the_newest_checkpoint_every_rank_saved() -> None:
     assert status.completed_at == "2026-01-01T00:00:00Z"
     export = export_status(iterations)
     assert export is not None and (export.path, export.iteration) == ("/export", 3)
+
     from rljob.api import RLJobStatus
 
     fields = driver_fields(RLJobStatus(checkpoint=status, export=export), [])
@@ -140,3 +142,21 @@ def test_a_rank_that_died_after_its_checkpoint_stage_is_placed_in_the_next_stage
         1, Stage.OFFLOAD_OPTIMIZER,
     )  # fmt: skip
     assert position_at_failure(samples, WakeUp.STAGED, 3, raised=True) == (1, Stage.CHECKPOINT)
+
+
+def test_an_asynchronous_checkpoint_counts_for_its_own_iteration_and_its_blocked_seconds() -> None:
+    def part(rank: int, blocked: float) -> SavedCheckpoint:
+        return SavedCheckpoint(
+            2, "/c/iteration-00000002", 100, 5.0 + rank,
+            "2026-01-01T00:00:00Z" if rank == 0 else None, blocked_seconds=blocked,
+        )  # fmt: skip
+
+    # Agreed complete during iteration 3: reported by iteration 3's reports, not 2's. Rank 1's
+    # part came alone (its iteration failed after the agreement).
+    reported = dataclasses.replace(_rank(0, 3, False), checkpoint=part(0, 0.4))
+    status = checkpoint_status([reported, _rank(1, 3, False)], 2, alone=[part(1, 0.7)])
+    assert status is not None
+    assert (status.iteration, status.bytes, status.seconds, status.blocked_seconds) == (
+        2, 200, 6.0, 0.7,
+    )  # fmt: skip
+    assert checkpoint_status([reported, _rank(1, 3, False)], 2) is None  # rank 1's part missing

@@ -2,6 +2,7 @@
 
 Layout, completeness rule and where the stage machine saves: docs/checkpoints.md. Every function
 that takes a trainer is collective (all ranks call it together); the rest are plain file work.
+The writer thread and the host copies it writes from: checkpoint_writer.py.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import random
 import shutil
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,10 +36,12 @@ from torch.distributed.checkpoint.state_dict import (
 from rljob.api import (
     REASON_CHECKPOINT_FAILED,
     CheckpointFailure,
+    CheckpointMode,
     ResumeMode,
     ResumePoint,
     RLJobSpec,
 )
+from rljob_worker.checkpoint_writer import HostLookup, host_state_dict, start_thread
 from rljob_worker.model import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -46,6 +51,13 @@ MARKER = "COMPLETE"
 META = "meta.json"
 STATE = "state"  # torch.distributed.checkpoint's directory (one .distcp file per rank)
 PREFIX = "iteration-"
+
+
+class HostCopies(Protocol):
+    """Where the training state has host buffers of its own (train.Trainer: the offloads')."""
+
+    def copy_to_host(self) -> HostLookup: ...
+    def hold_host_copies(self, wait: Callable[[], None]) -> None: ...
 
 
 class CheckpointMismatch(ValueError):
@@ -69,8 +81,11 @@ class SavedCheckpoint:
     iteration: int
     path: str
     bytes: int  # this rank's files (rank 0 also counts the metadata and marker)
-    seconds: float
+    seconds: float  # from the checkpoint stage's start until this rank's part was durable
     completed_at: str | None  # rank 0 only: when the marker was written
+    # How long the loop stood still for it: the checkpoint stage, and any wait for its writer
+    # (before its host copies were overwritten, or at the job's end). Sync: all of `seconds`.
+    blocked_seconds: float | None = None
 
 
 def checkpoint_dir(root: Path, iteration: int) -> Path:
@@ -158,10 +173,12 @@ def _os_error(exc: BaseException) -> OSError | None:
     return _os_error(cause) if cause is not None else None
 
 
-def _agreed(step: Callable[[], None], iteration: int, directory: Path) -> None:
+def _agreed(step: Callable[[], None], iteration: int, directory: Path,
+            group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
     """Run this rank's part of a save step, then agree with every rank on how it went (a
     collective every rank reaches, whatever failed): an OSError on any rank raises
-    CheckpointFailed on all, naming the lowest failing rank and its error."""
+    CheckpointFailed on all, naming the lowest failing rank and its error. `group`: the
+    writer thread's own (its collectives must not interleave with the loop's)."""
     rank, _ = _rank()
     error: str | None = None
     try:
@@ -173,8 +190,8 @@ def _agreed(step: Callable[[], None], iteration: int, directory: Path) -> None:
         error = str(found) if found is not None else str(exc).strip().splitlines()[-1]
     errors: list[str | None] = [error]
     if dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not failed:
         return
@@ -199,34 +216,41 @@ def _rank_bytes(directory: Path, rank: int) -> int:
     return sum(p.stat().st_size for p in own if p.is_file())
 
 
-def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSpec,
-         iteration: int) -> SavedCheckpoint:  # fmt: skip
-    """Write iteration `iteration`'s checkpoint under spec.checkpoint.path (collective).
+def _prepare(directory: Path) -> None:
+    """Rank 0: remove what a save of this iteration that crashed left behind (it has no
+    marker), then create the directory. The marker goes first: a crash inside rmtree must not
+    leave one beside partial shards."""
+    if _rank()[0] == 0:
+        (directory / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
 
-    Each rank writes its own shard of model and optimizer (torch.distributed.checkpoint) and
-    its RNG states; after a barrier rank 0 writes meta.json and then the marker, so a save that
-    dies anywhere before leaves a directory resume ignores. Then older ones are pruned."""
+
+def _write_durably(path: Path, value: Any) -> None:
+    with open(path, "wb") as handle:
+        torch.save(value, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+@dataclass(frozen=True)
+class _Written:
+    finished: float  # perf_counter() when this rank's part (rank 0: and the marker) was durable
+    completed_at: str | None
+
+
+def _write(state: dict[str, Any], rng: dict[str, Any], spec: RLJobSpec, iteration: int,
+           directory: Path, group: dist.ProcessGroup | None) -> _Written:  # fmt: skip
+    """Every rank's shard and RNG file, then (rank 0, once every rank's part is durable) meta.json
+    and last the marker, then the pruning of older checkpoints (collective over `group`)."""
     assert spec.checkpoint is not None
-    started = time.perf_counter()
     rank, world = _rank()
-    root = Path(spec.checkpoint.path)
-    directory = checkpoint_dir(root, iteration)
-    # Each step ends in an agreement (_agreed): an OSError on one rank (ENOSPC, EROFS, EACCES)
-    # fails the save on every rank, instead of leaving the others in the next barrier.
-
-    def prepare() -> None:
-        if rank == 0:
-            # What a save of this iteration that crashed left behind (it has no marker). The
-            # marker goes first: a crash inside rmtree must not leave one beside partial shards.
-            (directory / MARKER).unlink(missing_ok=True)
-            shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir(parents=True)
 
     def write_shards() -> None:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        # Collective itself: a rank's failure reaches all as one CheckpointException.
-        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory / STATE)
-        torch.save(_rng_state(), directory / f"rng-rank{rank}.pt")
+        # Collective itself: a rank's failure reaches all as one CheckpointException. Its
+        # writer fsyncs every file before the ranks' results are gathered.
+        dcp.save(state, checkpoint_id=directory / STATE, process_group=group)
+        _write_durably(directory / f"rng-rank{rank}.pt", rng)
 
     completed: list[str] = []
 
@@ -244,19 +268,25 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSp
         _write_atomically(directory / MARKER, completed_at + "\n")
         completed.append(completed_at)
 
-    _agreed(prepare, iteration, directory)
-    _agreed(write_shards, iteration, directory)  # every rank's part is on disk
-    # No rank runs on (and may fail) before the checkpoint is complete.
-    _agreed(complete, iteration, directory)
-    completed_at = completed[0] if completed else None
+    _agreed(write_shards, iteration, directory, group)  # every rank's part is on disk
+    # No rank goes on (and may fail) before the checkpoint is complete.
+    _agreed(complete, iteration, directory, group)
     if rank == 0:
-        deleted = prune(root, spec.checkpoint.keep)
+        deleted = prune(Path(spec.checkpoint.path), spec.checkpoint.keep)
         if deleted:
             log.info("checkpoint: deleted %s", ", ".join(p.name for p in deleted))
-    return SavedCheckpoint(
-        iteration, str(directory), _rank_bytes(directory, rank),
-        time.perf_counter() - started, completed_at,
-    )  # fmt: skip
+    return _Written(time.perf_counter(), completed[0] if completed else None)
+
+
+@dataclass
+class _InFlight:
+    """A save whose writer was started and whose outcome the ranks have not yet agreed on."""
+
+    iteration: int
+    directory: Path
+    started: float
+    blocked_seconds: float
+    future: Future[_Written]
 
 
 def check_compatible(meta: dict[str, Any], spec: RLJobSpec, directory: Path) -> None:
@@ -363,14 +393,30 @@ def export(model: torch.nn.Module, spec: RLJobSpec, model_path: Path | str, targ
 
 class Keeper:
     """What one rank's loop asks of checkpoints: resume at the start, save when due (the
-    checkpoint stage), export at the end; `take` hands over what the iteration wrote."""
+    checkpoint stage), `poll` at every stage boundary while a writer runs, `finish` at the end,
+    export; `take` hands over what the iteration completed.
+
+    A save (spec.checkpoint.mode Async) blocks only for the copy of the training state into
+    host memory (`host`'s buffers, which the offloads reuse) and hands the files to a writer
+    thread; the checkpoint is complete once every rank's writer is done, as all ranks agree
+    at a stage boundary. Sync waits for the writer inside the stage. docs/checkpoints.md."""
 
     def __init__(self, spec: RLJobSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 model_path: Path | str) -> None:  # fmt: skip
+                 model_path: Path | str, host: HostCopies | None = None) -> None:  # fmt: skip
         self.spec, self.model, self.optimizer, self.model_path = spec, model, optimizer, model_path
+        self.host = host
         self.saved: SavedCheckpoint | None = None
         self.exported: str | None = None
         self.resumed: ResumePoint | None = None  # the checkpoint resume() loaded
+        self._in_flight: _InFlight | None = None
+        self._cpu_meshes: dict[int, Any] = {}
+        # The writer's collectives run beside the loop's: on a group of their own (every rank
+        # creates it here, in the same order), or the two would interleave.
+        self._group: dist.ProcessGroup | None = None
+        if spec.checkpoint is not None and dist.is_initialized():
+            group = dist.new_group(backend="gloo")
+            assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+            self._group = group
 
     def resume(self) -> int | None:
         """Load the newest complete checkpoint (spec.checkpoint.resume Auto); its iteration."""
@@ -390,12 +436,116 @@ class Keeper:
         return loaded
 
     def save(self, iteration: int) -> None:
-        self.saved = save(self.model, self.optimizer, self.spec, iteration)
+        """The checkpoint stage (collective): the state to host memory, the writer started."""
+        assert self.spec.checkpoint is not None
+        # The next checkpoint waits for the previous writer (normally done long before).
+        self._settle()
+        started = time.perf_counter()
+        directory = checkpoint_dir(Path(self.spec.checkpoint.path), iteration)
+        _agreed(lambda: _prepare(directory), iteration, directory)
+        rng = _rng_state()
+        lookup = self.host.copy_to_host() if self.host is not None else None
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        host = host_state_dict(
+            {"model": model_state, "optim": optimizer_state}, lookup, self._cpu_meshes
+        )
+        log.debug("checkpoint %d: %d bytes viewed in host copies, %d copied", iteration,
+                  host.viewed_bytes, host.copied_bytes)  # fmt: skip
+        spec, group = self.spec, self._group
+        future = start_thread(
+            lambda: _write(host.state, rng, spec, iteration, directory, group),
+            f"checkpoint-writer-{iteration}",
+        )
+        self._in_flight = _InFlight(iteration, directory, started, 0.0, future)
+        if self.host is not None:
+            self.host.hold_host_copies(self._wait_for_writer)
         if self.spec.export is not None and self.spec.export.with_checkpoints:
             self._export(Path(self.spec.export.path) / f"{PREFIX}{iteration:08d}")
+        self._in_flight.blocked_seconds += time.perf_counter() - started
+        if self.spec.checkpoint.mode is CheckpointMode.SYNC:
+            self._settle()
+
+    def poll(self) -> None:
+        """At a stage boundary (collective while a writer runs): all ranks agree on how far the
+        writers are. Every one done: the checkpoint is complete (take() reports it); any one
+        failed: CheckpointFailed on every rank, here, together."""
+        if self._in_flight is not None:
+            self._agree(self._in_flight)
+
+    def finish(self) -> None:
+        """The job's end (collective): wait for the last writer; its failure raised here."""
+        self._settle()
+
+    def drain(self, timeout_seconds: float = 300.0) -> None:
+        """An attempt that ends by an OOM: let this rank's writer finish (no collective, no
+        raise; the other ranks' writers need only theirs), so a retry resumes from the newest
+        checkpoint. Bounded: a writer whose peer process is gone gives up, not the job."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            done, _ = futures.wait([in_flight.future], timeout=timeout_seconds)
+            if not done:
+                log.warning("checkpoint writer of iteration %d still running after %.0f s: "
+                            "left behind", in_flight.iteration, timeout_seconds)  # fmt: skip
+
+    def _wait_for_writer(self) -> None:
+        """Block until this rank's writer is done (its outcome stays for the agreement)."""
+        in_flight = self._in_flight
+        if in_flight is None or in_flight.future.done():
+            return
+        waiting = time.perf_counter()
+        futures.wait([in_flight.future])
+        in_flight.blocked_seconds += time.perf_counter() - waiting
+
+    def _settle(self) -> None:
+        if self._in_flight is not None:
+            self._wait_for_writer()
+            self._agree(self._in_flight)
+
+    def _agree(self, in_flight: _InFlight) -> None:
+        rank, _ = _rank()
+        future = in_flight.future
+        mine: tuple[str, Any] = ("running", None)
+        if future.done():
+            exc = future.exception()
+            mine = ("done", None)
+            if isinstance(exc, CheckpointFailed):
+                mine = ("failed", exc.failure)
+            elif exc is not None:
+                mine = ("error", f"{type(exc).__name__}: {exc}")
+        states: list[Any] = [mine]
+        if dist.is_initialized():
+            states = [None] * dist.get_world_size()
+            dist.all_gather_object(states, mine)
+        failures = [(r, state, what) for r, (state, what) in enumerate(states)
+                    if state in ("failed", "error")]  # fmt: skip
+        if not failures and any(state == "running" for state, _ in states):
+            return  # asked again at the next boundary
+        self._in_flight = None
+        if not failures:
+            written = future.result()
+            self.saved = SavedCheckpoint(
+                in_flight.iteration,
+                str(in_flight.directory),
+                _rank_bytes(in_flight.directory, rank),
+                written.finished - in_flight.started,
+                written.completed_at,
+                blocked_seconds=in_flight.blocked_seconds,
+            )
+            return
+        exc = future.exception() if future.done() else None
+        if exc is not None and not isinstance(exc, CheckpointFailed):
+            raise exc  # this rank's own error (a bug, not the disk): its traceback
+        first_rank, state, what = failures[0]
+        if state == "failed":
+            raise CheckpointFailed(what)
+        raise RuntimeError(
+            f"the checkpoint writer of iteration {in_flight.iteration} failed on rank "
+            f"{first_rank}: {what}"
+        )
 
     def take(self) -> tuple[SavedCheckpoint | None, str | None]:
-        """This iteration's checkpoint part and export path (None: none), then forgets them."""
+        """The checkpoint completed (agreed) since the last take, and this iteration's export
+        path (None: none), then forgets them."""
         taken = (self.saved, self.exported)
         self.saved = self.exported = None
         return taken

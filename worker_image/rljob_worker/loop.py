@@ -148,12 +148,17 @@ class RankIteration:
     # the checkpoint, so the report has no train figures).
     resumed_from: int | None = None
     resume_point: ResumePoint | None = None  # with the checkpoint's directory
-    # This iteration's checkpoint (this rank's part) and export (rank 0), where written.
+    # The checkpoint the ranks agreed complete in this iteration (this rank's part; an
+    # asynchronous one is an earlier iteration's) and this iteration's export (rank 0).
     checkpoint: checkpoints.SavedCheckpoint | None = None
     export_path: str | None = None
 
 
-RankEvent = StageSample | RankIteration | OOMRecord | CheckpointFailure
+# A SavedCheckpoint on its own: one the ranks agreed complete in an iteration that then failed
+# (its report never went out), so status.checkpoint still names it.
+RankEvent = (
+    StageSample | RankIteration | OOMRecord | CheckpointFailure | checkpoints.SavedCheckpoint
+)
 
 
 @dataclass
@@ -438,7 +443,8 @@ def run_rank(
             spec, config, engine, tokenizer, task, scorer, tools, eos_ids, context
         )
     )
-    keeper = checkpoints.Keeper(spec, trainer.model, trainer.optimizer, model_path)
+    # The checkpoint writes from the host buffers the offloads use (trainer.copy_to_host).
+    keeper = checkpoints.Keeper(spec, trainer.model, trainer.optimizer, model_path, host=trainer)
     machine = StageMachine(
         trainer,
         engine,
@@ -452,6 +458,7 @@ def run_rank(
         after_weight_update=check_weights if config.verify_weights else None,
         checkpoint=keeper.save if spec.checkpoint is not None else None,
         checkpoint_every=spec.checkpoint.every_iterations if spec.checkpoint else 0,
+        between_stages=keeper.poll if spec.checkpoint is not None else None,
     )
     # A new attempt, or the same manifest run again, continues from the newest complete
     # checkpoint: its iteration N is trained, so the run starts with N's second half.
@@ -466,6 +473,7 @@ def run_rank(
             outcome = machine.run_iteration(iteration, resumed=resumed)
             if iteration == spec.algorithm.iterations:
                 keeper.export_final()  # the policy as its last update left it
+                keeper.finish()  # the last writer: its checkpoint complete, or its failure
             saved, exported = keeper.take()
             experience = outcome.experience
             assert experience is not None  # every iteration ends with a rollout
@@ -509,11 +517,15 @@ def run_rank(
             log.info("rank %d iteration %d done", config.rank, iteration)
     except StageOOM as oom:
         log.error("rank %d: %s", config.rank, oom)
+        keeper.drain()  # a checkpoint being written completes: the retry resumes from it
         result.oom = oom.record
         send(oom.record)
     except checkpoints.CheckpointFailed as failed:
         # Every rank raises it together (checkpoint._agreed); the driver puts it in
         # status.checkpointFailure, the job fails with reason CheckpointFailed.
+        saved, _ = keeper.take()
+        if saved is not None:
+            send(saved)
         send(failed.failure)
         raise
     finally:

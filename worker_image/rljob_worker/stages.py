@@ -68,8 +68,9 @@ def stage_order(
     """The stages of an iteration for the spec's rollout.wakeUp (iteration 0: the prologue).
 
     `checkpoint` adds the checkpoint stage right after train: the training state (params and
-    AdamW moments) is still on the device there, before offload_optimizer moves the moments
-    away, so the save reads it where it is. `resumed` (the first iteration of a run resumed
+    AdamW moments) is still on the device there; the stage copies it into the host buffers the
+    offloads after it reuse (they then only free), and a writer thread writes the files from
+    them behind the following stages (checkpoint.Keeper, docs/checkpoints.md). `resumed` (the first iteration of a run resumed
     from this iteration's checkpoint) is a prologue too: N's train is in the checkpoint, its
     rollout is not, and the moments the checkpoint loaded are offloaded first.
     """
@@ -134,6 +135,7 @@ class StageMachine:
         after_weight_update: Callable[[int, NamedTensors], None] | None = None,
         checkpoint: Callable[[int], None] | None = None,
         checkpoint_every: int = 0,
+        between_stages: Callable[[], None] | None = None,
     ) -> None:
         self.trainer = trainer
         self.engine = engine
@@ -149,6 +151,9 @@ class StageMachine:
         # Saves iteration N's checkpoint (checkpoint.save) on every checkpoint_every-th one.
         self.checkpoint_fn = checkpoint
         self.checkpoint_every = checkpoint_every
+        # Runs after every stage, outside its measurement (checkpoint.Keeper.poll: the ranks
+        # agree on how far an asynchronous checkpoint's writers are).
+        self.between_stages = between_stages
         self.experience: Experience | None = None
         self.weight_sync_seconds: float | None = None
         # The part of it spent in engine.update_weights (the hand-off to the engine); the rest
@@ -188,6 +193,8 @@ class StageMachine:
         for stage in order:
             with self.meter.stage(stage, iteration):
                 self._actions[stage]()
+            if self.between_stages is not None:
+                self.between_stages()
         return IterationOutcome(iteration, order, self._train_stats, self.experience)
 
     # -- the stages, in staged order -----------------------------------------------------------

@@ -179,6 +179,10 @@ def _storages(tensors: Sequence[torch.Tensor]) -> list[torch.UntypedStorage]:
     return list(storages.values())
 
 
+# Each storage's host copy starts at a multiple of this, so a copy can be viewed in its dtype.
+_HOST_ALIGN_BYTES = 64
+
+
 class _HostCopies:
     """Empties device storages into host buffers and refills them in place.
 
@@ -188,6 +192,10 @@ class _HostCopies:
     DTensor.from_local puts a CPU tensor back on the mesh's device, and module.to("cpu") copies
     through pageable memory. Buffers are pinned on CUDA (asynchronous, full link speed) and
     allocated once: pinning is slow, reusing is not.
+
+    The checkpoint reads these buffers too (checkpoint_writer.py): `copy_out` fills them
+    without freeing anything, the offload that follows then only frees, and a background
+    writer may read them until `hold`'s wait returns, which the next write into them calls.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -195,38 +203,77 @@ class _HostCopies:
         self.device = device
         self._buffers: list[torch.Tensor] = []
         self._held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        # The storages copy_out copied and not freed since (their host copies are current).
+        self._current: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        self._by_pointer: dict[int, torch.Tensor] = {}
+        self._reader_wait: Callable[[], None] | None = None
 
-    def offload(self, storages: list[torch.UntypedStorage]) -> None:
+    def hold(self, wait: Callable[[], None]) -> None:
+        """Someone reads the buffers until `wait()` returns: called before they are rewritten."""
+        self._reader_wait = wait
+
+    def copy_out(self, storages: list[torch.UntypedStorage]) -> None:
+        """Copy the storages into the host buffers (allocated on first use), freeing nothing.
+
+        Valid only while the storages do not change until the next offload (the stage machine
+        runs nothing that writes them in between): that offload then only frees them."""
         if self._held:
-            raise RuntimeError("offload while already offloaded: load first")
+            raise RuntimeError("copy_out while offloaded: load first")
+        if self._reader_wait is not None:
+            wait, self._reader_wait = self._reader_wait, None
+            wait()
         if not self._buffers:
             self._allocate([storage.nbytes() for storage in storages])
         if len(storages) != len(self._buffers):
             raise RuntimeError(f"{len(storages)} storages to offload, {len(self._buffers)} before")
+        self._current, self._by_pointer = [], {}
         for index, storage in enumerate(storages):
             source = _bytes_of(storage)
             buffer = self._buffers[index]
             if buffer.numel() != source.numel():
                 raise RuntimeError(f"storage {index} changed size since the last offload")
             buffer.copy_(source, non_blocking=self.pin)
-            self._held.append((storage, buffer))
+            self._current.append((storage, buffer))
+            self._by_pointer[storage.data_ptr()] = buffer
         if self.pin:
-            torch.cuda.synchronize(self.device)  # the copies read what is freed below
-        for storage, _ in self._held:
+            torch.cuda.synchronize(self.device)  # the copies read what may be freed next
+
+    def offload(self, storages: list[torch.UntypedStorage]) -> None:
+        if self._held:
+            raise RuntimeError("offload while already offloaded: load first")
+        copied = {storage.data_ptr() for storage, _ in self._current}
+        if copied != {storage.data_ptr() for storage in storages}:
+            self.copy_out(storages)
+        for storage, _ in self._current:
             storage.resize_(0)
+        self._held, self._current = self._current, []
+
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """`tensor` (a plain tensor over a storage the last copy_out copied) as a view of its
+        host copy; None where copy_out did not copy its storage."""
+        buffer = self._by_pointer.get(tensor.untyped_storage().data_ptr())
+        if buffer is None or not self._current:
+            return None
+        typed = buffer.view(tensor.dtype)
+        # as_strided's offset counts from the start of the whole host allocation, not the view.
+        offset = typed.storage_offset() + tensor.storage_offset()
+        return torch.as_strided(typed, tensor.size(), tensor.stride(), offset)
 
     def _allocate(self, sizes: list[int]) -> None:
         # One host allocation, registered (pinned) as a whole: torch's pinned allocator rounds
         # every tensor up to a power of two (up to 2x the host memory, and pinning time).
-        self._host = torch.empty(sum(sizes), dtype=torch.uint8)
+        starts, total = [], 0
+        for size in sizes:
+            starts.append(total)
+            total += -(-size // _HOST_ALIGN_BYTES) * _HOST_ALIGN_BYTES
+        self._host = torch.empty(total, dtype=torch.uint8)
         if self.pin and self._host.numel():
             torch.cuda.check_error(
                 torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), self._host.numel(), 0)
             )
-        offset = 0
-        for size in sizes:
-            self._buffers.append(self._host[offset : offset + size])
-            offset += size
+        self._buffers = [
+            self._host[start : start + size] for start, size in zip(starts, sizes, strict=True)
+        ]
 
     def load(self) -> None:
         for storage, buffer in self._held:
@@ -300,6 +347,29 @@ class Trainer:
         for module in self._modules():
             _reshard(module)
         return _storages([p for module in self._modules() for p in module.parameters()])
+
+    def copy_to_host(self) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        """Copy the policy's params (and the reference's) and the AdamW moments into the host
+        buffers the offloads use, freeing nothing; the offloads after it then only free the
+        device memory, so the copy is made once per iteration either way. Returns the lookup
+        from a local tensor (a shard) to a view of its host copy (None: not copied). Valid until
+        the next train step: the stage machine's checkpoint stage, right after train."""
+        if not (self.optimizer_on_device and self.params_on_device):
+            raise RuntimeError("copy_to_host needs the training state on the device")
+        self._optimizer_copies.copy_out(self._optimizer_storages())
+        self._param_copies.copy_out(self._param_storages())
+
+        def lookup(tensor: torch.Tensor) -> torch.Tensor | None:
+            found = self._optimizer_copies.host_copy(tensor)
+            return found if found is not None else self._param_copies.host_copy(tensor)
+
+        return lookup
+
+    def hold_host_copies(self, wait: Callable[[], None]) -> None:
+        """A reader of copy_to_host's copies (the checkpoint writer) is done once `wait()`
+        returns: the next write into those buffers calls it first."""
+        self._optimizer_copies.hold(wait)
+        self._param_copies.hold(wait)
 
     def offload_optimizer(self) -> None:
         """AdamW moments to (pinned) CPU memory; their device memory is freed."""

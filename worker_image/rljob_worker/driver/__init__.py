@@ -29,6 +29,7 @@ from rljob.report import (
     summarize_load,
 )
 from rljob_worker.agentic.driver import RolloutCounts
+from rljob_worker.checkpoint import SavedCheckpoint
 from rljob_worker.loop import RankIteration, RolloutStats
 from rljob_worker.train import TrainStats
 
@@ -140,6 +141,7 @@ def driver_status(
     ooms: list[OOMRecord],
     world_size: int,
     checkpoint_failures: Iterable[CheckpointFailure] = (),
+    checkpoints: Iterable[SavedCheckpoint] = (),
 ) -> RLJobStatus:
     """The fields of RLJob status the job's driver owns, computed from what the ranks reported.
 
@@ -157,7 +159,7 @@ def driver_status(
     if memory is not None:  # the start-up, measured once per rank, travels with every summary
         memory.load = summarize_load([i.load for i in iterations if i.load is not None])
     return RLJobStatus(
-        checkpoint=checkpoint_status(iterations, world_size),
+        checkpoint=checkpoint_status(iterations, world_size, checkpoints),
         export=export_status(iterations),
         resumed_from=next((i.resume_point for i in iterations if i.resume_point), None),
         # Every rank reports the same agreed failure (checkpoint._agreed): the first of them.
@@ -175,25 +177,30 @@ def driver_status(
 
 
 def checkpoint_status(
-    iterations: Iterable[RankIteration], world_size: int
+    iterations: Iterable[RankIteration], world_size: int, alone: Iterable[SavedCheckpoint] = ()
 ) -> CheckpointStatus | None:
     """status.checkpoint: the newest checkpoint every rank saved (rank 0 wrote its marker, so
-    it is complete); bytes of all ranks' parts, seconds of the slowest rank."""
-    by_iteration: dict[int, list[RankIteration]] = {}
-    for item in iterations:
-        if item.checkpoint is not None:
-            by_iteration.setdefault(item.iteration, []).append(item)
-    done = [i for i, items in by_iteration.items() if len(items) == world_size]
+    it is complete); bytes of all ranks' parts, seconds of the slowest rank. An asynchronous
+    save is reported by the iteration in which the ranks agreed it was complete (a later one):
+    grouped by the checkpoint's own iteration. `alone`: parts sent without an iteration's
+    report (that iteration failed after the agreement)."""
+    by_iteration: dict[int, list[SavedCheckpoint]] = {}
+    parts_sent = [item.checkpoint for item in iterations if item.checkpoint is not None]
+    for part in [*parts_sent, *alone]:
+        by_iteration.setdefault(part.iteration, []).append(part)
+    done = [i for i, parts in by_iteration.items() if len(parts) == world_size]
     if not done:
         return None
-    parts = [item.checkpoint for item in by_iteration[max(done)] if item.checkpoint]
+    parts = by_iteration[max(done)]
     first = next(p for p in parts if p.completed_at)
+    blocked = [p.blocked_seconds for p in parts if p.blocked_seconds is not None]
     return CheckpointStatus(
         iteration=first.iteration,
         path=first.path,
         completed_at=first.completed_at or "",
         bytes=sum(p.bytes for p in parts),
         seconds=max(p.seconds for p in parts),
+        blocked_seconds=max(blocked) if blocked else None,
     )
 
 

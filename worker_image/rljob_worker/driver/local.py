@@ -19,6 +19,7 @@ from typing import Any
 
 from rljob.api import CheckpointFailure, ResumePoint, RLJobSpec, RLJobStatus
 from rljob.report import IterationReport, OOMRecord, StageSample
+from rljob_worker.checkpoint import SavedCheckpoint
 from rljob_worker.driver import driver_status, iteration_reports
 from rljob_worker.loop import RankConfig, RankEvent, RankIteration
 from rljob_worker.memory import OOMInjection
@@ -47,6 +48,8 @@ class LocalRun:
     ooms: list[OOMRecord] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
     checkpoint_failures: list[CheckpointFailure] = field(default_factory=list)
+    # Checkpoints completed in an iteration whose report never came (it failed).
+    checkpoints: list[SavedCheckpoint] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -71,7 +74,7 @@ class LocalRun:
         retries) stay in oomEvents and oomCounts, as the cluster's status keeps them."""
         return driver_status(
             self.reports, self.iterations, [*earlier_ooms, *self.ooms], self.world_size,
-            self.checkpoint_failures,
+            self.checkpoint_failures, self.checkpoints,
         )  # fmt: skip
 
     def add(self, event: RankEvent) -> None:
@@ -83,6 +86,8 @@ class LocalRun:
             self.ooms.append(event)
         elif isinstance(event, CheckpointFailure):
             self.checkpoint_failures.append(event)
+        elif isinstance(event, SavedCheckpoint):
+            self.checkpoints.append(event)
 
 
 def _free_port() -> int:

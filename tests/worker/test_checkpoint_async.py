@@ -1,0 +1,256 @@
+"""The asynchronous checkpoint's own behaviour, one process on the CPU: the stage returns while
+the writer still writes, the seconds blocked are reported apart from the seconds to durable, a
+process killed while its writer runs leaves nothing that looks complete, a full disk in the
+writer is CheckpointFailed, and the host copies the writer reads are shared with the offload
+(copied once, not rewritten while read). The 2-rank runs: test_checkpoint_resume.py (bit for
+bit with asynchronous saves) and test_checkpoint_failure.py (ENOSPC on both ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rljob.api import RLJobSpec, parse_manifest
+from rljob_worker.checkpoint import (
+    MARKER,
+    CheckpointFailed,
+    Keeper,
+    checkpoint_dir,
+    complete_checkpoints,
+    load,
+)
+from rljob_worker.checkpoint_writer import host_state_dict
+from rljob_worker.train import _HostCopies
+
+pytestmark = pytest.mark.worker
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _spec(root: Path, mode: str = "Async") -> RLJobSpec:
+    doc = {
+        "apiVersion": "rljob.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": "ckpt-async"},
+        "spec": {
+            "model": {"path": "builtin:tiny-qwen2"},
+            "data": {"source": "builtin:digit"},
+            "rollout": {"engine": "torch"},
+            "resources": {"workers": 1, "gpusPerWorker": 0},
+            "checkpoint": {"path": str(root), "keep": 5, "mode": mode},
+        },
+    }
+    return parse_manifest(doc)[1]
+
+
+def _first_weight(model: torch.nn.Module) -> torch.Tensor:
+    layer = next(iter(model.children()))
+    assert isinstance(layer, torch.nn.Linear)
+    return layer.weight
+
+
+def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small model after one AdamW step (so the optimizer has moments to save)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Linear(512, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 64)).pow(2).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+@pytest.fixture
+def slow_writes(monkeypatch: pytest.MonkeyPatch) -> float:
+    """dcp.save takes at least this long (the writer's files, then a wait)."""
+    import torch.distributed.checkpoint as dcp
+
+    real, delay = dcp.save, 1.0
+
+    def slow(*args: object, **kwargs: object) -> object:
+        result = real(*args, **kwargs)  # type: ignore[arg-type]
+        time.sleep(delay)
+        return result
+
+    monkeypatch.setattr(dcp, "save", slow)
+    return delay
+
+
+def test_the_stage_returns_before_the_write_and_reports_blocked_apart_from_durable(
+    tmp_path: Path, slow_writes: float
+) -> None:
+    model, optimizer = _trained()
+    keeper = Keeper(_spec(tmp_path / "ckpt"), model, optimizer, "builtin:tiny-qwen2")
+    started = time.perf_counter()
+    keeper.save(1)
+    returned = time.perf_counter() - started
+    assert returned < slow_writes / 2  # the loop went on while the writer wrote
+    keeper.poll()  # a stage boundary: the writer is still running, nothing is complete
+    assert keeper.take() == (None, None)
+    assert complete_checkpoints(tmp_path / "ckpt") == []
+    # The training goes on meanwhile: the checkpoint holds the state as it was at the save.
+    saved_weight = _first_weight(model).detach().clone()
+    with torch.no_grad():
+        _first_weight(model).add_(1.0)
+    saved = None
+    deadline = time.monotonic() + 60
+    while saved is None and time.monotonic() < deadline:  # the next stage boundaries
+        time.sleep(0.05)
+        keeper.poll()
+        saved, _ = keeper.take()
+    assert saved is not None and saved.iteration == 1
+    assert saved.blocked_seconds is not None and saved.blocked_seconds < slow_writes / 2
+    assert saved.seconds >= slow_writes  # to durable: the whole write
+    assert saved.completed_at is not None and saved.bytes > 0
+    assert [i for i, _ in complete_checkpoints(tmp_path / "ckpt")] == [1]
+    fresh, fresh_optimizer = _trained(seed=1)
+    load(fresh, fresh_optimizer, keeper.spec, checkpoint_dir(tmp_path / "ckpt", 1))
+    assert torch.equal(_first_weight(fresh), saved_weight)
+
+
+def test_sync_mode_ends_the_stage_with_the_checkpoint_complete(
+    tmp_path: Path, slow_writes: float
+) -> None:
+    model, optimizer = _trained()
+    keeper = Keeper(_spec(tmp_path / "ckpt", mode="Sync"), model, optimizer, "m")
+    keeper.save(1)
+    saved, _ = keeper.take()
+    assert saved is not None and saved.blocked_seconds is not None
+    assert saved.blocked_seconds >= slow_writes
+    assert [i for i, _ in complete_checkpoints(tmp_path / "ckpt")] == [1]
+
+
+# The child saves iteration 1 whole, then iteration 2 with a writer that stops after writing
+# the shards (before the marker) and says so; the test kills it there.
+_CHILD = textwrap.dedent(
+    """
+    import sys, threading
+    from pathlib import Path
+    import torch.distributed.checkpoint as dcp
+    sys.path[:0] = [{tests!r}]
+    from test_checkpoint_async import _spec, _trained
+    from rljob_worker.checkpoint import Keeper
+
+    root, flag = Path(sys.argv[1]), Path(sys.argv[2])
+    model, optimizer = _trained()
+    keeper = Keeper(_spec(root), model, optimizer, "builtin:tiny-qwen2")
+    keeper.save(1)
+    keeper.finish()
+    real = dcp.save
+
+    def stuck(*args, **kwargs):
+        real(*args, **kwargs)
+        flag.write_text("shards written")
+        threading.Event().wait()
+
+    dcp.save = stuck
+    keeper.save(2)
+    print("save returned", flush=True)
+    threading.Event().wait()
+    """
+)
+
+
+def test_a_process_killed_while_its_writer_runs_leaves_no_complete_checkpoint(
+    tmp_path: Path,
+) -> None:
+    root, flag = tmp_path / "ckpt", tmp_path / "flag"
+    script = _CHILD.format(tests=str(Path(__file__).parent))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, str(root), str(flag)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert flag.exists(), child.communicate(timeout=5)
+    finally:
+        child.send_signal(signal.SIGKILL)
+    out, _ = child.communicate(timeout=30)
+    assert "save returned" in out  # the loop had gone on: the kill hit the writer
+    partial = checkpoint_dir(root, 2)
+    assert list((partial / "state").glob("__0_*.distcp"))  # its shards are there ...
+    assert not (partial / MARKER).exists()  # ... and no marker
+    assert [i for i, _ in complete_checkpoints(root)] == [1]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs (root needed, as in test_checkpoint_failure.py): the model's ~0.8 MB of
+    params and moments do not fit."""
+    mount = tmp_path / "tiny-disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs at {mount} ({done.stderr.strip()}): needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_in_the_writer_is_checkpoint_failed_at_a_boundary(tiny_disk: Path) -> None:
+    model, optimizer = _trained()
+    keeper = Keeper(_spec(tiny_disk / "ckpt"), model, optimizer, "m")
+    keeper.save(1)  # returns: the write fails behind it
+    deadline = time.monotonic() + 60
+    with pytest.raises(CheckpointFailed) as failed:
+        while time.monotonic() < deadline:
+            keeper.poll()
+            time.sleep(0.05)
+    failure = failed.value.failure
+    assert failure.iteration == 1 and failure.rank == 0
+    assert "[Errno 28] No space left on device" in failure.error
+    assert complete_checkpoints(tiny_disk / "ckpt") == []
+    assert not checkpoint_dir(tiny_disk / "ckpt", 1).exists()  # its space given back
+
+
+def test_offload_after_copy_out_only_frees_and_a_reader_is_waited_for() -> None:
+    copies = _HostCopies(torch.device("cpu"))
+    first = torch.full((5,), -1.0)  # its host copy comes first: the second's starts further on
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)[:, 1:]  # a strided view
+    storages = [first.untyped_storage(), tensor.untyped_storage()]
+    copies.copy_out(storages)
+    view = copies.host_copy(tensor)
+    assert view is not None and torch.equal(view, tensor)
+    assert torch.equal(copies.host_copy(first), first)  # type: ignore[arg-type]
+    assert copies.host_copy(torch.zeros(3)) is None  # not one of the copied storages
+    # What the offload writes to the host now is not a second copy: the copy_out's stays.
+    snapshot = view.clone()
+    tensor.add_(100.0)
+    copies.offload(storages)
+    assert torch.equal(view, snapshot)
+    assert storages[0].nbytes() == 0  # freed
+    copies.load()
+    assert torch.equal(tensor, snapshot)
+    waited: list[str] = []
+    copies.hold(lambda: waited.append("writer done"))
+    copies.copy_out(storages)  # rewrites the buffers: waits for their reader first
+    assert waited == ["writer done"]
+
+
+def test_host_state_dict_views_what_has_a_host_copy_and_copies_the_rest() -> None:
+    kept = torch.ones(4)
+    moved = torch.zeros(2)
+    state = {"a": moved, "nested": {"b": [moved]}, "lr": 0.1}
+    host = host_state_dict(state, lambda t: kept if t is moved else None)
+    assert host.state["a"] is kept and host.state["nested"]["b"][0] is kept
+    assert host.viewed_bytes == 2 * moved.nbytes and host.copied_bytes == 0
+    copied = host_state_dict(state, None)
+    assert copied.state["a"] is not moved and torch.equal(copied.state["a"], moved)
+    assert copied.copied_bytes == 2 * moved.nbytes and copied.state["lr"] == 0.1

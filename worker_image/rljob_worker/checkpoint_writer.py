@@ -1,0 +1,105 @@
+"""The asynchronous checkpoint's two halves: the training state as host tensors dcp.save can
+write (views of the offload's host copies where it has them), and the thread that writes them.
+
+docs/checkpoints.md ("Asynchronous save") says what blocks the loop and what runs behind it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+T = TypeVar("T")
+
+# A local tensor (a shard) -> a view of its host copy, or None where there is none.
+HostLookup = Callable[[torch.Tensor], torch.Tensor | None]
+
+
+@dataclass
+class HostState:
+    """A state dict of host tensors, and how its bytes got there."""
+
+    state: dict[str, Any]
+    viewed_bytes: int = 0  # read in place from host copies that already existed
+    copied_bytes: int = 0  # copied here (what had no host copy: AdamW's step, buffers)
+    _cpu_meshes: dict[int, DeviceMesh] = field(default_factory=dict)
+
+
+def _cpu_mesh(mesh: DeviceMesh, cache: dict[int, DeviceMesh]) -> DeviceMesh:
+    """The same ranks and layout as `mesh`, on the CPU: DTensor.from_local moves a local tensor
+    to its mesh's device, and dcp.save needs only the layout to place a shard."""
+    if mesh.device_type == "cpu":
+        return mesh
+    if id(mesh) not in cache:
+        cache[id(mesh)] = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+    return cache[id(mesh)]
+
+
+def host_state_dict(
+    state: dict[str, Any],
+    lookup: HostLookup | None,
+    cpu_meshes: dict[int, DeviceMesh] | None = None,
+) -> HostState:
+    """`state` (get_state_dict's: DTensors, tensors, numbers) with every tensor on the host.
+
+    A tensor whose host copy `lookup` finds is a view of it (no copy, no device traffic); any
+    other is copied to host memory. Non-tensor values are copied too: the writer must see the
+    state as it was here, whatever the loop changes while it writes. DTensors stay DTensors
+    with the same placements and global shape, so dcp.save writes the same shards, in the
+    same format, as from the device."""
+    out = HostState(state={}, _cpu_meshes=cpu_meshes if cpu_meshes is not None else {})
+
+    def host(tensor: torch.Tensor) -> torch.Tensor:
+        found = lookup(tensor) if lookup is not None else None
+        nbytes = tensor.numel() * tensor.element_size()
+        if found is not None:
+            out.viewed_bytes += nbytes
+            return found
+        out.copied_bytes += nbytes
+        return tensor.detach().to("cpu", copy=True)
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return DTensor.from_local(
+                host(value.to_local()),
+                _cpu_mesh(value.device_mesh, out._cpu_meshes),
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        if isinstance(value, torch.Tensor):
+            return host(value)
+        if isinstance(value, dict):
+            return {key: convert(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(convert(item) for item in value)
+        return copy.deepcopy(value)
+
+    out.state = convert(state)
+    return out
+
+
+def start_thread(work: Callable[[], T], name: str) -> Future[T]:
+    """Run `work` on a thread of its own; its result or exception in the returned future.
+
+    A daemon thread: a process that ends (or is killed) while it writes leaves the checkpoint
+    without its marker, which no resume picks; nothing waits for it at interpreter exit."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # handed to whoever waits, re-raised there
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
