@@ -38,9 +38,10 @@ python3 - "$out/run2-status.json" <<'PY' | tee -a "$out/kill.txt"
 import json, sys
 s = json.load(open(sys.argv[1]))
 print("phase", s.get("phase"), "checkpoint", json.dumps(s.get("checkpoint")), "export", json.dumps(s.get("export")))
+print("stages", json.dumps((s.get("memory") or {}).get("stages"))[:2000])
 for a in s.get("attempts") or []:
     print("attempt", a.get("number"), a.get("result"), "resumedFrom", json.dumps(a.get("resumedFrom")))
-for m in (s.get("metrics") or {}).get("iterations", [])[:8]:
+for m in (s.get("metrics") or [])[:8]:  # one entry per iteration of this run
     print("iteration", m.get("iteration"), "reward", m.get("rewardMean"))
 PY
 # 3. SGLang loads the export as its model path; the weights bit for bit, greedy answers.
