@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The GPU measurements as named steps, for the device tool's calls (one or more steps a call):
+#
+#   bash bench/gpu_steps.sh STEP...
+#
+# Run from the repository root on the lent machine, after SGLang is installed there
+# (hack/sglang-gpu-install.sh, call by call: docs/development.md). Each step writes under
+# /tmp/rljob-steps/STEP and, when it ends, packs that folder into $OUT/STEP.tgz (the device tool
+# brings back at most 8 files, 2 folders deep: one archive a step keeps under that). Unpack them
+# here into bench/results/raw/. A step that needs two cards says so; `par1` runs two one-card
+# steps side by side on a two-card machine.
+#
+# Steps (the issue each serves):
+#   install      xgrammar's wheel from .whl/ (carry it) and the carried .gl/sglang pieces
+#   ckpt-resume  #30: kill, resume and export of the 1.5B job (bench/checkpoint_resume_gpu.sh)
+#   ckpt-bench   #30: bench/checkpoint_gpu.py, sync against the async (pinned) save, 1.5B and 3B
+#   mt-test      #32: tests/gpu/test_multi_turn_gpu.py
+#   mt-bench     #32: bench/multi_turn.py on sglang (the random 0.5B model: 32k context)
+#   mt-engines   #32: two engines on one card, sticky against random routing
+#   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
+#   realistic    #33: 3B realistic workload, before and after (one card)
+#   tp2          #31: 3B, one TP-2 engine over both cards, at Auto's choice on the card (two cards)
+#   tp2-next     #31/#35: the same at Auto's choice + 0.01, the sweep's next point (two cards)
+#   two-gpu      #31: tests/gpu/test_two_gpu_sglang.py (two cards; needs ray: carry its pieces)
+#   auto-7b      #35: the 7B job at Auto's choice, 3 runs of 3 iterations (two H200s)
+#   sweep-7b     #35: the 7B sweep around Auto's choice (two H200s)
+#   par1         ckpt-resume on card 0 beside mt-test and mt-bench on card 1 (two cards)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/rljob-sglang/site:/tmp/rljob-xg:$PWD:$PWD/worker_image:$PWD/operator:$PWD/tests
+export RLJOB_GPU_SGLANG=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+R=/tmp/rljob-steps
+mkdir -p "$R"
+nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader > "$R/gpus.txt" || echo "no nvidia-smi" > "$R/gpus.txt"
+cat "$R/gpus.txt"
+
+model() {  # the bench's random Qwen2.5-shaped model, built once per machine
+  python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; import colocate; \
+colocate.build_model('$1', Path('/tmp/rljob-bench-models/$1'))"
+}
+auto() {  # "wakeUp fraction" that rollout Auto chooses for a manifest on this card
+  python3 bench/auto_fraction.py "bench/plans/$1.yaml"
+}
+colocate() { python3 bench/colocate.py --engine sglang "$@"; }
+
+for step in "$@"; do
+  start=$SECONDS
+  out=$R/$step
+  mkdir -p "$out"
+  case $step in
+    install)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rljob-xg .whl/*.whl
+      bash hack/sglang-gpu-install.sh
+      echo "install: exit $? (3: pieces still missing)" ;;
+    ckpt-resume)
+      bash bench/checkpoint_resume_gpu.sh "$out" 2>&1 | tail -40 ;;
+    ckpt-bench)
+      for m in qwen2.5-1.5b qwen2.5-3b; do
+        model $m && python3 bench/checkpoint_gpu.py --model-dir /tmp/rljob-bench-models/$m --repeats 2 \
+          --modes sync,async,pinned --out "$out/ckpt-gpu-$m.json" > "$out/ckpt-gpu-$m.log" 2>&1
+        tail -15 "$out/ckpt-gpu-$m.log"
+      done ;;
+    mt-test)
+      python3 -m pytest -v -s tests/gpu/test_multi_turn_gpu.py > "$out/pytest.log" 2>&1
+      echo "pytest exit $?"; tail -15 "$out/pytest.log" ;;
+    mt-bench)
+      model qwen2.5-0.5b && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
+        --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 2 3 4 --spread \
+        --out "$out/one" > "$out/log" 2>&1
+      tail -12 "$out/log" ;;
+    mt-engines)
+      model qwen2.5-0.5b && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
+        --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 3 --engines 2 \
+        --mem-fraction 0.6 --out "$out/two" > "$out/log" 2>&1
+      tail -12 "$out/log" ;;
+    sync-paths)
+      colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
+        --sync-path before,flattened --no-alone --deadline-seconds 420 --out "$out/run" > "$out/log" 2>&1
+      tail -30 "$out/log" ;;
+    realistic)
+      for path in before flattened; do
+        colocate --model qwen2.5-3b --workload realistic --modes staged --staged-fractions 0.9 \
+          --iterations 2 --sync-path $path --no-alone --out "$out/$path" > "$out/$path.log" 2>&1
+        tail -30 "$out/$path.log"
+      done ;;
+    tp2 | tp2-next)
+      read -r wake fraction < <(auto auto-sglang-3b-tp2-two-gpu)
+      [[ $step == tp2-next ]] && fraction=$(python3 -c "print(f'{$fraction + 0.01:.2f}')")
+      echo "Auto on this card: $wake; running $fraction" | tee "$out/auto.txt"
+      python3 -m rljob.cli plan bench/plans/auto-sglang-3b-tp2-two-gpu.yaml > "$out/plan.txt" 2>&1
+      colocate --model qwen2.5-3b --ranks 2 --tp 2 --modes "$wake" "--$wake-fractions" "$fraction" \
+        --iterations 3 --no-alone --out "$out/run" > "$out/log" 2>&1
+      tail -30 "$out/log" ;;
+    two-gpu)
+      python3 -m pytest -v -s tests/gpu/test_two_gpu_sglang.py > "$out/pytest.log" 2>&1
+      echo "pytest exit $?"; tail -15 "$out/pytest.log" ;;
+    auto-7b)
+      read -r wake fraction < <(auto auto-sglang-7b-two-gpu-h200)
+      echo "Auto on this card: $wake $fraction" | tee "$out/auto.txt"
+      colocate --model qwen2.5-7b --ranks 2 --tp 1 --modes "$wake" \
+        "--$wake-fractions" "$fraction,$fraction,$fraction" --keep-going --iterations 3 --no-alone \
+        --deadline-seconds 400 --out "$out/run" > "$out/log" 2>&1
+      tail -30 "$out/log" ;;
+    sweep-7b)
+      colocate --model qwen2.5-7b --ranks 2 --tp 1 --modes staged --staged-fractions 0.96,0.97,0.98 \
+        --keep-going --iterations 3 --no-alone --deadline-seconds 420 --out "$out/run" > "$out/log" 2>&1
+      tail -30 "$out/log" ;;
+    par1)
+      (CUDA_VISIBLE_DEVICES=0 bash bench/gpu_steps.sh ckpt-resume > "$out/card0.log" 2>&1) &
+      (CUDA_VISIBLE_DEVICES=1 bash bench/gpu_steps.sh mt-test mt-bench > "$out/card1.log" 2>&1) &
+      wait
+      tail -20 "$out/card0.log" "$out/card1.log" ;;
+    *)
+      echo "unknown step $step (see the head of bench/gpu_steps.sh)" >&2
+      exit 2 ;;
+  esac
+  echo "== step $step: $((SECONDS - start)) s"
+  if [[ -n ${OUT:-} ]]; then
+    tar -C "$R" -czf "$OUT/$step.tgz" "$step" gpus.txt
+  fi
+done
