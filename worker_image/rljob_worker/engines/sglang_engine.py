@@ -7,6 +7,11 @@ run time from the installed release; tests/unit/test_sglang_contract.py checks e
 contract against that release's own source, and tests/unit/test_sglang_engine.py drives the
 adapter against a stand-in that refuses any call outside the contract of the release it imitates,
 so a renamed method, argument, field or tag fails a CPU test, not a GPU job.
+
+The parts live apart: the release contracts in sglang_contract.py, sglang's processes (their
+stderr, the errors their failure becomes) in sglang_process.py, the tensor hand-off to the
+schedulers in sglang_handoff.py. This module keeps the adapter and the SIGQUIT handlers its
+start-up installs.
 """
 
 from __future__ import annotations
@@ -15,26 +20,56 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib
-import importlib.metadata
 import os
 import signal
-import sys
 import tempfile
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from rljob_worker.engines.base import (
     ALL_TAGS,
-    TAG_CUDA_GRAPH,
-    TAG_KV_CACHE,
     TAG_WEIGHTS,
     Completion,
     SamplingParams,
     token_ids,
+)
+from rljob_worker.engines.sglang_contract import (
+    _CONTRACT_0_5_17,
+    _CONTRACT_0_5_23,
+    _SESSION_METHODS,
+    CONTRACTS,
+    SUPPORTED_SGLANG_VERSIONS,
+    SGLangContract,
+    SGLangVersionError,
+    contract_for,
+    installed_contract,
+)
+from rljob_worker.engines.sglang_handoff import (
+    DEFAULT_WEIGHT_SYNC,
+    WEIGHT_SYNC_ENV,
+    WEIGHT_SYNC_PATHS,
+    TensorHandoff,
+    _patch_tensor_reductions,
+    flattened_bucket_metadata,
+    load_tensor_handoff,
+)
+from rljob_worker.engines.sglang_process import (
+    CHILD_BENIGN_MARKERS,
+    CHILD_FAILED_MESSAGE,
+    CHILD_OOM_MARKERS,
+    CHILD_TAIL_BYTES,
+    SGLangEngineError,
+    SGLangProcessFailed,
+    SGLangProcessOutOfMemory,
+    _child_failed,
+    _child_stderr,
+    _ChildStderr,
+    _Guarded,
+    child_failure,
+    child_failure_line,
 )
 from rljob_worker.engines.sglang_weights import (
     SHARD_PATTERN,
@@ -42,197 +77,51 @@ from rljob_worker.engines.sglang_weights import (
     WeightShards,
     read_weights,
 )
-from rljob_worker.memory import LIBRARY_OOM_MARKERS
 from rljob_worker.weight_sync import flatten, sglang_flattened_bucket
 
+# Every name this module offered before its contract, process and hand-off parts moved out
+# (sglang_contract.py, sglang_process.py, sglang_handoff.py): importable from here as before.
+__all__ = [
+    "CHILD_BENIGN_MARKERS",
+    "CHILD_FAILED_MESSAGE",
+    "CHILD_OOM_MARKERS",
+    "CHILD_TAIL_BYTES",
+    "CONTRACTS",
+    "DEFAULT_WEIGHT_SYNC",
+    "RUNNING_PHASE_SIGQUIT",
+    "SUPPORTED_SGLANG_VERSIONS",
+    "WEIGHT_SYNC_ENV",
+    "WEIGHT_SYNC_PATHS",
+    "_CONTRACT_0_5_17",
+    "_CONTRACT_0_5_23",
+    "_SESSION_METHODS",
+    "SGLangContract",
+    "SGLangEngine",
+    "SGLangEngineError",
+    "SGLangProcessFailed",
+    "SGLangProcessOutOfMemory",
+    "SGLangVersionError",
+    "TensorHandoff",
+    "_ChildStderr",
+    "_Guarded",
+    "_child_failed",
+    "_child_stderr",
+    "_load_engine_class",
+    "_on_sglang_child_failure",
+    "_patch_running_phase_sigquit",
+    "_patch_tensor_reductions",
+    "_reclaim_sigquit",
+    "_request_params",
+    "_running_phase_sigquit_handler",
+    "child_failure",
+    "child_failure_line",
+    "contract_for",
+    "flattened_bucket_metadata",
+    "installed_contract",
+    "load_tensor_handoff",
+]
+
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class SGLangContract:
-    """What the adapter uses from one sglang release; each entry is checked against its source."""
-
-    # The release (sglang.__version__) this contract is checked against.
-    release: str
-    # Module (dotted) and class the adapter imports the engine from.
-    engine_module: str
-    engine_class: str
-    # Engine method -> the keyword arguments the adapter passes to it (always by keyword).
-    engine_methods: Mapping[str, tuple[str, ...]]
-    # Engine(**kwargs) keys: every one must be a ServerArgs field.
-    server_args: tuple[str, ...]
-    # ServerArgs field -> values the adapter may pass, each of which must be among its choices.
-    server_arg_choices: Mapping[str, tuple[str, ...]]
-    # Keys of the per-request sampling_params dict: SamplingParams fields.
-    sampling_params: tuple[str, ...]
-    # sglang.srt.constants name -> the tag string this project uses for it (base.py).
-    tags: Mapping[str, str]
-    # Environment variable (an EnvBool in sglang.srt.environ) -> the value the adapter sets.
-    env: Mapping[str, str]
-    # Engine methods whose result is a (success, message) tuple that the adapter must check.
-    returns_success_message: tuple[str, ...]
-    # Engine methods whose result is a FlushCacheReqOutput-like object with `.success`.
-    returns_success_attr: Mapping[str, str]
-    # get_server_info() key holding the KV pool size in tokens (from the scheduler's init info).
-    kv_capacity_key: str
-    # Key of each generate() result holding the generated token ids.
-    output_ids_key: str
-    # Key of each result's meta_info holding, with return_logprob, one (logprob, token id, text)
-    # per generated token: the log-prob it was sampled with.
-    output_logprobs_key: str
-    # meta_info key of a generate() result asked for return_logprob: (logprob, token id, text)
-    # for each input token from logprob_start_len on (the first one's logprob is None).
-    input_logprobs_key: str
-    # meta_info key of every result: prompt tokens found in the radix cache (multi-turn
-    # rollout's prefix-cache hit rate).
-    cached_tokens_key: str
-    # Engine methods that take **kwargs and pass them to every scheduler (collective_rpc) ->
-    # (module, class, method) of the scheduler side that reads them as params["name"].
-    rpc_methods: Mapping[str, tuple[str, str, str]]
-    # Module and function that make CUDA tensors travel to other processes by device UUID.
-    tensor_reduction_patch: tuple[str, str]
-    # Module, class and method that serialize a tensor into an IPC handle (ForkingPickler).
-    serializer: tuple[str, str, str]
-    # Module, class and field of the per-TP-rank tensor wrapper the schedulers unwrap by rank;
-    # the module is the one the schedulers' restricted unpickler allows it from.
-    local_tensor: tuple[str, str, str]
-    # Module and class of the restricted unpickler that must allow `local_tensor`.
-    safe_unpickler: tuple[str, str]
-    # update_weights_from_tensor's flattened-bucket path: (module, the metadata class its
-    # schedulers rebuild a bucket from, the load_format that selects it). The schedulers
-    # unpickle {"flattened_tensor", "metadata"} from one payload per TP rank and load the
-    # rebuilt views with the model's load_weights, as the per-tensor path does. None: no such
-    # path (the adapter hands over one tensor per parameter).
-    flattened_bucket: tuple[str, str, str] | None = None
-
-    @property
-    def opens_weight_update_session(self) -> bool:
-        """Whether update_weights_from_tensor must run inside begin/end_weight_update()."""
-        return "begin_weight_update" in self.engine_methods
-
-
-# The weight-update session (0.5.23): its scheduler refuses update_weights_from_tensor outside
-# begin_weight_update() / end_weight_update() (managers/scheduler_components/weight_updater.py).
-_SESSION_METHODS = ("begin_weight_update", "end_weight_update")
-
-_CONTRACT_0_5_23 = SGLangContract(
-    release="0.5.23",
-    engine_module="sglang.srt.entrypoints.engine",
-    engine_class="Engine",
-    engine_methods={
-        "generate": ("input_ids", "sampling_params", "return_logprob", "logprob_start_len"),
-        # One request from asyncio code (the multi-turn rollout; agentic/driver.py).
-        "async_generate": ("input_ids", "sampling_params", "return_logprob"),
-        "release_memory_occupation": ("tags",),
-        "resume_memory_occupation": ("tags",),
-        "begin_weight_update": (),
-        "update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
-        "end_weight_update": (),
-        "flush_cache": (),
-        "get_server_info": (),
-        # Every TP rank writes its weight shards (named_weights, `rljob run --verify-weights`).
-        "save_sharded_model": ("path", "pattern", "max_size"),
-        "shutdown": (),
-    },
-    server_args=(
-        "model_path",
-        "dtype",
-        "tp_size",
-        "base_gpu_id",
-        "mem_fraction_static",
-        "enable_memory_saver",
-        "random_seed",
-        "skip_tokenizer_init",
-        "disable_cuda_graph",
-        "custom_sigquit_handler",
-    ),
-    server_arg_choices={"dtype": ("bfloat16", "float16", "float32")},
-    sampling_params=("max_new_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
-    tags={
-        "GPU_MEMORY_TYPE_WEIGHTS": TAG_WEIGHTS,
-        "GPU_MEMORY_TYPE_KV_CACHE": TAG_KV_CACHE,
-        "GPU_MEMORY_TYPE_CUDA_GRAPH": TAG_CUDA_GRAPH,
-    },
-    env={"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false"},
-    returns_success_message=(
-        "begin_weight_update",
-        "update_weights_from_tensor",
-        "end_weight_update",
-    ),
-    returns_success_attr={"flush_cache": "FlushCacheReqOutput"},
-    kv_capacity_key="max_total_num_tokens",
-    output_ids_key="output_ids",
-    output_logprobs_key="output_token_logprobs",
-    input_logprobs_key="input_token_logprobs",
-    cached_tokens_key="cached_tokens",
-    rpc_methods={
-        "save_sharded_model": (
-            "sglang.srt.managers.scheduler_components.weight_updater",
-            "SchedulerWeightUpdaterManager",
-            "save_sharded_model",
-        )
-    },
-    tensor_reduction_patch=("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"),
-    serializer=("sglang.srt.utils.common", "MultiprocessingSerializer", "serialize"),
-    local_tensor=(
-        "sglang.srt.model_executor.model_runner_components.weight_updater",
-        "LocalSerializedTensor",
-        "values",
-    ),
-    safe_unpickler=("sglang.srt.utils.common", "SafeUnpickler"),
-    flattened_bucket=(
-        "sglang.srt.weight_sync.tensor_bucket",
-        "FlattenedTensorMetadata",
-        "flattened_bucket",
-    ),
-)
-
-# 0.5.17 has no weight-update session: Engine has neither begin_weight_update nor
-# end_weight_update, and update_weights_from_tensor loads at once. Everything else is the same.
-_CONTRACT_0_5_17 = dataclasses.replace(
-    _CONTRACT_0_5_23,
-    release="0.5.17",
-    engine_methods={
-        method: kwargs
-        for method, kwargs in _CONTRACT_0_5_23.engine_methods.items()
-        if method not in _SESSION_METHODS
-    },
-    returns_success_message=("update_weights_from_tensor",),
-)
-
-# The releases the adapter supports, oldest first: the GPU machines' (torch 2.11) and the worker
-# image's. pyproject's sglang extra admits exactly these; a release between them is unchecked.
-CONTRACTS: Mapping[str, SGLangContract] = {
-    contract.release: contract for contract in (_CONTRACT_0_5_17, _CONTRACT_0_5_23)
-}
-SUPPORTED_SGLANG_VERSIONS = tuple(CONTRACTS)
-
-
-class SGLangVersionError(RuntimeError):
-    """The installed sglang is not a release this adapter is checked against."""
-
-
-def contract_for(version: str) -> SGLangContract:
-    """The contract of sglang `version`; a release outside CONTRACTS is refused, not guessed."""
-    if version not in CONTRACTS:
-        raise SGLangVersionError(
-            f"sglang {version} is not supported: the SGLang adapter is checked against sglang "
-            f"{' and '.join(SUPPORTED_SGLANG_VERSIONS)} only; install one of them "
-            f"(pip install 'sglang=={SUPPORTED_SGLANG_VERSIONS[-1]}')"
-        )
-    return CONTRACTS[version]
-
-
-def installed_contract() -> SGLangContract:
-    """The contract of the sglang installed here (its distribution metadata; no import)."""
-    try:
-        version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        raise SGLangVersionError(
-            "rollout.engine=sglang needs sglang, which is not installed here: install "
-            f"rljob[sglang] (sglang {' or '.join(SUPPORTED_SGLANG_VERSIONS)})"
-        ) from None
-    return contract_for(version)
 
 
 def _request_params(sampling: SamplingParams, index: int) -> dict[str, Any]:
@@ -250,143 +139,8 @@ def _request_params(sampling: SamplingParams, index: int) -> dict[str, Any]:
     return params
 
 
-class SGLangEngineError(RuntimeError):
-    """sglang refused a call (it answers with success=False instead of raising)."""
-
-
-class SGLangProcessFailed(SGLangEngineError):
-    """One of sglang's processes failed and signalled this one (SIGQUIT)."""
-
-
-class SGLangProcessOutOfMemory(SGLangProcessFailed, torch.OutOfMemoryError):
-    """An sglang process died of a CUDA OOM (its last words say so): a torch.OutOfMemoryError,
-    so the stage boundary records it as the stage's CUDA OOM and the OOM policy can act on it."""
-
-
-CHILD_FAILED_MESSAGE = (
-    "an sglang process failed and signalled SIGQUIT; its own error is in the log above "
-    "(sglang's scheduler logs it before it signals)"
-)
-# Set by _on_sglang_child_failure, never cleared: this process's engine lost a process.
-_child_failed = threading.Event()
-
-# What a child's stderr says when it died of a CUDA OOM: torch's OutOfMemoryError, the CUDA
-# runtime's and driver's errors (torch_memory_saver resuming a region: "cudaError error: 2 (out of
-# memory) ... func=resume", seen on an H100 with sglang 0.5.17, where the scheduler then exits 1
-# with no Python traceback), and the CUDA libraries' failed workspaces the stage boundary counts
-# as OOMs in this process (memory.LIBRARY_OOM_MARKERS). Not a bare "out of memory": sglang says
-# that of its own pools too ("alloc_req_slots runs out of memory", "Prefill out of memory"),
-# which a smaller memFractionStatic would make worse.
-CHILD_OOM_MARKERS = (
-    "CUDA out of memory",
-    "CUDA error: out of memory",
-    "(out of memory)",
-    "OutOfMemoryError",
-    "CUDA_ERROR_OUT_OF_MEMORY",
-    "cudaErrorMemoryAllocation",
-    *LIBRARY_OOM_MARKERS,
-)
-# torch_memory_saver's note on a cuMemCreate that the caller may still recover from: not a death.
-CHILD_BENIGN_MARKERS = ("may not be an issue",)
-CHILD_TAIL_BYTES = 64 << 10
-
-
-class _ChildStderr:
-    """The stderr sglang's processes inherit: a pipe whose every byte this process copies to its
-    own stderr, keeping the last CHILD_TAIL_BYTES, so that when a child fails its last words can
-    say why in the error (and in status) instead of only in the pod's log.
-
-    Only the engine's start-up has it as fd 2 (the children are spawned then and keep it); this
-    process's own stderr is its own again once the engine has started."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tail = bytearray()
-        self._pump_thread: threading.Thread | None = None
-        self._inherited = False
-
-    @contextlib.contextmanager
-    def inherited(self) -> Iterator[None]:
-        read_fd, write_fd = os.pipe()
-        out_fd = os.dup(2)
-        with self._lock:
-            self._tail.clear()
-        thread = threading.Thread(
-            target=self._pump, args=(read_fd, out_fd), name="rljob-sglang-stderr", daemon=True
-        )
-        thread.start()
-        self._pump_thread = thread
-        sys.stderr.flush()
-        os.dup2(write_fd, 2)
-        self._inherited = True
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(out_fd, 2)
-            os.close(write_fd)  # from now on only the children hold it: EOF when they are gone
-            self._inherited = False
-
-    def _pump(self, read_fd: int, out_fd: int) -> None:
-        try:
-            while chunk := os.read(read_fd, 65536):
-                with self._lock:
-                    self._tail += chunk
-                    del self._tail[:-CHILD_TAIL_BYTES]
-                view = memoryview(chunk)
-                while view:
-                    try:
-                        view = view[os.write(out_fd, view) :]
-                    except OSError:
-                        break
-        finally:
-            os.close(read_fd)
-            os.close(out_fd)
-
-    def last_words(self, wait_seconds: float = 2.0) -> str:
-        """The children's last output: waits (bounded) for the pipe's end once they are gone;
-        during start-up this process still holds the pipe, so only briefly, for the pump."""
-        thread = self._pump_thread
-        if thread is not None:
-            thread.join(wait_seconds if not self._inherited else 0.3)
-        with self._lock:
-            return self._tail.decode(errors="replace")
-
-
-_child_stderr = _ChildStderr()
-
-
-def child_failure_line(text: str) -> tuple[str | None, bool]:
-    """(the line that says why a child failed, whether it is a CUDA OOM) from its last words:
-    the last OOM line if any, else the last line naming an error; (None, False) if none does."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if any(m in line for m in CHILD_OOM_MARKERS) and not any(
-            m in line for m in CHILD_BENIGN_MARKERS
-        ):
-            return line[:1000], True
-    for line in reversed(lines):
-        if "Error" in line or "Exception" in line:
-            return line[:1000], False
-    return None, False
-
-
-def child_failure(call: str | None = None) -> SGLangProcessFailed:
-    """The error for a failed sglang process: an SGLangProcessOutOfMemory where its last words
-    name a CUDA OOM, else SGLangProcessFailed quoting its last error line where there is one."""
-    where = f"Engine.{call}: " if call else ""
-    line, oom = child_failure_line(_child_stderr.last_words())
-    if oom:
-        return SGLangProcessOutOfMemory(
-            f"CUDA out of memory in an sglang process: {where}its last words: {line}"
-        )
-    if line is not None:
-        return SGLangProcessFailed(
-            f"{where}an sglang process failed and signalled SIGQUIT; its last error: {line}"
-        )
-    return SGLangProcessFailed(f"{where}{CHILD_FAILED_MESSAGE}")
-
-
+# The SIGQUIT handlers stay beside the adapter that installs them: the running-phase handler
+# calls _on_sglang_child_failure by this module's name for it, which a test replaces.
 def _on_sglang_child_failure(signum: int, frame: object) -> None:
     """sglang's processes send SIGQUIT to the engine's owner when they fail (a scheduler that
     cannot fit weights and a KV pool, a crash mid-run). sglang's own handler then kills the
@@ -419,31 +173,6 @@ def _on_sglang_child_failure(signum: int, frame: object) -> None:
     loop.call_soon_threadsafe(loop.stop)
 
 
-class _Guarded:
-    """sglang.Engine whose calls, once one of its processes failed, raise SGLangProcessFailed
-    (the call's own error, e.g. 'Event loop stopped before Future completed.', as the cause)."""
-
-    def __init__(self, engine: Any) -> None:
-        self._target = engine
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self._target, name)
-        if not callable(attribute):
-            return attribute
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if _child_failed.is_set():
-                raise child_failure(name)
-            try:
-                return attribute(*args, **kwargs)
-            except Exception as error:
-                if _child_failed.is_set():
-                    raise child_failure(name) from error
-                raise
-
-        return call
-
-
 def _reclaim_sigquit(engine: Any) -> None:
     """Put _on_sglang_child_failure back as this process's SIGQUIT handler.
 
@@ -463,18 +192,6 @@ def _reclaim_sigquit(engine: Any) -> None:
     if loop is not None:
         loop.remove_signal_handler(signal.SIGQUIT)
     signal.signal(signal.SIGQUIT, _on_sglang_child_failure)
-
-
-def _patch_tensor_reductions(contract: SGLangContract) -> None:
-    """Make CUDA tensors this process hands to sglang travel by device UUID (idempotent).
-
-    Tensors cross into the scheduler processes by CUDA IPC; sglang's own weight_sync/utils.py
-    patches the producer side too (0.5.17 and 0.5.23), so a device stays right when the scheduler
-    sees a different CUDA_VISIBLE_DEVICES than this process (Ray actors, a tensor-parallel
-    group's union).
-    """
-    patch_module, patch_function = contract.tensor_reduction_patch
-    getattr(importlib.import_module(patch_module), patch_function)()
 
 
 def _load_engine_class() -> Callable[..., Any]:
@@ -505,72 +222,6 @@ def _patch_running_phase_sigquit() -> None:
     handler sglang's loop had registered (the rank died with -9, no report). Idempotent."""
     module, cls, method = RUNNING_PHASE_SIGQUIT
     setattr(getattr(importlib.import_module(module), cls), method, _running_phase_sigquit_handler)
-
-
-@dataclass(frozen=True)
-class TensorHandoff:
-    """How one rank hands its full tensors to a tensor-parallel engine's schedulers.
-
-    `serialize(tensor)` turns a tensor into an IPC handle (bytes); `local_tensor(values=[...])`
-    wraps one handle per TP rank, and TP rank i's scheduler loads values[i], a tensor on its
-    own GPU, so no scheduler reads another GPU's memory.
-    """
-
-    serialize: Callable[[Any], bytes]
-    local_tensor: Callable[..., Any]
-    # sglang's FlattenedTensorMetadata where the flattened-bucket path is taken, else None:
-    # then each rank serializes one {"flattened_tensor", "metadata"} per bucket instead.
-    flattened_metadata: Callable[..., Any] | None = None
-
-
-# RLJOB_SGLANG_WEIGHT_SYNC: "tensors" (the default: one tensor per parameter, the path the GPU
-# tests verified), "auto" (flattened buckets where the installed sglang has them), or
-# "flattened_bucket" (required: an error where sglang lacks it). The flattened path is opt-in
-# until it has run on a GPU (docs/performance.md); bench/colocate.py --sync-path measures each.
-WEIGHT_SYNC_ENV = "RLJOB_SGLANG_WEIGHT_SYNC"
-WEIGHT_SYNC_PATHS = ("auto", "tensors", "flattened_bucket")
-DEFAULT_WEIGHT_SYNC = "tensors"
-
-
-def flattened_bucket_metadata(contract: SGLangContract) -> Callable[..., Any] | None:
-    """sglang's metadata class of the flattened-bucket path, found by import (the feature, not
-    the version number), or None where the path is not taken: RLJOB_SGLANG_WEIGHT_SYNC says
-    "tensors", or (under "auto") the contract has none or the installed sglang lacks the class."""
-    choice = os.environ.get(WEIGHT_SYNC_ENV, DEFAULT_WEIGHT_SYNC).strip().lower()
-    choice = choice or DEFAULT_WEIGHT_SYNC
-    if choice not in WEIGHT_SYNC_PATHS:
-        raise ValueError(f"{WEIGHT_SYNC_ENV}={choice!r} must be one of {WEIGHT_SYNC_PATHS}")
-    if choice == "tensors":
-        return None
-    found: Callable[..., Any] | None = None
-    if contract.flattened_bucket is not None:
-        module, cls, _load_format = contract.flattened_bucket
-        try:
-            found = getattr(importlib.import_module(module), cls)
-        except (ImportError, AttributeError):
-            found = None
-    if found is None and choice == "flattened_bucket":
-        raise SGLangVersionError(
-            f"{WEIGHT_SYNC_ENV}=flattened_bucket, but sglang {contract.release} here has no "
-            "flattened-bucket weight update (sglang.srt.weight_sync.tensor_bucket); unset it to "
-            "hand over one tensor per parameter"
-        )
-    return found
-
-
-def load_tensor_handoff() -> TensorHandoff:
-    """sglang's own serializer and per-rank wrapper (the contract's serializer, local_tensor),
-    and its flattened-bucket metadata where that path is taken (flattened_bucket_metadata)."""
-    contract = installed_contract()
-    _patch_tensor_reductions(contract)
-    module, cls, method = contract.serializer
-    serializer = getattr(importlib.import_module(module), cls)
-    module, cls, _field = contract.local_tensor
-    return TensorHandoff(
-        serialize=getattr(serializer, method),
-        local_tensor=getattr(importlib.import_module(module), cls),
-        flattened_metadata=flattened_bucket_metadata(contract),
-    )
 
 
 class SGLangEngine:

@@ -1,0 +1,65 @@
+"""spec.checkpoint and spec.export: where and how often a job saves what a resumed run
+needs, and where the trained policy is exported.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from rljob.api._base import _Spec
+
+
+class ResumeMode(StrEnum):
+    AUTO = "Auto"
+    NEVER = "Never"
+
+
+class CheckpointMode(StrEnum):
+    ASYNC = "Async"
+    SYNC = "Sync"
+
+
+class CheckpointSpec(_Spec):
+    """Where and how often the job saves what a resumed run needs (docs/checkpoints.md)."""
+
+    path: str = Field(
+        min_length=1,
+        description="A directory (in a mounted volume on a cluster): each checkpoint is a "
+        "subdirectory iteration-NNNNNNNN, complete once its COMPLETE marker is written.",
+    )
+    every_iterations: int = Field(
+        default=1, ge=1, description="Save after the train stage of every N-th iteration."
+    )
+    keep: int = Field(
+        default=2,
+        ge=1,
+        description="The newest N complete checkpoints stay; an older one is deleted only after "
+        "a newer one is complete.",
+    )
+    resume: ResumeMode = Field(
+        default=ResumeMode.AUTO,
+        description="Auto: a new attempt (or run) continues from the newest complete checkpoint "
+        "under path. Never: always start at iteration 0.",
+    )
+    mode: CheckpointMode = Field(
+        default=CheckpointMode.ASYNC,
+        description="Async: the loop stops only to copy the training state to host memory; the "
+        "files are written behind the next stages, complete once every rank's part and the "
+        "marker are durable (the next save and the job's end wait for it). Sync: the checkpoint "
+        "stage ends with the checkpoint complete.",
+    )
+
+
+class ExportSpec(_Spec):
+    """The trained policy as a Hugging Face directory (safetensors, config.json, tokenizer)."""
+
+    path: str = Field(
+        min_length=1,
+        description="Directory written at the end of the run (replaced atomically); with "
+        "withCheckpoints, also as iteration-NNNNNNNN/ under it with each checkpoint.",
+    )
+    with_checkpoints: bool = Field(
+        default=False, description="Also export the policy with every checkpoint."
+    )

@@ -1,0 +1,163 @@
+"""RLJobSpec, the whole spec: its sections, and the rules across them (CEL at admission, checked
+by the model as well).
+"""
+
+from __future__ import annotations
+
+from pydantic import ConfigDict, Field, model_validator
+
+from rljob.api._base import CrossFieldRule, _cel_rules, _check_rules, _Spec
+from rljob.api.algorithm import AlgorithmSpec
+from rljob.api.checkpoint import CheckpointSpec, ExportSpec
+from rljob.api.data import DataSpec
+from rljob.api.memory import MemoryPlanSpec, OffloadMode, OOMPolicySpec
+from rljob.api.model import ModelSpec
+from rljob.api.resources import ResourcesSpec
+from rljob.api.reward import RewardSpec
+from rljob.api.rollout import AUTO, EngineName, RolloutSpec
+from rljob.api.training import TrainingSpec
+from rljob.api.volumes import (
+    JOB_CONFIG_VOLUME,
+    MOUNTS_NAME_VOLUMES_RULE,
+    OPERATOR_ENV,
+    SHM_VOLUME,
+    SUPPORTED_VOLUME_SOURCES,
+    EnvFromSource,
+    EnvVars,
+    VolumeMounts,
+    Volumes,
+)
+
+TP_DIVIDES_RANKS_RULE = CrossFieldRule(
+    cel="(self.resources.gpusPerWorker > 0 ? self.resources.gpusPerWorker "
+    ": self.resources.cpuRanksPerWorker) % self.rollout.tensorParallelSize == 0",
+    message="rollout.tensorParallelSize must divide the ranks of one worker "
+    "(resources.gpusPerWorker, or resources.cpuRanksPerWorker when that is 0)",
+    field_path=".rollout.tensorParallelSize",
+    check=lambda s: s.resources.ranks_per_worker % s.rollout.tensor_parallel_size == 0,
+)
+SGLANG_NEEDS_GPU_RULE = CrossFieldRule(
+    cel="self.rollout.engine != 'sglang' || self.resources.gpusPerWorker >= 1",
+    message="rollout.engine sglang needs resources.gpusPerWorker >= 1 (use engine torch on CPU)",
+    field_path=".resources.gpusPerWorker",
+    check=lambda s: s.rollout.engine != EngineName.SGLANG or s.resources.gpus_per_worker >= 1,
+)
+
+
+def _min_fraction_problem(s: RLJobSpec) -> str | None:
+    """Checked by the models only: CEL cannot read memFractionStatic (an untyped field)."""
+    fraction = s.rollout.mem_fraction_static
+    if s.oom_policy.max_retries == 0 or fraction == AUTO or s.oom_policy.min_fraction <= fraction:
+        return None
+    return (
+        "spec.oomPolicy.minFraction: oomPolicy.minFraction must not exceed "
+        "rollout.memFractionStatic (retries only lower the fraction)"
+    )
+
+
+SPEC_RULES: tuple[CrossFieldRule, ...] = (
+    TP_DIVIDES_RANKS_RULE,
+    SGLANG_NEEDS_GPU_RULE,
+    MOUNTS_NAME_VOLUMES_RULE,
+)
+
+
+DEFAULT_STARTUP_TIMEOUT_SECONDS = 900
+
+
+class RLJobSpec(_Spec):
+    """A colocated RL job: FSDP training and a rollout engine on the same GPUs."""
+
+    model_config = ConfigDict(json_schema_extra=_cel_rules(*SPEC_RULES))
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    volumes: Volumes = Field(
+        default=[],
+        description="Volumes of the Ray pods (head and workers). Supported sources: "
+        + ", ".join(SUPPORTED_VOLUME_SOURCES)
+        + f". Not {JOB_CONFIG_VOLUME} or {SHM_VOLUME} (the operator's own).",
+    )
+    volume_mounts: VolumeMounts = Field(
+        default=[],
+        description="Mounts of spec.volumes in the Ray containers (head and workers).",
+    )
+    env: EnvVars = Field(
+        default=[],
+        description="Environment of the Ray containers (head and workers): value, or valueFrom "
+        "a secretKeyRef or configMapKeyRef (HF_TOKEN from a Secret). Not the names the "
+        "operator sets: " + ", ".join(OPERATOR_ENV) + ".",
+    )
+    env_from: list[EnvFromSource] = Field(
+        default=[],
+        max_length=32,
+        description="Secrets or ConfigMaps whose every key becomes an env var of the Ray "
+        "containers (spec.env and the operator's own variables win on a name).",
+    )
+    suspend: bool = Field(
+        default=False, description="true deletes the RayJob's pods and keeps the RLJob."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None,
+        ge=0,
+        description="Delete the Ray cluster (its pods) this long after the job finishes; the "
+        "RayJob and the RLJob with its status stay. Unset means 0: as soon as it finishes.",
+    )
+
+    startup_timeout_seconds: int = Field(
+        default=DEFAULT_STARTUP_TIMEOUT_SECONDS,
+        ge=1,
+        le=7 * 24 * 3600,
+        description="A job whose Ray job is not running this long after it was created (or "
+        "resumed) fails with reason StartupTimeout and the last cause seen; the operator then "
+        "suspends its RayJob, so KubeRay deletes its pods (docs/status-and-events.md).",
+    )
+    backoff_limit: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="How many times KubeRay runs a failed Ray job again on a new Ray cluster "
+        "(the RayJob's backoffLimit): a lost pod, a crashed rank. With spec.checkpoint "
+        "(resume Auto) each run continues from the newest complete checkpoint "
+        "(docs/checkpoints.md). OOMs are the OOM policy's (spec.oomPolicy), not this.",
+    )
+    memory_plan: MemoryPlanSpec = Field(
+        default_factory=MemoryPlanSpec,
+        description="Admission by the per-stage memory plan (docs/memory-plan.md).",
+    )
+    offload: OffloadMode = Field(
+        default=OffloadMode.AUTO,
+        description="Auto: offload optimizer state and training params only when, and only as "
+        "much as, the memory plan says the engine needs (within training.offloadOptimizer and "
+        "training.offloadParams). Always: offload as those two flags say.",
+    )
+    oom_policy: OOMPolicySpec = Field(
+        default_factory=OOMPolicySpec,
+        description="Bounded retries after a CUDA OOM (a container OOMKilled is not retried).",
+    )
+    checkpoint: CheckpointSpec | None = Field(
+        default=None,
+        description="Periodic checkpoints and resume from the newest (docs/checkpoints.md).",
+    )
+    export: ExportSpec | None = Field(
+        default=None,
+        description="The trained policy as a Hugging Face directory (docs/checkpoints.md).",
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> RLJobSpec:
+        _check_rules(self, SPEC_RULES, "spec")
+        problem = _min_fraction_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the colocated loop: one per GPU; on CPU, cpuRanksPerWorker per worker."""
+        return self.resources.workers * self.resources.ranks_per_worker

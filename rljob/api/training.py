@@ -1,0 +1,38 @@
+"""spec.training: FSDP training of the policy and what it offloads during rollout."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rljob.api._base import _Spec
+
+
+class TrainingSpec(_Spec):
+    """FSDP training of the policy (verl: actor_rollout_ref.actor)."""
+
+    strategy: Literal["fsdp2"] = Field(
+        default="fsdp2", description="torch.distributed.fsdp.fully_shard over all ranks."
+    )
+    micro_batch_size: int = Field(
+        default=2,
+        ge=1,
+        description="Sequences per forward/backward per rank "
+        "(verl: actor.ppo_micro_batch_size_per_gpu).",
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute activations in backward."
+    )
+    offload_optimizer: bool = Field(
+        default=True,
+        description="Move optimizer state to pinned CPU memory during rollout "
+        "(verl: actor.fsdp_config.optimizer_offload).",
+    )
+    offload_params: bool = Field(
+        default=True,
+        description="Move training parameters to CPU during rollout "
+        "(verl: actor.fsdp_config.param_offload). Staged wake-up frees them before the "
+        "KV cache is resumed.",
+    )
