@@ -22,7 +22,7 @@ ROOT = Path(__file__).parents[2]
 def test_checked_in_crd_equals_generated_from_models() -> None:
     checked_in = (ROOT / CRD_PATH).read_text()
     assert checked_in == crd_yaml(), (
-        f"{CRD_PATH} drifted from rljob/api.py; regenerate with "
+        f"{CRD_PATH} drifted from rljob/api/; regenerate with "
         f"`python -m rljob_operator.crdgen --out {CRD_PATH}`"
     )
 

@@ -122,7 +122,7 @@ def test_dockerignore_keeps_venv_git_tests_and_caches_out_of_the_context() -> No
     for path in [".venv/bin/python", ".git/HEAD", "tests/unit", "out/x", "charts/rljob"]:
         assert not in_build_context(path), path
     assert not in_build_context("rljob/__pycache__/api.cpython-311.pyc")
-    assert in_build_context("rljob/api.py")
+    assert in_build_context("rljob/api/__init__.py")
     assert in_build_context("operator/rljob_operator/main.py")
     assert not in_build_context("operator/Dockerfile")
 

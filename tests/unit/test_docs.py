@@ -128,7 +128,7 @@ def test_docs_pages_named_in_code_and_examples_exist() -> None:
 def test_checked_in_spec_reference_equals_generated_from_models() -> None:
     checked_in = (ROOT / SPEC_DOC_PATH).read_text()
     assert checked_in == spec_doc(), (
-        f"{SPEC_DOC_PATH} drifted from rljob/api.py; regenerate with "
+        f"{SPEC_DOC_PATH} drifted from rljob/api/; regenerate with "
         f"`rljob spec-doc --out {SPEC_DOC_PATH}` (or `make crd`)"
     )
 
