@@ -2,18 +2,19 @@
 
 The random builtin:tiny-qwen2 never writes a tool call, so every GRPO group on builtin:calculator
 is flat (reward 0) and RL has nothing to learn from. Practitioners start agentic RL from a model
-that already calls tools now and then; this makes one on the CPU in a minute or two:
+that already calls tools now and then; this makes one on the CPU (~5 minutes on 2 shared vCPUs):
 
     .venv/bin/python bench/converging/multi_turn_warmstart.py --out out/mt-warmstart
 
 It fine-tunes builtin:tiny-qwen2 on synthetic calculator conversations built with the rollout's
 own code paths (the task's prompt ids, the Hermes `<tool_call>` parsed by agentic/tool_calls.py
 and run by the rollout's ToolSet, the tool turn from ChatFormat.tool_turn), loss on the model's
-turns only, and saves an HF directory (model + tokenizer). On purpose imperfect (few steps, and
-a share of conversations whose call has a wrong expression or that answer without a call), so
-that RL starts with some correct calls and variance inside its groups. The saved config's
+turns only, and saves an HF directory (model + tokenizer). On purpose imperfect: half the
+conversations call with a wrong expression (one digit changed) and a fifth answer a random number
+without a call, so that RL starts with a minority of correct calls and variance inside its
+groups. The saved config's
 max_position_embeddings is raised from 256 to --context (RoPE has no learned positions): a
-conversation (192 prompt tokens, ~104 for the call, ~30 for the tool turn, ~14 for the answer)
+conversation (192 prompt tokens, ~104 for the call, ~30 for the tool turn, ~8 for the answer)
 does not fit 256.
 """
 
