@@ -124,14 +124,17 @@ class OOMRecord(_Model):
 
 class MultiTurnFigures(_Model):
     """One iteration's multi-turn rollout, all ranks (docs/multi-turn.md): model turns per
-    conversation, tool calls, those that failed (an error text to the model) or timed out, and
-    conversations cut off at the trajectory budget or maxTurns (trained, loss-masked)."""
+    conversation, tool calls, those that failed (an error text to the model) or timed out,
+    conversations cut off at the trajectory budget or maxTurns (trained, loss-masked), and
+    those in which a tool answered with the problem's answer (the tool was called correctly)."""
 
     turns_mean: float = Field(ge=0)
     tool_calls: int = Field(ge=0)
     tool_errors: int = Field(ge=0)
     tool_timeouts: int = Field(ge=0)
     cut_off: int = Field(ge=0)
+    # Conversations in which a tool's result was the problem's answer (a correct tool call).
+    answer_from_tool: int = Field(default=0, ge=0)
     # Prompt tokens the engines found cached / prompt tokens sent, where they report it (sglang).
     prefix_cache_hit_rate: float | None = None
 

@@ -354,6 +354,29 @@ def test_max_turns_and_tool_timeouts_end_or_continue_as_documented(tokenizer: An
     )
 
 
+def test_a_conversation_counts_as_answered_by_a_tool_only_when_a_result_is_the_answer(
+    tokenizer: Any,
+) -> None:
+    # 12*3+5 = 41: right call; a wrong expression; no call; a failing call then the right one.
+    prompts = _prompts(tokenizer, 4)
+    engine = ScriptedEngine(_encode(tokenizer), {
+        prompts[0]: [call("calculator", expression="12*3+5"), "Answer: 41"],
+        prompts[1]: [call("calculator", expression="12*3+6"), "Answer: 42"],
+        prompts[2]: ["Answer: 41"],
+        prompts[3]: [call("calculator", expression="12*"), call("python", expression="12*3+5"),
+                     "Answer: 41"],
+    }, tokenizer.eos_token_id)  # fmt: skip
+    trajectories = asyncio.run(
+        _rollout(tokenizer, [engine], LIMITS).run([list(p) for p in prompts], SAMPLING)
+    )
+    assert [t.tool_results[-1:] for t in trajectories] == [["41"], ["42"], [], ["41"]]
+    counts = RolloutCounts.of(trajectories, ["41"] * 4)
+    assert counts.answer_from_tool == 2 and counts.tool_calls == 4 and counts.tool_errors == 1
+    assert RolloutCounts.of(trajectories).answer_from_tool == 0  # no answers given: none known
+    with pytest.raises(ValueError, match="3 answers for 4 trajectories"):
+        RolloutCounts.of(trajectories, ["41"] * 3)
+
+
 def test_long_tool_results_are_cut_to_their_token_budget(tokenizer: Any) -> None:
     chat = ChatFormat(tokenizer, [])
     turn = chat.tool_turn(["1234567890" * 10, "7"], ended_with_eos=True, max_result_tokens=3)

@@ -326,10 +326,9 @@ class _MultiTurnRollout(_Rollout):
         # max_new_tokens: each turn asks for what is left of the trajectory's budget.
         sampling = self._sampling(iteration, max_new_tokens=1)
         trajectories = run_on(self.engine, self.multi_turn.run(prompts, sampling))
-        self.counts = RolloutCounts.of(trajectories)
-        scored = self.scorer(
-            [p for p in problems for _ in range(group)], [t.last_turn_text for t in trajectories]
-        )
+        asked = [p for p in problems for _ in range(group)]
+        self.counts = RolloutCounts.of(trajectories, [str(p.answer) for p in asked])
+        scored = self.scorer(asked, [t.last_turn_text for t in trajectories])
         self.reward_errors = scored.errors
         return Experience(
             [t.prompt_ids for t in trajectories],

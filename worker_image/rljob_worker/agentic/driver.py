@@ -49,6 +49,7 @@ class Trajectory:
     truncated_tool_results: int = 0
     ending: Ending | None = None
     last_turn_text: str = ""  # the final model turn, decoded: what the reward reads
+    tool_results: list[str] = field(default_factory=list)  # every call's answer, in order
     # Prompt tokens sent over all turns, and those the engine had cached (None: not reported).
     prompt_tokens: int = 0
     cached_tokens: int | None = None
@@ -95,10 +96,23 @@ class RolloutCounts:
     cut_off: int = 0
     prompt_tokens: int = 0
     cached_tokens: int | None = None
+    # Conversations in which a tool's result was the problem's answer: the tool was called
+    # correctly (what the model then wrote is the reward's business).
+    answer_from_tool: int = 0
 
     @classmethod
-    def of(cls, trajectories: Sequence[Trajectory]) -> RolloutCounts:
+    def of(
+        cls, trajectories: Sequence[Trajectory], answers: Sequence[str] | None = None
+    ) -> RolloutCounts:
+        """The figures of `trajectories`; `answers` (one per trajectory, the ground truth as
+        text) counts those a tool answered."""
         cached = [t.cached_tokens for t in trajectories if t.cached_tokens is not None]
+        if answers is not None and len(answers) != len(trajectories):
+            raise ValueError(f"{len(answers)} answers for {len(trajectories)} trajectories")
+        answered = sum(
+            any(result.strip() == answer.strip() for result in t.tool_results)
+            for t, answer in zip(trajectories, answers or (), strict=False)
+        )
         return cls(
             conversations=len(trajectories),
             turns=sum(t.turns for t in trajectories),
@@ -108,6 +122,7 @@ class RolloutCounts:
             cut_off=sum(t.cut_off for t in trajectories),
             prompt_tokens=sum(t.prompt_tokens for t in trajectories),
             cached_tokens=sum(cached) if cached else None,
+            answer_from_tool=answered,
         )
 
 
@@ -184,6 +199,7 @@ class MultiTurnRollout:
     ) -> None:
         outcomes = await asyncio.gather(*(self.tools.run(c) for c in calls))
         t.tool_calls += len(calls)
+        t.tool_results += [o.text for o in outcomes]
         t.tool_errors += sum(o.error for o in outcomes)
         t.tool_timeouts += sum(o.timed_out for o in outcomes)
         turn = self.chat.tool_turn(

@@ -113,6 +113,7 @@ def _add_multi_turn(report: IterationReport, counts: list[RolloutCounts]) -> Non
         tool_errors=sum(c.tool_errors for c in counts),
         tool_timeouts=sum(c.tool_timeouts for c in counts),
         cut_off=sum(c.cut_off for c in counts),
+        answer_from_tool=sum(c.answer_from_tool for c in counts),
         prefix_cache_hit_rate=None if hit is None else float(f"{hit:.{METRIC_DIGITS}g}"),
     )
 
