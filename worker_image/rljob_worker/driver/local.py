@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import queue
 import socket
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +19,12 @@ from rljob.api import CheckpointFailure, ResumePoint, RLJobSpec, RLJobStatus
 from rljob.report import IterationReport, OOMRecord, StageSample
 from rljob_worker.checkpoint import SavedCheckpoint
 from rljob_worker.driver import driver_status, iteration_reports
+from rljob_worker.driver.rank_process import (
+    free_port,
+    quiet_environment,
+    rank_configs,
+    run_in_process_group,
+)
 from rljob_worker.loop import RankConfig, RankEvent, RankIteration
 from rljob_worker.memory import OOMInjection
 
@@ -90,12 +94,6 @@ class LocalRun:
             self.checkpoints.append(event)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _rank_main(
     spec_json: str,
     config: RankConfig,
@@ -105,25 +103,11 @@ def _rank_main(
     timeout_seconds: float,
 ) -> None:
     """Entry point of one rank's process."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch.distributed as dist
-    from transformers.utils import logging as hf_logging
-
-    from rljob_worker.loop import join_process_group, run_rank
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    error: str | None = None
-    try:
-        join_process_group(config, init_method, threads_per_rank, timeout_seconds)
-        run_rank(RLJobSpec.model_validate_json(spec_json), config, events.put)
-    except BaseException:  # reported to the driver, which decides; nothing is swallowed
-        error = traceback.format_exc()
-    finally:
-        events.put(_Exit(config.rank, error))
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    quiet_environment()
+    run_in_process_group(
+        spec_json, config, init_method, events.put, threads_per_rank, timeout_seconds,
+        report_exit=lambda error: events.put(_Exit(config.rank, error)),
+    )  # fmt: skip
 
 
 def _end_ranks(
@@ -169,17 +153,15 @@ def run_local(
     resolve_model_path(spec.model.path)
     context = mp.get_context("spawn")
     events = context.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    configs = rank_configs(
+        [f"cuda:{rank}" if device == "cuda" else "cpu" for rank in range(ranks)],
+        [socket.gethostname()] * ranks,
+        inject_oom=inject_oom,
+        verify_weights=verify_weights,
+    )
     processes = []
-    for rank in range(ranks):
-        config = RankConfig(
-            rank=rank,
-            world_size=ranks,
-            device=f"cuda:{rank}" if device == "cuda" else "cpu",
-            node=socket.gethostname(),
-            inject_oom=inject_oom,
-            verify_weights=verify_weights,
-        )
+    for rank, config in enumerate(configs):
         process = context.Process(
             target=_rank_main,
             args=(

@@ -7,7 +7,6 @@ driver as they happen, and a rank that dies or raises ends the job within second
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -30,6 +29,12 @@ from rljob_worker.driver.failure import (
     plain,
 )
 from rljob_worker.driver.local import GRACE_SECONDS, LocalRun
+from rljob_worker.driver.rank_process import (
+    free_port,
+    quiet_environment,
+    rank_configs,
+    run_in_process_group,
+)
 from rljob_worker.loop import RankConfig, RankEvent, RankIteration
 from rljob_worker.memory import OOMInjection
 
@@ -53,17 +58,14 @@ class RankWorker:
     """One rank's colocated worker, as a Ray actor: where it runs, then `run` for the whole job."""
 
     def __init__(self) -> None:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        quiet_environment()
 
     def where(self) -> tuple[str, str]:
         """(node IP, host name): the IP for the rendezvous, the host name (the pod) for people."""
         return ray.util.get_node_ip_address(), socket.gethostname()
 
     def free_port(self) -> int:
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return int(sock.getsockname()[1])
+        return free_port("")
 
     def run(
         self,
@@ -75,26 +77,12 @@ class RankWorker:
         collective_timeout_seconds: float,
     ) -> None:
         """Join the process group and run every iteration; each event is put on `events` before
-        the rank moves on, so what it measured survives its death."""
-        import torch.distributed as dist
-        from transformers.utils import logging as hf_logging
-
-        from rljob_worker.loop import join_process_group, run_rank
-        from rljob_worker.model import resolve_model_path
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        spec = RLJobSpec.model_validate_json(spec_json)
-        # Build a builtin model into the node's cache before the process group exists: with
-        # torch.distributed initialised, transformers' save_pretrained writes only on rank 0, and
-        # another rank would publish a copy without weights.
-        resolve_model_path(spec.model.path)
-        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so its device is always cuda:0.
-        join_process_group(config, init_method, threads_per_rank, collective_timeout_seconds)
-        try:
-            run_rank(spec, config, events.put)
-        finally:
-            dist.destroy_process_group()
+        the rank moves on, so what it measured survives its death. Ray sets
+        CUDA_VISIBLE_DEVICES to this actor's GPU, so its device is always cuda:0."""
+        run_in_process_group(
+            spec_json, config, init_method, events.put, threads_per_rank,
+            collective_timeout_seconds, build_model=True,
+        )  # fmt: skip
 
 
 @dataclass
@@ -247,16 +235,14 @@ def run_ray(
             sorted(set(run.nodes.values())),
             init_method,
         )
+        configs = rank_configs(
+            ["cuda:0" if gpu else "cpu"] * world,
+            [host for _ip, host in located],
+            inject_oom=inject_oom,
+            verify_weights=verify_weights,
+        )
         pending = {}
-        for rank, actor in enumerate(actors):
-            config = RankConfig(
-                rank=rank,
-                world_size=world,
-                device="cuda:0" if gpu else "cpu",
-                node=located[rank][1],
-                inject_oom=inject_oom,
-                verify_weights=verify_weights,
-            )
+        for rank, (actor, config) in enumerate(zip(actors, configs, strict=True)):
             ref = actor.run.remote(
                 spec.model_dump_json(),
                 config,
