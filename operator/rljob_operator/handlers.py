@@ -177,7 +177,7 @@ def _checked(spec: Mapping[str, Any], status: Mapping[str, Any], **_: Any) -> bo
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=STARTUP_CHECK_SECONDS, when=_checked)
-async def startup_deadline(
+async def check_startup_and_oom_policy(
     body: kopf.Body, name: str, namespace: str | None, uid: str, logger: kopf.Logger, **_: Any
 ) -> None:
     """A job whose Ray job is not running by spec.startupTimeoutSeconds fails (StartupTimeout,
@@ -255,8 +255,9 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
     children of a retry recorded in status.attempts whose RayJob does not exist yet, or decide
     on a failed attempt whose OOM record arrived after KubeRay's failure. Everything is read
     again under the job's lock, so a stale event does nothing; a failure here is logged, and
-    the timer (startup_deadline, every STARTUP_CHECK_SECONDS while the job is Pending or its
-    late OOM is undecided), the next change of the RLJob or the operator's resume tries again."""
+    the timer (check_startup_and_oom_policy, every STARTUP_CHECK_SECONDS while the job is
+    Pending or its late OOM is undecided), the next change of the RLJob or the operator's
+    resume tries again."""
     try:
         with LOCKS.hold(namespace, name):
             rljob = kube.get_rljob(namespace, name)
