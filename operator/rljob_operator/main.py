@@ -95,38 +95,29 @@ def ensure_peering(name: str, namespaces: list[str], wait_seconds: float | None 
         wait_seconds = PEERING_WAIT_SECONDS if release else 0.0
     api = client.CustomObjectsApi()
     targets: list[tuple[Callable[[], object], Callable[[], object]]] = []
-    for ns in namespaces:
-        body = {
-            "apiVersion": "kopf.dev/v1",
-            "kind": "KopfPeering",
-            "metadata": {"name": name},
-        }
-        targets.append(
-            (
-                functools.partial(
-                    api.get_namespaced_custom_object, "kopf.dev", "v1", ns, "kopfpeerings", name
-                ),
-                functools.partial(
-                    api.create_namespaced_custom_object, "kopf.dev", "v1", ns, "kopfpeerings", body
-                ),
+    # One KopfPeering per watched namespace, or one ClusterKopfPeering when kopf watches all.
+    peers: list[str | None] = [*namespaces] if namespaces else [None]
+    get: Callable[[], object]
+    create: Callable[[], object]
+    for ns in peers:
+        kind = "ClusterKopfPeering" if ns is None else "KopfPeering"
+        body = {"apiVersion": "kopf.dev/v1", "kind": kind, "metadata": {"name": name}}
+        group = ("kopf.dev", "v1")
+        if ns is None:
+            get = functools.partial(
+                api.get_cluster_custom_object, *group, "clusterkopfpeerings", name
             )
-        )
-    if not namespaces:
-        body = {
-            "apiVersion": "kopf.dev/v1",
-            "kind": "ClusterKopfPeering",
-            "metadata": {"name": name},
-        }
-        targets.append(
-            (
-                functools.partial(
-                    api.get_cluster_custom_object, "kopf.dev", "v1", "clusterkopfpeerings", name
-                ),
-                functools.partial(
-                    api.create_cluster_custom_object, "kopf.dev", "v1", "clusterkopfpeerings", body
-                ),
+            create = functools.partial(
+                api.create_cluster_custom_object, *group, "clusterkopfpeerings", body
             )
-        )
+        else:
+            get = functools.partial(
+                api.get_namespaced_custom_object, *group, ns, "kopfpeerings", name
+            )
+            create = functools.partial(
+                api.create_namespaced_custom_object, *group, ns, "kopfpeerings", body
+            )
+        targets.append((get, create))
     try:
         for get, create in targets:
             try:

@@ -212,28 +212,21 @@ def prompts_per_rank(spec: RLJobSpec, world_size: int) -> int:
     return prompts // world_size
 
 
+@dataclass(eq=False)
 class _Rollout:
     """The rollout stage's work: sample prompts, generate group_size responses each, reward."""
 
-    def __init__(
-        self,
-        spec: RLJobSpec,
-        config: RankConfig,
-        engine: RolloutEngine,
-        tokenizer: Any,
-        task: Task,
-        scorer: Scorer,
-    ):
-        self.spec, self.config, self.engine, self.tokenizer, self.task = (
-            spec,
-            config,
-            engine,
-            tokenizer,
-            task,
-        )
-        self.scorer = scorer
-        self.reward_errors = 0  # of the latest rollout
-        self.prompts = prompts_per_rank(spec, config.world_size)
+    spec: RLJobSpec
+    config: RankConfig
+    engine: RolloutEngine
+    tokenizer: Any
+    task: Task
+    scorer: Scorer
+    reward_errors: int = field(default=0, init=False)  # of the latest rollout
+    prompts: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompts = prompts_per_rank(self.spec, self.config.world_size)
 
     def _problems(self, iteration: int) -> list[Problem]:
         world, rank = self.config.world_size, self.config.rank
@@ -272,24 +265,26 @@ class _Rollout:
         )  # fmt: skip
 
 
+@dataclass(eq=False)
 class _MultiTurnRollout(_Rollout):
     """The rollout stage of mode multiTurn: group_size conversations per prompt, driven with
     asyncio over this rank's engine (agentic/driver.py), every one ended or cut off before the
     stage returns (the engine sleeps next)."""
 
-    def __init__(
-        self,
-        spec: RLJobSpec,
-        config: RankConfig,
-        engine: RolloutEngine,
-        tokenizer: Any,
-        task: Task,
-        scorer: Scorer,
-        tools: ToolSet,
-        eos_ids: Sequence[int],
-        context_length: int | None,
-    ):
-        super().__init__(spec, config, engine, tokenizer, task, scorer)
+    tools: ToolSet
+    eos_ids: Sequence[int]
+    context_length: int | None
+    multi_turn: MultiTurnRollout = field(init=False)
+    counts: RolloutCounts = field(init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        spec, engine, tools, context_length = (
+            self.spec,
+            self.engine,
+            self.tools,
+            self.context_length,
+        )
         settings = spec.rollout.multi_turn_settings
         assert settings is not None
         if context_length is not None and spec.data.max_prompt_length >= context_length:
@@ -305,7 +300,7 @@ class _MultiTurnRollout(_Rollout):
             )
         self.multi_turn = MultiTurnRollout(
             EngineRouter([engine]),
-            ChatFormat(tokenizer, tools.schemas),
+            ChatFormat(self.tokenizer, tools.schemas),
             tools,
             Limits(
                 max_turns=settings.max_turns,
@@ -314,7 +309,7 @@ class _MultiTurnRollout(_Rollout):
                 max_concurrent_conversations=settings.max_concurrent_conversations,
                 context_length=context_length,
             ),
-            eos_ids,
+            self.eos_ids,
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
         )
         self.counts = RolloutCounts()  # of the latest rollout

@@ -20,6 +20,7 @@ from rljob.report import IterationReport, OOMRecord, StageSample
 from rljob_worker.checkpoint import SavedCheckpoint
 from rljob_worker.driver import driver_status, iteration_reports
 from rljob_worker.driver.rank_process import (
+    RankLaunch,
     free_port,
     quiet_environment,
     rank_configs,
@@ -94,20 +95,12 @@ class LocalRun:
             self.checkpoints.append(event)
 
 
-def _rank_main(
-    spec_json: str,
-    config: RankConfig,
-    init_method: str,
-    events: Any,
-    threads_per_rank: int,
-    timeout_seconds: float,
-) -> None:
+def _rank_main(launch: RankLaunch, config: RankConfig, events: Any) -> None:
     """Entry point of one rank's process."""
     quiet_environment()
     run_in_process_group(
-        spec_json, config, init_method, events.put, threads_per_rank, timeout_seconds,
-        report_exit=lambda error: events.put(_Exit(config.rank, error)),
-    )  # fmt: skip
+        launch, config, events.put, report_exit=lambda error: events.put(_Exit(config.rank, error))
+    )
 
 
 def _end_ranks(
@@ -153,7 +146,12 @@ def run_local(
     resolve_model_path(spec.model.path)
     context = mp.get_context("spawn")
     events = context.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    launch = RankLaunch(
+        spec.model_dump_json(),
+        f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
+        threads_per_rank,
+        collective_timeout_seconds,
+    )
     configs = rank_configs(
         [f"cuda:{rank}" if device == "cuda" else "cpu" for rank in range(ranks)],
         [socket.gethostname()] * ranks,
@@ -164,14 +162,7 @@ def run_local(
     for rank, config in enumerate(configs):
         process = context.Process(
             target=_rank_main,
-            args=(
-                spec.model_dump_json(),
-                config,
-                init_method,
-                events,
-                threads_per_rank,
-                collective_timeout_seconds,
-            ),
+            args=(launch, config, events),
             name=f"rljob-rank-{rank}",
         )
         process.start()

@@ -8,12 +8,23 @@ import os
 import socket
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from rljob.api import RLJobSpec
 from rljob_worker.loop import RankConfig, RankEvent
 from rljob_worker.memory import OOMInjection
 
 ExitReport = Callable[[str | None], None]
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """What every rank of a job is started with, besides its RankConfig and the event queue."""
+
+    spec_json: str
+    init_method: str  # the process group's rendezvous
+    threads_per_rank: int
+    collective_timeout_seconds: float
 
 
 def rank_configs(
@@ -54,12 +65,9 @@ def quiet_environment() -> None:
 
 
 def run_in_process_group(
-    spec_json: str,
+    launch: RankLaunch,
     config: RankConfig,
-    init_method: str,
     put: Callable[[RankEvent], None],
-    threads_per_rank: int,
-    timeout_seconds: float,
     *,
     build_model: bool = False,
     report_exit: ExitReport | None = None,
@@ -82,12 +90,14 @@ def run_in_process_group(
     hf_logging.disable_progress_bar()
     error: str | None = None
     try:
-        spec = RLJobSpec.model_validate_json(spec_json)
+        spec = RLJobSpec.model_validate_json(launch.spec_json)
         if build_model:
             from rljob_worker.model import resolve_model_path
 
             resolve_model_path(spec.model.path)
-        join_process_group(config, init_method, threads_per_rank, timeout_seconds)
+        join_process_group(
+            config, launch.init_method, launch.threads_per_rank, launch.collective_timeout_seconds
+        )
         run_rank(spec, config, put)
     except BaseException:  # reported to the driver, which decides; nothing is swallowed
         if report_exit is None:

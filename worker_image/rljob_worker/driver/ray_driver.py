@@ -30,6 +30,7 @@ from rljob_worker.driver.failure import (
 )
 from rljob_worker.driver.local import GRACE_SECONDS, LocalRun
 from rljob_worker.driver.rank_process import (
+    RankLaunch,
     free_port,
     quiet_environment,
     rank_configs,
@@ -67,22 +68,11 @@ class RankWorker:
     def free_port(self) -> int:
         return free_port("")
 
-    def run(
-        self,
-        spec_json: str,
-        config: RankConfig,
-        init_method: str,
-        events: Queue,
-        threads_per_rank: int,
-        collective_timeout_seconds: float,
-    ) -> None:
+    def run(self, launch: RankLaunch, config: RankConfig, events: Queue) -> None:
         """Join the process group and run every iteration; each event is put on `events` before
         the rank moves on, so what it measured survives its death. Ray sets
         CUDA_VISIBLE_DEVICES to this actor's GPU, so its device is always cuda:0."""
-        run_in_process_group(
-            spec_json, config, init_method, events.put, threads_per_rank,
-            collective_timeout_seconds, build_model=True,
-        )  # fmt: skip
+        run_in_process_group(launch, config, events.put, build_model=True)
 
 
 @dataclass
@@ -241,16 +231,12 @@ def run_ray(
             inject_oom=inject_oom,
             verify_weights=verify_weights,
         )
+        launch = RankLaunch(
+            spec.model_dump_json(), init_method, threads_per_rank, collective_timeout_seconds
+        )
         pending = {}
         for rank, (actor, config) in enumerate(zip(actors, configs, strict=True)):
-            ref = actor.run.remote(
-                spec.model_dump_json(),
-                config,
-                init_method,
-                events,
-                threads_per_rank,
-                collective_timeout_seconds,
-            )
+            ref = actor.run.remote(launch, config, events)
             pending[ref] = rank
         _watch(run, events, pending, actors, on_event, on_iteration, grace_seconds)
         return run

@@ -8,6 +8,7 @@ bucket. SGLang's Engine and the torch reference engine both fit it without chang
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -47,6 +48,35 @@ class Completion:
 def token_ids(completions: Sequence[Completion]) -> list[list[int]]:
     """The responses' token ids alone (what generate() returns)."""
     return [c.token_ids for c in completions]
+
+
+class ColocatedEngine:
+    """What every engine class shares (a RolloutEngine still implements the rest): the two facts
+    the stage machine reads, and generate() as generate_with_logprobs() without the log-probs."""
+
+    _kv_capacity_tokens: int
+    _released: AbstractSet[str]
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds, as sized from mem_fraction_static."""
+        return self._kv_capacity_tokens
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        """Tags whose memory is given back right now."""
+        return frozenset(self._released)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[list[int]]:
+        """Sample one response (token ids, without the prompt) for each prompt."""
+        return token_ids(self.generate_with_logprobs(prompts, sampling))
+
+    def generate_with_logprobs(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[Completion]:
+        raise NotImplementedError(f"{type(self).__name__} must sample with log-probs")
 
 
 @runtime_checkable

@@ -32,9 +32,9 @@ import torch
 from rljob_worker.engines.base import (
     ALL_TAGS,
     TAG_WEIGHTS,
+    ColocatedEngine,
     Completion,
     SamplingParams,
-    token_ids,
 )
 from rljob_worker.engines.sglang_contract import (
     _CONTRACT_0_5_17,
@@ -224,7 +224,7 @@ def _patch_running_phase_sigquit() -> None:
     setattr(getattr(importlib.import_module(module), cls), method, _running_phase_sigquit_handler)
 
 
-class SGLangEngine:
+class SGLangEngine(ColocatedEngine):
     """One `sglang.Engine` in colocated mode (memory saver on), owned by this process.
 
     The engine spans `tp_size` GPUs starting at `base_gpu_id`. Right after start-up every tag is
@@ -308,22 +308,6 @@ class SGLangEngine:
         self._tp_size = tp_size
         self.release(ALL_TAGS)
         _reclaim_sigquit(started)
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """Tokens the KV pool holds (sglang's max_total_num_tokens)."""
-        return self._kv_capacity_tokens
-
-    @property
-    def released_tags(self) -> frozenset[str]:
-        """Tags whose memory is given back right now."""
-        return frozenset(self._released)
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
-    ) -> list[list[int]]:
-        """Sample one response per prompt; needs weights, KV cache and CUDA graphs resident."""
-        return token_ids(self.generate_with_logprobs(prompts, sampling))
 
     def generate_with_logprobs(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
-from rljob_worker.engines.base import Completion, SamplingParams, token_ids
+from rljob_worker.engines.base import ColocatedEngine, Completion, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -161,7 +161,7 @@ def visible_gpus(gpu_ids: Sequence[str]) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-class TensorParallelEngine:
+class TensorParallelEngine(ColocatedEngine):
     """The rollout engine of one rank in a tensor-parallel group (a RolloutEngine).
 
     Built collectively by make_tensor_parallel_engine on every rank of the job.
@@ -184,22 +184,9 @@ class TensorParallelEngine:
         self._released = released_tags
 
     @property
-    def kv_capacity_tokens(self) -> int:
-        return self._kv_capacity_tokens
-
-    @property
-    def released_tags(self) -> frozenset[str]:
-        return self._released
-
-    @property
     def flattened_buckets(self) -> bool:
         """Whether buckets go to sglang flattened (one payload per rank and bucket)."""
         return self._handoff.flattened_metadata is not None
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
-    ) -> list[list[int]]:
-        return token_ids(self.generate_with_logprobs(prompts, sampling))
 
     def generate_with_logprobs(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams

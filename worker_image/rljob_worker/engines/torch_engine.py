@@ -31,9 +31,9 @@ from rljob_worker.engines.base import (
     TAG_CUDA_GRAPH,
     TAG_KV_CACHE,
     TAG_WEIGHTS,
+    ColocatedEngine,
     Completion,
     SamplingParams,
-    token_ids,
 )
 from rljob_worker.engines.paged_qwen2 import (
     NULL_BLOCK,
@@ -90,7 +90,7 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
-class TorchEngine:
+class TorchEngine(ColocatedEngine):
     """A RolloutEngine on one device (see module doc for release and sizing semantics)."""
 
     def __init__(
@@ -167,7 +167,7 @@ class TorchEngine:
             raise KVCapacityError(
                 f"KV capacity {capacity} tokens is below one block ({block_size})"
             )
-        self._capacity_tokens = capacity
+        self._kv_capacity_tokens = capacity
         self._allocator = BlockAllocator(capacity // block_size)
         # [K/V, layer, slot, kv head, head dim]; one extra block for the null block.
         pool_shape = (
@@ -181,13 +181,7 @@ class TorchEngine:
             # As on resume: a failed mapping inside the memory saver can end the process instead
             # of raising, so say it the way torch would while the caller can still report it.
             pool_bytes = math.prod(pool_shape) * self.dtype.itemsize
-            free, total = torch.cuda.mem_get_info(self.device)
-            if pool_bytes > free:
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory. torch engine: KV pool of {capacity} tokens. Tried to "
-                    f"allocate {pool_bytes} bytes. GPU {self.device.index or 0} has a total "
-                    f"capacity of {total} bytes of which {free} bytes is free."
-                )
+            self._check_free_bytes(pool_bytes, f"KV pool of {capacity} tokens")
         with self._saver.region(TAG_KV_CACHE):
             self._kv_pool = torch.empty(pool_shape, dtype=self.dtype, device=self.device)
         self.kv_pool_bytes = self._kv_pool.nbytes
@@ -201,14 +195,6 @@ class TorchEngine:
         )
 
     # -- introspection -------------------------------------------------------------------------
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self._capacity_tokens
-
-    @property
-    def released_tags(self) -> frozenset[str]:
-        return frozenset(self._released)
 
     def parameter_names(self) -> list[str]:
         """Names update_weights accepts (transformers' named_parameters; tied aliases excluded)."""
@@ -298,11 +284,6 @@ class TorchEngine:
         del self._kv_pool
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
-    ) -> list[list[int]]:
-        return token_ids(self.generate_with_logprobs(prompts, sampling))
 
     def generate_with_logprobs(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
@@ -477,13 +458,17 @@ class TorchEngine:
         if self.device.type != "cuda" or not self._saver.releases_device_memory:
             return
         sizes = {TAG_WEIGHTS: self.weight_bytes, TAG_KV_CACHE: self.kv_pool_bytes}
-        needed = sum(sizes.get(tag, 0) for tag in tags)
+        self._check_free_bytes(sum(sizes.get(tag, 0) for tag in tags), f"resuming {list(tags)}")
+
+    def _check_free_bytes(self, needed_bytes: int, what: str) -> None:
+        """Raise torch's OOM error, in its wording, when `needed_bytes` exceed the device's free
+        memory (`what` says what they are for)."""
         free, total = torch.cuda.mem_get_info(self.device)
-        if needed > free:
+        if needed_bytes > free:
             raise torch.OutOfMemoryError(
-                f"CUDA out of memory. torch engine: resuming {list(tags)}. Tried to allocate "
-                f"{needed} bytes. GPU {self.device.index or 0} has a total capacity of {total} "
-                f"bytes of which {free} bytes is free."
+                f"CUDA out of memory. torch engine: {what}. Tried to allocate {needed_bytes} "
+                f"bytes. GPU {self.device.index or 0} has a total capacity of {total} bytes of "
+                f"which {free} bytes is free."
             )
 
     def _check_tags(self, tags: Sequence[str]) -> None:
