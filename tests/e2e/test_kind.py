@@ -50,12 +50,6 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
     cluster.delete_namespace(name)
 
 
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    setattr(item, f"rep_{call.when}", outcome.get_result())  # type: ignore[attr-defined]
-
-
 def finished(
     cluster: Cluster, namespace: str, name: str, seconds: float = FINISH_SECONDS
 ) -> dict[str, Any]:
