@@ -11,7 +11,9 @@
 #   kind node image  systemd + Debian's containerd/runc/CNI plugins + kind's node files (kind Go
 #                    module) + kubelet/kubeadm/kubectl, with the component images imported into
 #                    its containerd: kube-apiserver, -controller-manager, -scheduler, -proxy,
-#                    etcd (Debian's etcd-server), CoreDNS, pause, the pod network daemon
+#                    etcd (Debian's etcd-server), CoreDNS, pause, the pod network daemon,
+#                    and kind's default StorageClass: rancher's local-path provisioner (its
+#                    Go module) with the Debian base as its helper image
 #   KubeRay          its operator (the v1.6.0 module hack/controlplane.sh builds) on an empty image
 #   rljob operator   operator/Dockerfile;   CPU worker   worker_image/Dockerfile.cpu
 # Each image is keyed by a hash of its inputs (Dockerfile, context files, build args, base key)
@@ -40,6 +42,8 @@ KIND_DIR=$CACHE/kind-$KIND_VERSION
 COREDNS_DIR=$CACHE/coredns-$COREDNS_VERSION
 PAUSE_DIR=$CACHE/pause-go
 KUBERAY_DIR=$CACHE/kuberay-$KUBERAY_VERSION
+LOCAL_PATH_DIR=$CACHE/local-path-provisioner-$LOCAL_PATH_PROVISIONER_VERSION
+LOCAL_PATH_MODULE=github.com/rancher/local-path-provisioner
 NODE_BINS=(kubelet kubeadm kube-proxy kube-scheduler)
 KEY_LABEL=dev.rljob.inputs
 export GOFLAGS=${GOFLAGS:--trimpath}
@@ -54,6 +58,7 @@ PYTHON_IMAGE=rljob.local/python:3.11-$DEBIAN_SUITE
 NODE_BASE_IMAGE=rljob.local/kind-base:$KIND_VERSION
 NODE_IMAGE=rljob.local/kind-node:$K8S_VERSION
 NETD_IMAGE=rljob.local/kind-netd:1
+LOCAL_PATH_IMAGE=rljob.local/local-path-provisioner:$LOCAL_PATH_PROVISIONER_VERSION
 KUBERAY_IMAGE=rljob.local/kuberay-operator:$KUBERAY_VERSION
 OPERATOR_IMAGE=rljob.local/operator:e2e
 WORKER_IMAGE=rljob.local/worker-cpu:e2e
@@ -212,6 +217,15 @@ build_pause() {
   (cd "$1" && "$GO" build -ldflags "-s -w" -o out/bin/pause .)
 }
 
+# The provisioner's `main` is its module's root package; its go.mod has no replace lines, so
+# `go install pkg@version` builds it as released (VERSION stamped as its own scripts/build does).
+build_local_path_provisioner() {
+  mkdir -p "$1/out/bin"
+  GOBIN=$1/out/bin "$GO" install -p "$PARALLEL" \
+    -ldflags "-s -w -X main.VERSION=$LOCAL_PATH_PROVISIONER_VERSION" \
+    "$LOCAL_PATH_MODULE@$LOCAL_PATH_PROVISIONER_VERSION"
+}
+
 # go_artifact NAME DEST BUILD_FN CHECK_FILE
 go_artifact() {
   local name=$1 dest=$2 fn=$3 check=$4 work
@@ -240,6 +254,8 @@ go_builds() {
   go_artifact "kubernetes-node-$K8S_VERSION" "$(dirname "$NODE_BIN_DIR")" build_node_bins bin/kubelet
   go_artifact "coredns-$COREDNS_VERSION" "$COREDNS_DIR" build_coredns bin/coredns
   go_artifact pause "$PAUSE_DIR" build_pause bin/pause
+  go_artifact "local-path-provisioner-$LOCAL_PATH_PROVISIONER_VERSION" "$LOCAL_PATH_DIR" \
+    build_local_path_provisioner bin/local-path-provisioner
 }
 
 # --- base images -------------------------------------------------------------------------------
@@ -320,6 +336,7 @@ binary_path() {
     coredns) echo "$COREDNS_DIR/bin/coredns" ;;
     pause) echo "$PAUSE_DIR/bin/pause" ;;
     kuberay-operator) echo "$KUBERAY_DIR/bin/kuberay-operator" ;;
+    local-path-provisioner) echo "$LOCAL_PATH_DIR/bin/local-path-provisioner" ;;
     *) echo "$NODE_BIN_DIR/$1" ;;
   esac
 }
@@ -351,8 +368,9 @@ tools_image() {
 node_key() {
   {
     image_key "$NODE_BASE_IMAGE"
-    echo "$K8S_VERSION $COREDNS_VERSION $PAUSE_VERSION $ETCD_TAG $NETD_IMAGE"
-    sha256sum "$K8S_DIR"/bin/* "$NODE_BIN_DIR"/* "$COREDNS_DIR/bin/coredns" "$PAUSE_DIR/bin/pause" | cut -c1-64
+    echo "$K8S_VERSION $COREDNS_VERSION $PAUSE_VERSION $ETCD_TAG $NETD_IMAGE $LOCAL_PATH_IMAGE $DEBIAN_IMAGE"
+    sha256sum "$K8S_DIR"/bin/* "$NODE_BIN_DIR"/* "$COREDNS_DIR/bin/coredns" "$PAUSE_DIR/bin/pause" \
+      "$LOCAL_PATH_DIR/bin/local-path-provisioner" | cut -c1-64
     # The files it is made of and the functions that make it, not all of this script: a change
     # to another image's build must not rebuild the node image (and so every cluster).
     hash_files "$HERE" images
@@ -370,9 +388,12 @@ build_node() ( # a subshell: its EXIT trap removes the build container
   tools_image "$KUBE_PROXY_IMAGE" "nftables conntrack iptables" "$NODE_BIN_DIR/kube-proxy"
   tools_image "$ETCD_IMAGE" "$ETCD_APT_PACKAGE"
   tools_image "$NETD_IMAGE" "iproute2 curl jq ca-certificates" "$HERE/images/netd.sh"
+  static_image "$LOCAL_PATH_IMAGE" local-path-provisioner
   tar=$(mktemp "$CACHE/.build-components.XXXXXX")
+  # The Debian base is the provisioner's helper image: its layer is the one the tools images
+  # above are built on, so it adds nothing to the tarball or the node.
   docker save -o "$tar" "${STATIC_IMAGES[@]}" "$COREDNS_IMAGE" "$PAUSE_IMAGE" \
-    "$KUBE_PROXY_IMAGE" "$ETCD_IMAGE" "$NETD_IMAGE"
+    "$KUBE_PROXY_IMAGE" "$ETCD_IMAGE" "$NETD_IMAGE" "$LOCAL_PATH_IMAGE" "$DEBIAN_IMAGE"
 
   c=$(docker run -d --privileged --entrypoint=sleep "$NODE_BASE_IMAGE" infinity)
   # shellcheck disable=SC2064
@@ -383,7 +404,8 @@ build_node() ( # a subshell: its EXIT trap removes the build container
   docker exec -i "$c" sh -c 'cat >/kind/version' <<<"$K8S_VERSION"
   sed "s#NETD_IMAGE#$NETD_IMAGE#" "$HERE/images/default-cni.yaml" |
     docker exec -i "$c" sh -c 'cat >/kind/manifests/default-cni.yaml'
-  docker exec -i "$c" sh -c 'cat >/kind/manifests/default-storage.yaml' <"$HERE/images/default-storage.yaml"
+  sed -e "s#LOCAL_PATH_IMAGE#$LOCAL_PATH_IMAGE#" -e "s#HELPER_IMAGE#$DEBIAN_IMAGE#" \
+    "$HERE/images/default-storage.yaml" | docker exec -i "$c" sh -c 'cat >/kind/manifests/default-storage.yaml'
   # kubeadm v1.34 probes etcd at /livez and /readyz, which etcd 3.4 (Debian's) does not serve:
   # the startup probe would kill it every 4 minutes. tests/e2e/kind-config.yaml points kubeadm at
   # these patches (probes on /health, which 3.4 serves on the same metrics port).

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The kind cluster the e2e layer runs against, made from the images hack/images.sh builds here.
 #
-#   hack/kind.sh up     images, cluster (1 control-plane + 1 worker), images imported into the
+#   hack/kind.sh up     images, cluster (1 control-plane + 1 worker; default StorageClass
+#                       `standard`: kind's local-path provisioner), images imported into the
 #                       worker from hack/images.sh's cache, KubeRay (its Go module's kustomize
 #                       config) and charts/rljob (helm) installed; reuses a healthy cluster of
 #                       the same node image (idempotent)
@@ -90,6 +91,9 @@ create_cluster() {
   k wait --for=condition=Ready nodes --all --timeout=180s
   # CoreDNS serves the Ray head's Service name to the workers: wait for it as for the nodes.
   k -n kube-system rollout status deploy/coredns --timeout=180s
+  # kind applied the node image's default-storage.yaml: the local-path provisioner behind the
+  # default StorageClass `standard`. A claim made before it runs would wait unprovisioned.
+  k -n local-path-storage rollout status deploy/local-path-provisioner --timeout=180s
 }
 
 # After an import (`ctr import` of a `docker save` tarball) a node holds each image twice: its layer tarballs

@@ -11,7 +11,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from cluster import (
@@ -48,12 +48,6 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
     if report is None or report.failed:
         print(f"logs: {cluster.collect_logs(name, request.node.name)}")
     cluster.delete_namespace(name)
-
-
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    setattr(item, f"rep_{call.when}", outcome.get_result())  # type: ignore[attr-defined]
 
 
 def finished(
@@ -396,20 +390,11 @@ def test_cluster_runs_kubelet_v1_34_on_two_ready_nodes(cluster: Cluster) -> None
 # deletion took effect.)
 CKPT_ITERATIONS = 30
 CUT = 2
-# Where the PersistentVolume lives on the kind worker node. The node image has no dynamic
-# provisioner (hack/images/default-storage.yaml: kubernetes.io/no-provisioner), so the claim
-# binds a `local` PersistentVolume made here, pinned to that node.
-NODE_VOLUMES = "/var/local/rljob-e2e"
-
-
-def _worker_node(cluster: Cluster) -> str:
-    names = [
-        str(n["metadata"]["name"])
-        for n in cluster.nodes()
-        if "node-role.kubernetes.io/control-plane" not in (n["metadata"].get("labels") or {})
-    ]
-    assert names, "no kind worker node"
-    return names[0]
+# kind's default StorageClass (hack/images/default-storage.yaml): rancher's local-path
+# provisioner makes a hostPath PersistentVolume, a directory on the node that the claim's first
+# pod was scheduled to (volumeBindingMode WaitForFirstConsumer).
+PROVISIONER = "rancher.io/local-path"
+PROVISION_SECONDS = 120.0
 
 
 def _on_node(node: str, *argv: str) -> str:
@@ -419,60 +404,75 @@ def _on_node(node: str, *argv: str) -> str:
     return done.stdout
 
 
+def _claimed_volume(cluster: Cluster, namespace: str, claim: str) -> dict[str, Any] | None:
+    """The PersistentVolume bound to the claim, or None while it is unbound."""
+    pvc = json.loads(cluster.kubectl("get", "pvc", claim, "-n", namespace, "-o", "json"))
+    volume = pvc["spec"].get("volumeName")
+    if pvc["status"].get("phase") != "Bound" or not volume:
+        return None
+    return cast(dict[str, Any], json.loads(cluster.kubectl("get", "pv", volume, "-o", "json")))
+
+
+def provisioned_directory(cluster: Cluster, namespace: str, claim: str) -> tuple[str, str, str]:
+    """(volume, node, directory on that node) of the volume the local-path provisioner made for
+    the claim; fails unless that provisioner made it (no hand-made PersistentVolume passes)."""
+    pv = wait_for(
+        f"claim {claim} bound",
+        lambda: _claimed_volume(cluster, namespace, claim),
+        PROVISION_SECONDS,
+    )
+    annotations = pv["metadata"].get("annotations") or {}
+    assert annotations.get("pv.kubernetes.io/provisioned-by") == PROVISIONER, dump(pv)
+    terms = pv["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"]
+    (node,) = terms[0]["matchExpressions"][0]["values"]
+    return str(pv["metadata"]["name"]), str(node), str(pv["spec"]["hostPath"]["path"])
+
+
 @pytest.fixture
-def checkpoint_claim(cluster: Cluster, namespace: str) -> Iterator[tuple[str, str]]:
-    """A PersistentVolumeClaim `ckpt` in the namespace, bound to a local PersistentVolume on the
-    kind worker node: (node, the volume's directory on it)."""
-    node = _worker_node(cluster)
-    directory = f"{NODE_VOLUMES}/{namespace}"
-    _on_node(node, "mkdir", "-p", "-m", "0777", directory)  # the worker runs as uid 1000
-    _on_node(node, "chmod", "0777", directory)
-    volume = f"ckpt-{namespace}"
-    manifest = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": volume},
-        "spec": {
-            "capacity": {"storage": "1Gi"},
-            "accessModes": ["ReadWriteOnce"],
-            "persistentVolumeReclaimPolicy": "Retain",
-            "storageClassName": "standard",
-            "claimRef": {"namespace": namespace, "name": "ckpt"},
-            "local": {"path": directory},
-            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
-            ]}]}},
-        },
-    }  # fmt: skip
-    cluster.apply(manifest, namespace)
+def checkpoint_claim(
+    cluster: Cluster, namespace: str, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """A PersistentVolumeClaim `ckpt` in the namespace, of the default StorageClass (none named):
+    the provisioner makes its volume once a pod uses it. After a passed test the job and claim
+    are deleted and the volume must go too (reclaimPolicy Delete: the provisioner's teardown pod
+    removes the directory); after a failed one the namespace's deletion does it, once its logs
+    are collected."""
     claim = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
         "metadata": {"name": "ckpt"},
-        "spec": {
-            "accessModes": ["ReadWriteOnce"],
-            "storageClassName": "standard",
-            "resources": {"requests": {"storage": "1Gi"}},
-        },
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
     }
     cluster.apply(claim, namespace)
-    yield node, directory
-    cluster.kubectl("delete", "pv", volume, "--ignore-not-found", "--wait=false", check=False)
-    _on_node(node, "rm", "-rf", directory)
+    yield "ckpt"
+    report = getattr(request.node, "rep_call", None)
+    if report is None or report.failed:
+        return
+    volume, node, directory = provisioned_directory(cluster, namespace, "ckpt")
+    # The claim's protection keeps it until the job's pods, which mount it, are gone.
+    cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=false")
+    cluster.kubectl("delete", "pvc", "ckpt", "-n", namespace, "--wait=false")
+    wait_for(
+        f"volume {volume} deleted by the provisioner",
+        lambda: not cluster.kubectl("get", "pv", volume, "--ignore-not-found", "-o", "name"),
+        PROVISION_SECONDS + GONE_SECONDS,
+    )
+    left = subprocess.run(["docker", "exec", node, "test", "-e", directory], check=False)
+    assert left.returncode == 1, f"{directory} is still on {node} after its volume was deleted"
 
 
 # Two Ray clusters start one after the other on one 2-CPU node: a loaded machine took 10 minutes
 # for one (the layer's per-test limit is 1200 s).
 @pytest.mark.timeout(2700)
 def test_worker_pod_deleted_mid_run_resumes_from_its_checkpoint_on_a_pvc_to_succeeded(
-    cluster: Cluster, namespace: str, checkpoint_claim: tuple[str, str]
+    cluster: Cluster, namespace: str, checkpoint_claim: str
 ) -> None:
     """spec.checkpoint on a PersistentVolumeClaim, spec.backoffLimit 1: the worker pod deleted
     after iteration CUT's checkpoint fails the Ray job, KubeRay runs it again on a new Ray
     cluster, and that run resumes from the newest complete checkpoint (status.resumedFrom, the
     attempt's resumedFrom, an Event) to Succeeded, with the export on the volume. A Secret's
-    value reaches the worker's environment (env valueFrom secretKeyRef)."""
-    node, directory = checkpoint_claim
+    value reaches the worker's environment (env valueFrom secretKeyRef). The claim is
+    provisioned by kind's local-path provisioner, the directory made writable for uid 1000."""
     name = "ckpt-e2e"
     secret_value = uuid.uuid4().hex
     secret = client.V1Secret(
@@ -486,7 +486,7 @@ def test_worker_pod_deleted_mid_run_resumes_from_its_checkpoint_on_a_pvc_to_succ
     spec["export"] = {"path": "/ckpt/export"}
     spec["backoffLimit"] = 1
     spec["startupTimeoutSeconds"] = 1800
-    spec["volumes"] = [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}}]
+    spec["volumes"] = [{"name": "ckpt", "persistentVolumeClaim": {"claimName": checkpoint_claim}}]
     spec["volumeMounts"] = [{"name": "ckpt", "mountPath": "/ckpt"}]
     spec["env"] = [
         {
@@ -500,6 +500,9 @@ def test_worker_pod_deleted_mid_run_resumes_from_its_checkpoint_on_a_pvc_to_succ
         "head and worker pods Running", lambda: ray_pods_running(cluster, namespace), PODS_SECONDS
     )
     worker = next(p for p, kind in pods.items() if kind == "worker")
+    _, node, directory = provisioned_directory(cluster, namespace, checkpoint_claim)
+    # The provisioner's setup script made it 0777: the worker, uid 1000, writes in it.
+    assert _on_node(node, "stat", "-c", "%a", directory).strip() == "777", directory
     env = cluster.kubectl("exec", "-n", namespace, worker, "--", "printenv", "E2E_SECRET")
     assert env.strip() == secret_value
 
