@@ -35,6 +35,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=f"{layer}: {missing[layer]}"))
 
 
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Each test's report per phase as item.rep_setup/rep_call/rep_teardown, for fixtures that
+    act on the outcome (the e2e namespace's logs on failure, the claim's cleanup check after a
+    pass). Here, not in tests/e2e/: pytest calls hooks only from conftest files and plugins, and
+    a second conftest module would clash with this one under mypy."""
+    outcome = yield
+    setattr(item, f"rep_{call.when}", outcome.get_result())  # type: ignore[attr-defined]
+
+
 @pytest.fixture(scope="session")
 def plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
     """etcd + kube-apiserver (RBAC) + kube-controller-manager, started once per session."""
