@@ -317,11 +317,11 @@ class _MultiTurnRollout(_Rollout):
     def __call__(self, iteration: int) -> Experience:
         problems = self._problems(iteration)
         group = self.spec.algorithm.group_size
-        prompts = [list(p.prompt_ids) for p in problems for _ in range(group)]
+        asked = [p for p in problems for _ in range(group)]
+        prompts = [list(p.prompt_ids) for p in asked]
         # max_new_tokens: each turn asks for what is left of the trajectory's budget.
         sampling = self._sampling(iteration, max_new_tokens=1)
         trajectories = run_on(self.engine, self.multi_turn.run(prompts, sampling))
-        asked = [p for p in problems for _ in range(group)]
         self.counts = RolloutCounts.of(trajectories, [str(p.answer) for p in asked])
         scored = self.scorer(asked, [t.last_turn_text for t in trajectories])
         self.reward_errors = scored.errors

@@ -79,9 +79,14 @@ class Limits:
     # one that does, failing the rollout); None: no limit.
     context_length: int | None = None
 
-    def room(self, tokens: int) -> int:
-        """Tokens a request of `tokens` ids may still sample within the context."""
-        return tokens if self.context_length is None else self.context_length - tokens
+    def room(self, tokens: int) -> int | None:
+        """Tokens a request of `tokens` ids may still sample within the context (None: no limit)."""
+        return None if self.context_length is None else self.context_length - tokens
+
+    def full(self, tokens: int) -> bool:
+        """Whether `tokens` ids leave no room in the context for one more."""
+        room = self.room(tokens)
+        return room is not None and room <= 0
 
 
 @dataclass(frozen=True)
@@ -152,8 +157,9 @@ class MultiTurnRollout:
         if turn_tokens is not None:
             remaining = min(remaining, turn_tokens)
         input_ids = t.prompt_ids + t.response_ids
-        if self.limits.context_length is not None:
-            remaining = min(remaining, self.limits.room(len(input_ids)))
+        room = self.limits.room(len(input_ids))
+        if room is not None:
+            remaining = min(remaining, room)
         if remaining <= 0:  # a prompt that fills the context on its own
             t.ending = Ending.CONTEXT
             return [], False
@@ -176,7 +182,7 @@ class MultiTurnRollout:
         if len(t.response_ids) >= self.limits.max_response_length and not ended_with_eos:
             t.ending = Ending.BUDGET
             return [], ended_with_eos
-        if self.limits.room(len(t.prompt_ids) + len(t.response_ids)) <= 0 and not ended_with_eos:
+        if self.limits.full(len(t.prompt_ids) + len(t.response_ids)) and not ended_with_eos:
             t.ending = Ending.CONTEXT
             return [], ended_with_eos
         calls = self.calls_of(t)
@@ -211,7 +217,7 @@ class MultiTurnRollout:
         if len(t.response_ids) + len(turn.ids) >= self.limits.max_response_length:
             t.ending = Ending.BUDGET
             return
-        if self.limits.room(len(t.prompt_ids) + len(t.response_ids) + len(turn.ids)) <= 0:
+        if self.limits.full(len(t.prompt_ids) + len(t.response_ids) + len(turn.ids)):
             t.ending = Ending.CONTEXT
             return
         t.append(turn.ids, sampled=False)
