@@ -1,16 +1,16 @@
 """Print what rollout Auto chooses for a manifest on this machine's first GPU (or on
 --capacity-bytes): `wakeUp fraction`. The bench runs that point (bench/colocate.py takes
-fractions, not Auto), so the figures are of the choice a job would get on the same card."""
+fractions, not Auto), so the figures are of the choice a job would get on the same card; the
+card's memory wins over the manifest's spec.memoryPlan.gpuMemory, as on a rank."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-import yaml
-
-from rljob.api import parse_manifest
+from rljob.api import load_manifest
 from rljob.plan import auto_choice, shape_for
+from rljob.plan_cli import local_gpu_bytes
 
 
 def main() -> None:
@@ -18,16 +18,13 @@ def main() -> None:
     parser.add_argument("manifest", type=Path)
     parser.add_argument("--capacity-bytes", type=int, default=None)
     args = parser.parse_args()
-    doc = yaml.safe_load(args.manifest.read_text())
-    doc["spec"].pop("memoryPlan", None)  # plan on the card, not on the manifest's figure
-    spec = parse_manifest(doc)[1]
-    capacity = args.capacity_bytes
+    _, spec = load_manifest(args.manifest)
+    capacity = args.capacity_bytes or local_gpu_bytes()
     if capacity is None:
-        import torch
-
-        capacity = int(torch.cuda.mem_get_info(0)[1])
+        parser.error("no local GPU: pass --capacity-bytes")
     shape = shape_for(spec)
-    assert shape is not None, "the manifest needs spec.model.shape"
+    if shape is None:
+        parser.error("the manifest needs spec.model.shape")
     choice = auto_choice(spec, shape, capacity)
     print(choice.chosen.wake_up, f"{choice.chosen.mem_fraction_static:.2f}")
 
