@@ -12,6 +12,16 @@
 #
 # Steps (the issue each serves):
 #   install      xgrammar's wheel from .whl/ (carry it) and the carried .gl/sglang pieces
+#   deps         the wheels in .whl/ only (xgrammar, and pydantic with its three dependencies, so
+#                rljob's own modules import before SGLang's pieces are all there), then the
+#                carried pieces: the install calls also run the steps that need only torch
+#   models       the bench's random 1.5B, 3B and 7B models under /tmp/rljob-bench-models (once)
+#   ckpt-1.5b    #30: ckpt-bench's 1.5B half (torch only); ckpt-3b: its 3B half
+#   load-7b      #30: `rljob run bench/plans/load-7b-two-gpu.yaml`, the sharded loader's start-up
+#                peak against the plan's load row, 7B over two cards (two H200s)
+#   tp2-3x3      #35: 3B TP 2 at Auto's choice, 3 runs of 3 iterations, then Auto + 0.01 and
+#                + 0.02 (the sweep's next points) (two cards)
+#   sanity       tests/gpu/test_sglang_gpu.py and test_loop_gpu.py (one card)
 #   ckpt-resume  #30: kill, resume and export of the 1.5B job (bench/checkpoint_resume_gpu.sh)
 #   ckpt-bench   #30: bench/checkpoint_gpu.py, sync against the async (pinned) save, 1.5B and 3B
 #   mt-test      #32: tests/gpu/test_multi_turn_gpu.py
@@ -48,6 +58,34 @@ for step in "$@"; do
   out=$R/$step
   mkdir -p "$out"
   case $step in
+    deps)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rljob-xg .whl/*.whl
+      python3 -c "import pydantic, rljob.api, rljob_worker.train; print('rljob imports')"
+      bash hack/sglang-gpu-install.sh
+      echo "install: exit $? (3: pieces still missing)" ;;
+    models)
+      for m in qwen2.5-1.5b qwen2.5-3b qwen2.5-7b; do model $m; done
+      du -sh /tmp/rljob-bench-models/* ;;
+    ckpt-1.5b | ckpt-3b)
+      m=qwen2.5-${step#ckpt-}
+      model "$m" && python3 bench/checkpoint_gpu.py --model-dir "/tmp/rljob-bench-models/$m" \
+        --repeats 2 --modes sync,async,pinned --out "$out/ckpt-gpu-$m.json" > "$out/ckpt-gpu-$m.log" 2>&1
+      echo "checkpoint_gpu exit $?"; tail -15 "$out/ckpt-gpu-$m.log" ;;
+    load-7b)
+      model qwen2.5-7b && python3 -m rljob.cli run bench/plans/load-7b-two-gpu.yaml --device cuda \
+        --out "$out/run" > "$out/log" 2>&1
+      echo "rljob run exit $?"; grep -E "start-up load|Succeeded|Failed|OOM" "$out/log" | head; tail -30 "$out/log" ;;
+    tp2-3x3)
+      read -r wake fraction < <(auto auto-sglang-3b-tp2-two-gpu)
+      next=$(python3 -c "print(f'{$fraction + 0.01:.2f},{$fraction + 0.02:.2f}')")
+      echo "Auto on these cards: $wake $fraction; then $next" | tee "$out/auto.txt"
+      colocate --model qwen2.5-3b --ranks 2 --tp 2 --modes "$wake" \
+        "--$wake-fractions" "$fraction,$fraction,$fraction,$next" --keep-going --iterations 3 \
+        --no-alone --deadline-seconds 300 --out "$out/run" > "$out/log" 2>&1
+      tail -30 "$out/log" ;;
+    sanity)
+      python3 -m pytest -v -s tests/gpu/test_sglang_gpu.py tests/gpu/test_loop_gpu.py > "$out/pytest.log" 2>&1
+      echo "pytest exit $?"; tail -15 "$out/pytest.log" ;;
     install)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rljob-xg .whl/*.whl
       bash hack/sglang-gpu-install.sh
