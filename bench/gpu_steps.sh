@@ -27,6 +27,8 @@
 #   mt-test      #32: tests/gpu/test_multi_turn_gpu.py
 #   mt-bench     #32: bench/multi_turn.py on sglang (the random 0.5B model: 32k context)
 #   mt-engines   #32: two engines on one card, sticky against random routing
+#   mt-tools     #32: mt-bench with 256 conversations and tools that take time (--tool-seconds
+#                0.3: log-normal, median 0.3 s, as a code runner or a search API), 2-4 turns
 #   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
 #   realistic    #33: 3B realistic workload, before and after (one card)
 #   tp2          #31: 3B, one TP-2 engine over both cards, at Auto's choice on the card (two cards)
@@ -105,6 +107,11 @@ for step in "$@"; do
       model qwen2.5-0.5b && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
         --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 2 3 4 --spread \
         --out "$out/one" > "$out/log" 2>&1
+      tail -12 "$out/log" ;;
+    mt-tools)
+      model qwen2.5-0.5b && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
+        --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 256 --turns 2 3 4 --spread \
+        --tool-seconds 0.3 --out "$out/tools" > "$out/log" 2>&1
       tail -12 "$out/log" ;;
     mt-engines)
       model qwen2.5-0.5b && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \

@@ -13,7 +13,11 @@ turns (--turns 2 3 4):
 
 Each conversation calls builtin:python (a child process, ~20 ms) after each of its first
 turns-1 turns and answers at the last one: the bench fixes the turn count (BenchRollout.calls_of);
-generation is the engine's own. Results: JSON and a Markdown table with the machine.
+generation is the engine's own. With --tool-seconds S every tool turn also waits a drawn time
+(log-normal, median S, sigma 1, capped at 10 S; seeded by conversation and turn, so both modes
+wait the same) before its tools run: a stand-in for tools that take time (a code runner, a
+search API), which builtin:python's milliseconds are not. Results: JSON and a Markdown table
+with the machine.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -52,6 +57,24 @@ class BenchRollout(MultiTurnRollout):
 
     turns = 2
     spread = False
+    tool_seconds = 0.0
+
+    def tool_delay(self, t: Trajectory) -> float:
+        """Seconds tool turn `t.turns` of conversation `t.conversation` waits (--tool-seconds):
+        the same draw in both modes."""
+        if self.tool_seconds <= 0:
+            return 0.0
+        draw = random.Random(t.conversation * 7919 + t.turns).lognormvariate(
+            math.log(self.tool_seconds), 1.0
+        )
+        return min(draw, 10 * self.tool_seconds)
+
+    async def _tool_turn(
+        self, t: Trajectory, calls: list[ParsedCall], ended_with_eos: bool
+    ) -> None:
+        if calls:
+            await asyncio.sleep(self.tool_delay(t))
+        await super()._tool_turn(t, calls, ended_with_eos)
 
     def turn_tokens(self, t: Trajectory) -> int | None:
         """With --spread, each turn's length cap is drawn (seeded by conversation and turn, so
@@ -170,6 +193,8 @@ def main() -> None:
     parser.add_argument("--mem-fraction", type=float, default=0.6, help="sglang, all engines")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
     parser.add_argument("--spread", action="store_true", help="long-tailed turn lengths")
+    parser.add_argument("--tool-seconds", type=float, default=0.0,
+                        help="median extra seconds a tool turn takes (log-normal; 0: none)")  # fmt: skip
     parser.add_argument("--batch-window", type=float, default=0.0,
                         help="torch engine: seconds a batch waits for more requests")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "multi_turn")
@@ -206,6 +231,7 @@ def main() -> None:
                     tools, limits, eos, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
                 )  # fmt: skip
                 rollout.turns, rollout.spread = turns, args.spread
+                rollout.tool_seconds = args.tool_seconds
                 row = {"turns_per_conversation": turns, "routing": str(routing),
                        **measure(rollout, runner, prompts, mode, sampling)}  # fmt: skip
                 rows.append(row)
@@ -221,6 +247,7 @@ def main() -> None:
         "conversations": args.conversations,
         "turn_tokens": args.turn_tokens,
         "spread": args.spread,
+        "tool_seconds": args.tool_seconds,
         "command": "python bench/multi_turn.py " + " ".join(
             f"--{k.replace('_', '-')}" if v is True else
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
@@ -244,7 +271,12 @@ def markdown(result: dict[str, Any]) -> str:
         f"torch {result['torch']}; {result['conversations']} "
         f"conversations, up to {result['turn_tokens']} sampled tokens a turn"
         f"{' times 1/4..4 (--spread)' if result.get('spread') else ''}, builtin:python after "
-        "every turn but the last.",
+        "every turn but the last"
+        + (
+            f", each tool turn waiting a log-normal time of median {result['tool_seconds']} s."
+            if result.get("tool_seconds")
+            else "."
+        ),
         f"Command: `{result['command']}`",
         "",
         "| turns | routing | mode | tokens/s | speed-up | p50 s | p99 s | straggler share | "

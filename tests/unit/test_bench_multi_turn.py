@@ -1,0 +1,51 @@
+"""bench/multi_turn.py's --tool-seconds: the extra time a tool turn waits is drawn per
+conversation and turn, so the async and turn-by-turn runs of one bench wait the same."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from rljob_worker.agentic.driver import Trajectory
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "bench_multi_turn", REPO / "bench" / "multi_turn.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rollout(bench: Any, seconds: float) -> Any:
+    rollout = bench.BenchRollout.__new__(bench.BenchRollout)  # tool_delay reads no engine
+    rollout.tool_seconds = seconds
+    return rollout
+
+
+def test_tool_delay_is_the_same_draw_for_the_same_conversation_and_turn() -> None:
+    bench = _bench()
+    one, other = _rollout(bench, 0.5), _rollout(bench, 0.5)
+    draws = [one.tool_delay(Trajectory(c, [1], turns=k)) for c in range(50) for k in (1, 2)]
+    assert draws == [
+        other.tool_delay(Trajectory(c, [1], turns=k)) for c in range(50) for k in (1, 2)
+    ]
+    # different conversations and turns wait different times (a spread, not a constant)
+    assert len(set(draws)) == len(draws)
+
+
+def test_tool_delay_has_the_median_asked_a_cap_and_none_by_default() -> None:
+    bench = _bench()
+    rollout = _rollout(bench, 0.2)
+    draws = [rollout.tool_delay(Trajectory(c, [1], turns=1)) for c in range(4000)]
+    assert 0.18 < statistics.median(draws) < 0.22
+    assert max(draws) <= 2.0 and max(draws) > 1.0  # sigma 1: the tail reaches the 10x cap
+    assert _rollout(bench, 0.0).tool_delay(Trajectory(0, [1], turns=1)) == 0.0
