@@ -34,6 +34,9 @@
 #   tp2          #31: 3B, one TP-2 engine over both cards, at Auto's choice on the card (two cards)
 #   tp2-next     #31/#35: the same at Auto's choice + 0.01, the sweep's next point (two cards)
 #   two-gpu      #31: tests/gpu/test_two_gpu_sglang.py (two cards; needs ray: carry its pieces)
+#   two-gpu-1    its TP-2 tests (3 items, about 4 min with FlashInfer's first compile);
+#   two-gpu-2    the rest: Ray driver at TP 1 and 2, a worker killed, a TP leader killed (4 items,
+#                about 6.5 min): one call each
 #   auto-7b      #35: the 7B job at Auto's choice, 3 runs of 3 iterations (two H200s)
 #   sweep-7b     #35: the 7B sweep around Auto's choice (two H200s)
 #   par1         ckpt-resume on card 0 beside mt-test and mt-bench on card 1 (two cards)
@@ -139,6 +142,10 @@ for step in "$@"; do
     two-gpu)
       python3 -m pytest -v -s tests/gpu/test_two_gpu_sglang.py > "$out/pytest.log" 2>&1
       echo "pytest exit $?"; tail -15 "$out/pytest.log" ;;
+    two-gpu-1 | two-gpu-2)
+      select=$([[ $step == two-gpu-1 ]] && echo "tp2" || echo "not tp2")
+      python3 -m pytest -v -s tests/gpu/test_two_gpu_sglang.py -k "$select" > "$out/pytest.log" 2>&1
+      echo "pytest exit $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/pytest.log" | tail -12 ;;
     auto-7b)
       read -r wake fraction < <(auto auto-sglang-7b-two-gpu-h200)
       echo "Auto on this card: $wake $fraction" | tee "$out/auto.txt"
