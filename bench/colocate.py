@@ -24,6 +24,8 @@ with activations; 7B's (~150 GB) does not. --kl-coef 0 drops the reference.
   python bench/colocate.py --workload realistic --engine sglang --modes staged --fractions 0.9
   python bench/colocate.py --engine sglang --modes staged --fractions 0.9 \
       --sync-path before,tensors,flattened         # the weight-sync paths beside their floor
+  python bench/colocate.py --engine sglang --modes staged --fractions 0.9 \
+      --overlap-staging off,on                     # the staging tax without and with overlap
 
 Issue 33: --workload realistic runs 128 prompts x 8 samples with answers of varying length up to
 1024 tokens (Workload); every point prints each moving stage beside its floor measured in the
@@ -416,6 +418,8 @@ class Point:
     # Issue 33: the weight-sync path the point ran (SYNC_PATHS), the rollout's answers (rank 0,
     # steady iterations), and each stage's floor beside its seconds (stage_floors).
     sync_path: str = "default"
+    # spec.training.overlapStaging the point ran with (--overlap-staging): Auto is On on CUDA.
+    overlap_staging: str = "Auto"
     response_tokens: float | None = None  # generated per rollout, rank 0
     response_length_mean: float | None = None
     response_length_max: int | None = None
@@ -424,7 +428,9 @@ class Point:
     floors: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
 
-def make_spec(args: argparse.Namespace, model_path: str, mode: str, fraction: float) -> RLJobSpec:
+def make_spec(
+    args: argparse.Namespace, model_path: str, mode: str, fraction: float, overlap: str = "Auto"
+) -> RLJobSpec:
     return RLJobSpec.model_validate(
         {
             "model": {"path": model_path, "dtype": "float32" if args.smoke else "bfloat16"},
@@ -435,7 +441,8 @@ def make_spec(args: argparse.Namespace, model_path: str, mode: str, fraction: fl
             "rollout": {"engine": args.engine, "wake_up": mode, "mem_fraction_static": fraction,
                         "tensor_parallel_size": args.tp},
             "training": {"micro_batch_size": args.micro_batch_size,
-                         "gradient_checkpointing": args.gradient_checkpointing},
+                         "gradient_checkpointing": args.gradient_checkpointing,
+                         "overlap_staging": overlap},
             # One worker with the ranks' GPUs: a tensor-parallel group lies within one worker.
             "resources": {"gpus_per_worker": args.ranks if args.tp > 1 else 1},
             # Always by default, as every stored point was measured: offload as
@@ -740,6 +747,10 @@ SYNC_PATHS: dict[str, dict[str, str]] = {
 }
 
 
+# --overlap-staging: spec.training.overlapStaging per point (issue 33 part 3).
+OVERLAP_SETTINGS = {"auto": "Auto", "on": "On", "off": "Off"}
+
+
 class environment_set:
     """os.environ updated for a block (the rank processes run_local starts inherit it)."""
 
@@ -921,6 +932,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-path", default="default",
                         help=f"comma list of {', '.join(SYNC_PATHS)}: each point runs once per "
                              "weight-sync path (see SYNC_PATHS)")  # fmt: skip
+    parser.add_argument(
+        "--overlap-staging",
+        default="auto",
+        help="comma list of auto,on,off: each point once per setting "
+        "(spec.training.overlapStaging; docs/performance.md)",
+    )
     parser.add_argument("--kl-coef", type=float, default=0.001, help="> 0 keeps a reference")
     parser.add_argument("--offload", default="Always", choices=("Always", "Auto"),
                         help="spec.offload (Always: as every stored point ran)")  # fmt: skip
@@ -947,6 +964,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in sync_paths if p not in SYNC_PATHS]
     if unknown or not sync_paths:
         parser.error(f"--sync-path {args.sync_path!r}: each must be one of {list(SYNC_PATHS)}")
+    overlaps = [OVERLAP_SETTINGS.get(o.strip()) for o in args.overlap_staging.split(",")]
+    if not overlaps or None in overlaps:
+        parser.error(f"--overlap-staging {args.overlap_staging!r}: each must be one of "
+                     f"{list(OVERLAP_SETTINGS)}")  # fmt: skip
     if args.out is None:
         args.out = ROOT / "bench" / "results" / ("sglang" if args.engine == "sglang" else "")
     if args.merge:
@@ -1028,16 +1049,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"{environment['device']}: bandwidths {bandwidths}, ideal seconds {ideal}, "
           f"weight sync profile {sync_profile}", flush=True)  # fmt: skip
-    points_to_run = [(m, f, path) for m, fs in plan.items() for f in fs for path in sync_paths]
+    points_to_run = [
+        (m, f, path, str(overlap))
+        for m, fs in plan.items() for f in fs for path in sync_paths for overlap in overlaps
+    ]  # fmt: skip
     failed_modes: set[str] = set()
-    for mode, fraction, sync_path in points_to_run:
+    for mode, fraction, sync_path, overlap in points_to_run:
+        tag = f"[{sync_path}, overlap {overlap}]"
         if mode in failed_modes:
             continue
         if args.deadline_seconds and time.monotonic() - began > args.deadline_seconds:
-            print(f"deadline: {mode} {fraction:.2f} [{sync_path}] not run", flush=True)
+            print(f"deadline: {mode} {fraction:.2f} {tag} not run", flush=True)
             continue
         started = time.monotonic()
-        spec = make_spec(args, model_path, mode, fraction)
+        spec = make_spec(args, model_path, mode, fraction, overlap)
         if on_cuda and model_name in QWEN25:  # issue 19: the memory plan beside the point
             shape = {**_QWEN25_COMMON, **QWEN25[model_name]}
             print(plan_line(spec, shape, environment["device_total_bytes"], args.ranks))
@@ -1045,12 +1070,13 @@ def main(argv: list[str] | None = None) -> int:
             run = run_local(spec, args.ranks, "cuda" if on_cuda else "cpu")
         point = summarize_point(run, mode, fraction, model, args, spec)
         point.sync_path = sync_path
+        point.overlap_staging = overlap
         point.wall_seconds = time.monotonic() - started
         result["points"].append(asdict(point))
         finish(result, args.out)
         status = "ok" if point.completed else f"OOM in {point.oom_stage} ({point.failure})"
         print(
-            f"{mode:7s} {fraction:.2f} [{sync_path}]: {status}, KV {point.kv_capacity_tokens} tokens, "
+            f"{mode:7s} {fraction:.2f} {tag}: {status}, KV {point.kv_capacity_tokens} tokens, "
             f"peaks {{{', '.join(f'{k}: {_gib(v)}' for k, v in point.stage_peak_bytes.items())}}} GiB, "
             f"stage s {{{', '.join(f'{k}: {v:.2f}' for k, v in point.stage_seconds.items())}}}, "
             f"sync {_num(point.weight_sync_seconds, 3)} s "

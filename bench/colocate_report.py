@@ -43,7 +43,18 @@ def _floor_lines(result: dict[str, Any]) -> list[str]:
 
 def _label(point: dict[str, Any]) -> str:
     path = point.get("sync_path", "default")
-    return f"{point['mode']}{_offload_note(point)}" + ("" if path == "default" else f" [{path}]")
+    overlap = _overlap(point)
+    return (
+        f"{point['mode']}{_offload_note(point)}"
+        + ("" if path == "default" else f" [{path}]")
+        + ("" if overlap == "Auto" else f" overlap {overlap}")
+    )
+
+
+def _overlap(point: dict[str, Any]) -> str:
+    """spec.training.overlapStaging of the point (--overlap-staging); points stored before it
+    existed ran each copy in its own stage, and are labelled as the default was then."""
+    return str(point.get("overlap_staging", "Auto"))
 
 
 # -- outputs -----------------------------------------------------------------------------------
@@ -65,9 +76,11 @@ def _offload(point: dict[str, Any]) -> str:
     return str(point.get("offload", "Always"))  # points stored before --offload ran Always
 
 
-def _place(point: dict[str, Any]) -> tuple[str, float, str, str]:
-    """What makes two points the same measurement: mode, fraction, offload and sync path."""
-    return point["mode"], point["fraction"], _offload(point), point.get("sync_path", "default")
+def _place(point: dict[str, Any]) -> tuple[str, float, str, str, str]:
+    """What makes two points the same measurement: mode, fraction, offload, sync path and
+    staging overlap."""
+    path = point.get("sync_path", "default")
+    return point["mode"], point["fraction"], _offload(point), path, _overlap(point)
 
 
 def _offload_note(point: dict[str, Any]) -> str:

@@ -31,6 +31,9 @@
 #                0.3: log-normal, median 0.3 s, as a code runner or a search API), 2-4 turns
 #   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
 #   realistic    #33: 3B realistic workload, before and after (one card)
+#   overlap      #33: 3B one card, staging tax with overlapStaging off then on: small workload,
+#                then realistic (2 iterations; the deadline keeps the call under 10 minutes)
+#   overlap-test #33: tests/gpu/test_overlap_staging_gpu.py (on = off bit for bit, on the card)
 #   tp2          #31: 3B, one TP-2 engine over both cards, at Auto's choice on the card (two cards)
 #   tp2-next     #31/#35: the same at Auto's choice + 0.01, the sweep's next point (two cards)
 #   two-gpu      #31: tests/gpu/test_two_gpu_sglang.py (two cards; needs ray: carry its pieces)
@@ -131,6 +134,17 @@ for step in "$@"; do
           --iterations 2 --sync-path $path --no-alone --out "$out/$path" > "$out/$path.log" 2>&1
         tail -30 "$out/$path.log"
       done ;;
+    overlap)
+      colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --iterations 3 \
+        --overlap-staging off,on --no-alone --out "$out/small" > "$out/small.log" 2>&1
+      tail -12 "$out/small.log"
+      colocate --model qwen2.5-3b --workload realistic --modes staged --staged-fractions 0.9 \
+        --iterations 2 --overlap-staging off,on --no-alone --deadline-seconds 300 \
+        --out "$out/realistic" > "$out/realistic.log" 2>&1
+      tail -30 "$out/realistic.log" ;;
+    overlap-test)
+      python3 -m pytest -v -s tests/gpu/test_overlap_staging_gpu.py > "$out/pytest.log" 2>&1
+      echo "pytest exit $?"; tail -15 "$out/pytest.log" ;;
     tp2 | tp2-next)
       read -r wake fraction < <(auto auto-sglang-3b-tp2-two-gpu)
       [[ $step == tp2-next ]] && fraction=$(python3 -c "print(f'{$fraction + 0.01:.2f}')")

@@ -37,9 +37,12 @@ CURRENT_RUNS = ("r2-", "r3-")
 STORED_REFERENCE_DTYPE = "float32"
 
 
-def point_spec(settings: dict[str, str], mode: str, fraction: float) -> RLJobSpec:
+def point_spec(
+    settings: dict[str, str], mode: str, fraction: float, overlap: str = "Off"
+) -> RLJobSpec:
     """bench/colocate.make_spec for a stored run (its settings are strings); offload as the run
-    said (`--offload`; Always for the runs made before that option existed)."""
+    said (`--offload`; Always for the runs made before that option existed); the staging order
+    as the point ran it (`--overlap-staging`; Off for the points made before it existed)."""
     return RLJobSpec.model_validate(
         {
             "model": {"path": "/bench/model", "dtype": "bfloat16"},
@@ -58,7 +61,10 @@ def point_spec(settings: dict[str, str], mode: str, fraction: float) -> RLJobSpe
                 "wakeUp": mode,
                 "memFractionStatic": fraction,
             },
-            "training": {"microBatchSize": int(settings["micro_batch_size"])},
+            "training": {
+                "microBatchSize": int(settings["micro_batch_size"]),
+                "overlapStaging": overlap,
+            },
             "offload": settings.get("offload", "Always"),
         }
     )
@@ -82,7 +88,8 @@ def compare(path: Path) -> list[dict[str, Any]]:
     env, settings = result["environment"], result["settings"]
     rows = []
     for point in result["points"]:
-        spec = point_spec(settings, point["mode"], point["fraction"])
+        overlap = point.get("overlap_staging", "Off")
+        spec = point_spec(settings, point["mode"], point["fraction"], overlap)
         ranks = int(env.get("ranks") or settings.get("ranks") or 1)
         plan: ModePlan = plan_for_point(
             spec,

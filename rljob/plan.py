@@ -22,6 +22,7 @@ from rljob.api import (
     AutoStatus,
     EngineName,
     OffloadMode,
+    OverlapStaging,
     PlanCandidate,
     PlannedLoad,
     PlannedStage,
@@ -497,12 +498,22 @@ def stage_peaks(
     offload_optimizer: bool,
     offload_params: bool,
     checkpoint: bool = False,
+    overlap: bool = False,
 ) -> dict[Stage, int]:
     """Device-wide peak per stage of a steady iteration (1+), following stages.py. A stage's
     peak includes what it started with (the bench samples at the boundary), and memory freed
-    into torch's cache stays counted until the next empty_cache()."""
+    into torch's cache stays counted until the next empty_cache().
+
+    `overlap` (spec.training.overlapStaging, stages.StagingOrder): the offloaded moments come
+    back during train (which held them already), so sleep no longer holds them; sleep brings the
+    params back once the KV cache is released, with the engine's weights still mapped; staged
+    only, the moments leave while the weight sync runs, so wake_weights and offload_train (which
+    frees them) hold them beside the engine's weights."""
     optimizer = 0 if offload_optimizer else p.optimizer
     params = 0 if offload_params else p.train_params
+    single = wake_up is WakeUp.SINGLE
+    # The moments on the device during the weight sync: leaving behind it (overlap, staged).
+    syncing_optimizer = p.optimizer if overlap and not single else optimizer
     peaks: dict[Stage, int] = {}
     # The higher of the optimizer step (its temporary and the cached logits) and backward (the
     # micro-batch's activations, all live): at the bench's 768-token micro-batches the step.
@@ -520,8 +531,7 @@ def stage_peaks(
         # save copies one tensor at a time to host memory (docs/checkpoints.md).
         peaks[Stage.CHECKPOINT] = train
     peaks[Stage.OFFLOAD_OPTIMIZER] = train  # starts with train's cache; frees after
-    resident = p.context + p.train_params + optimizer
-    single = wake_up is WakeUp.SINGLE
+    resident = p.context + p.train_params + syncing_optimizer
     kv = p.kv_pool + p.single_wake_extra if single else 0
     wake = resident + p.engine_weights + kv + p.gather
     peaks[Stage.WAKE_WEIGHTS] = wake
@@ -531,9 +541,12 @@ def stage_peaks(
     if wake_up is WakeUp.STAGED:
         peaks[Stage.WAKE_KV_CACHE] = serving
     peaks[Stage.ROLLOUT] = serving + p.rollout_workspace
-    peaks[Stage.SLEEP] = max(
-        peaks[Stage.ROLLOUT], p.context + p.train_params + p.optimizer
-    )  # starts with the pool mapped; ends with training state back
+    # Starts with the pool mapped. Without overlap it ends with the whole training state back;
+    # with it, the params come back while the engine's weights are still mapped (the KV cache
+    # released first) and the moments only in train.
+    back = p.context + p.train_params
+    back += optimizer + p.engine_weights if overlap else p.optimizer
+    peaks[Stage.SLEEP] = max(peaks[Stage.ROLLOUT], back)
     return peaks
 
 
@@ -817,11 +830,24 @@ def mode_plan(
     choices = _offload_choices(spec)
     plans = []
     for optimizer, params in choices:
-        peaks = stage_peaks(p, wake_up, optimizer, params, checkpoint=spec.checkpoint is not None)
+        peaks = stage_peaks(
+            p,
+            wake_up,
+            optimizer,
+            params,
+            checkpoint=spec.checkpoint is not None,
+            overlap=overlaps_staging(spec),
+        )
         stages = tuple(StagePeak(s, b, capacity_bytes) for s, b in peaks.items())
         plans.append(ModePlan(wake_up, fraction, optimizer, params, stages, p, load=load))
     limit = capacity_bytes if limit_bytes is None else limit_bytes
     return next((m for m in plans if m.fits_under(limit)), plans[-1])
+
+
+def overlaps_staging(spec: RLJobSpec) -> bool:
+    """Whether the plan counts the overlapped staging order: On, or Auto (On on CUDA, which is
+    what the plan is for: a GPU's memory)."""
+    return spec.training.overlap_staging is not OverlapStaging.OFF
 
 
 def resolved_rollout(spec: RLJobSpec) -> tuple[WakeUp, float]:

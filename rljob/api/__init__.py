@@ -143,7 +143,7 @@ from rljob.api.status import (
     oom_event_id,
     status_apply_body,
 )
-from rljob.api.training import TrainingSpec
+from rljob.api.training import OverlapStaging, TrainingSpec
 from rljob.api.volumes import (
     ABSOLUTE_PATH_PATTERN,
     CONFIG_KEY_PATTERN,
@@ -322,6 +322,7 @@ __all__ = [
     "OOMEvent",
     "OOMPolicySpec",
     "OffloadMode",
+    "OverlapStaging",
     "PersistentVolumeClaimSource",
     "Phase",
     "PlanCandidate",

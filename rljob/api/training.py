@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import Field
 
 from rljob.api._base import _Spec
+
+
+class OverlapStaging(StrEnum):
+    AUTO = "Auto"
+    ON = "On"
+    OFF = "Off"
 
 
 class TrainingSpec(_Spec):
@@ -35,4 +42,14 @@ class TrainingSpec(_Spec):
         description="Move training parameters to CPU during rollout "
         "(verl: actor.fsdp_config.param_offload). Staged wake-up frees them before the "
         "KV cache is resumed.",
+    )
+    overlap_staging: OverlapStaging = Field(
+        default=OverlapStaging.AUTO,
+        description="Move the offloaded training state over PCIe behind other work "
+        "(docs/performance.md, 'Staging behind compute'): the optimizer state comes back while "
+        "the first micro-batches run (the optimizer step waits for it), goes out while the "
+        "weight sync runs (staged wake-up), and the params come back while the engine's "
+        "weights are released. Results are bit-identical either way; the memory plan counts "
+        "the optimizer state in wake_weights (staged) and no longer in sleep. "
+        "Auto: On where the worker has CUDA. Off: each copy completes in its own stage.",
     )

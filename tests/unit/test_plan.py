@@ -64,7 +64,8 @@ def bench_spec(mode: str = "staged", fraction: float = 0.97, **extra: Any) -> RL
             "algorithm": {"groupSize": 8, "klCoef": 0.001, "iterations": 3},
             "data": {"trainBatchSize": 4, "maxResponseLength": 128},
             "rollout": {"engine": "torch", "wakeUp": mode, "memFractionStatic": fraction},
-            "training": {"microBatchSize": 4},
+            # The stored runs predate the overlapped staging order (issue 33): each copy in its stage.
+            "training": {"microBatchSize": 4, "overlapStaging": "Off"},
             **extra,
         }
     )
@@ -158,6 +159,54 @@ def test_stage_peaks_by_hand(
 ) -> None:
     peaks = stage_peaks(PARTS, wake_up, *offload)
     assert {str(k): v for k, v in peaks.items()} == expected
+
+
+SMALL_POOL = replace(PARTS, kv_pool=50)
+
+
+@pytest.mark.parametrize(
+    ("wake_up", "offload", "overlap", "expected"),
+    [
+        # A small pool, so sleep's own peak shows: serving 10 + 30 + 50, rollout 93.
+        # Off: sleep ends with the whole state back, 10 + 100 + 200 = 310.
+        (WakeUp.STAGED, (True, True), False,
+         {"wake_weights": 145, "offload_train": 145, "rollout": 93, "sleep": 310}),
+        # On: the moments leave during the sync (wake 10 + 100 + 200 + 30 + 5 = 345, freed in
+        # offload_train) and come back in train (539 either way); sleep loads the params with
+        # the engine's weights still mapped: 10 + 100 + 30 = 140.
+        (WakeUp.STAGED, (True, True), True,
+         {"train": 539, "wake_weights": 345, "offload_train": 345, "rollout": 93,
+          "sleep": 140}),
+        # Single: the moments' offload stays in its stage (the KV pool wakes with the weights);
+        # wake 10 + 100 + 30 + 50 + 5 = 195 either way, only sleep changes.
+        (WakeUp.SINGLE, (True, True), True,
+         {"wake_weights": 195, "offload_train": 195, "rollout": 93, "sleep": 140}),
+        # Moments kept on the device: the params come back beside them and the engine's
+        # weights, 10 + 100 + 200 + 30 = 340 against Off's 310; rollout 10 + 200 + 30 + 50 + 3.
+        (WakeUp.STAGED, (False, True), True,
+         {"wake_weights": 345, "rollout": 293, "sleep": 340}),
+        (WakeUp.STAGED, (False, True), False,
+         {"wake_weights": 345, "rollout": 293, "sleep": 310}),
+    ],
+)  # fmt: skip
+def test_overlapped_staging_moves_the_moments_from_sleep_to_the_weight_sync(
+    wake_up: WakeUp, offload: tuple[bool, bool], overlap: bool, expected: dict[str, int]
+) -> None:
+    peaks = stage_peaks(SMALL_POOL, wake_up, *offload, overlap=overlap)
+    assert {k: peaks[Stage(k)] for k in expected} == expected
+    assert peaks[Stage.TRAIN] == 539  # the moments arrive during train, which held them anyway
+
+
+@pytest.mark.parametrize(("setting", "overlap"), [("Auto", True), ("On", True), ("Off", False)])
+def test_the_plan_counts_the_overlapped_order_unless_it_is_off(setting: str, overlap: bool) -> None:
+    spec = bench_spec(fraction=0.9, training={"microBatchSize": 4, "overlapStaging": setting})
+    m = mode_plan(spec, SHAPE_3B, H100)
+    stages = {s.stage: s.peak_bytes for s in m.stages}
+    moments = m.parts.optimizer if overlap else 0
+    p = m.parts
+    assert stages[Stage.WAKE_WEIGHTS] == (
+        p.context + p.train_params + moments + p.engine_weights + p.gather
+    )
 
 
 QWEN25_1_5B = {**QWEN25_3B, "hidden_size": 1536, "intermediate_size": 8960,

@@ -17,6 +17,7 @@ from rljob_worker.engines.base import Completion
 from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM, parse_oom_message
 from rljob_worker.rl_math import batch_advantages, group_advantages
 from rljob_worker.stages import SINGLE_ORDER, STAGED_ORDER, StageMachine, stage_order
+from rljob_worker.staging import Staging
 from rljob_worker.train import Experience, NamedTensors, TrainStats, plan_buckets
 
 REAL_OOM_MESSAGE = (
@@ -52,6 +53,12 @@ class RecordingTrainer:
 
     def offload_optimizer(self) -> None:
         self.log.append("offload_optimizer")
+
+    def start_offload_optimizer(self) -> None:
+        self.log.append("start_offload_optimizer")
+
+    def finish_offloads(self) -> None:
+        self.log.append("finish_offloads")
 
     def load_optimizer(self) -> None:
         self.log.append("load_optimizer")
@@ -111,6 +118,7 @@ def _machine(
     inject: OOMInjection | None = None,
     fail_with: BaseException | None = None,
     checkpoint_every: int = 0,
+    overlap: bool = False,
 ) -> tuple[StageMachine, MemoryMeter, list[str]]:
     log: list[str] = []
 
@@ -129,6 +137,7 @@ def _machine(
         engine_dtype=torch.float32,
         checkpoint=lambda iteration: log.append(f"save {iteration}"),
         checkpoint_every=checkpoint_every,
+        staging=Staging(torch.device("cpu"), overlap),
     )
     return machine, meter, log
 
@@ -179,6 +188,7 @@ def test_staged_resumes_kv_cache_only_after_training_params_left() -> None:
         "gather",
         "update:a+b",
         "flush_cache",
+        "finish_offloads",
         "offload_params",
         "resume:kv_cache+cuda_graph",
         "generate",
@@ -186,6 +196,40 @@ def test_staged_resumes_kv_cache_only_after_training_params_left() -> None:
         "load_params",
         "load_optimizer",
     ]
+
+
+def test_overlapped_staged_order_moves_the_state_behind_the_sync_the_release_and_train() -> None:
+    machine, _, log = _machine(WakeUp.STAGED, overlap=True)
+    machine.run_iteration(0)
+    assert log[-3:] == ["release:cuda_graph+kv_cache", "load_params", "release:weights"]
+    log.clear()
+    machine.run_iteration(1)
+    assert log == [
+        "load_optimizer",  # arrives during forward/backward; the optimizer step waits
+        "train_step",
+        "start_offload_optimizer",  # its copies run behind the weight sync
+        "resume:weights",
+        "gather",
+        "update:a+b",
+        "flush_cache",
+        "finish_offloads",  # the moments freed once copied, before the KV cache wakes
+        "offload_params",
+        "resume:kv_cache+cuda_graph",
+        "generate",
+        "release:cuda_graph+kv_cache",
+        "load_params",  # into the KV cache's memory, while the weights are released
+        "release:weights",
+    ]
+
+
+def test_overlapped_single_order_keeps_the_moments_offload_in_its_stage() -> None:
+    machine, _, log = _machine(WakeUp.SINGLE, overlap=True)
+    machine.run_iteration(0)
+    log.clear()
+    machine.run_iteration(1)
+    assert log.index("offload_optimizer") < log.index("resume:weights+kv_cache+cuda_graph")
+    assert "start_offload_optimizer" not in log
+    assert log[0] == "load_optimizer" and log[-1] == "release:weights"
 
 
 def test_single_resumes_weights_and_kv_cache_together_while_params_are_resident() -> None:

@@ -236,3 +236,21 @@ def test_each_gpu_of_a_tp2_engine_gives_back_its_share_of_what_sleep_released() 
         ratios[tp] = sleep["freed_bytes"] / sleep["released_bytes"]
     assert 0.995 < ratios[1] < 1.0
     assert abs(ratios[2] - ratios[1]) < 0.002
+
+
+def test_overlap_staging_on_and_off_run_as_two_points_of_one_invocation(tmp_path: Path) -> None:
+    command = [sys.executable, str(REPO / "bench" / "colocate.py"), "--smoke", "--no-alone",
+               "--iterations", str(ITERATIONS), "--prompts", "2", "--group-size", "2",
+               "--response-length", "8", "--modes", "staged", "--fractions", "0.5",
+               "--overlap-staging", "off,on", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    points = json.loads((tmp_path / "colocate.json").read_text())["points"]
+    assert [(p["overlap_staging"], p["completed"]) for p in points] == [("Off", True), ("On", True)]
+    assert all(p["staging_tax"] is not None for p in points)
+    markdown = (tmp_path / "colocate.md").read_text()
+    assert "| staged overlap Off | 0.50 | ok (2 it)" in markdown
+    assert "| staged overlap On | 0.50 | ok (2 it)" in markdown
+    bad = subprocess.run([*command[:-4], "--overlap-staging", "sometimes"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--overlap-staging 'sometimes'" in bad.stderr

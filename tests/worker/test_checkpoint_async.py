@@ -30,6 +30,7 @@ from rljob_worker.checkpoint import (
     load,
 )
 from rljob_worker.checkpoint_writer import host_state_dict
+from rljob_worker.staging import Staging
 from rljob_worker.train import _HostCopies
 
 pytestmark = pytest.mark.worker
@@ -221,7 +222,8 @@ def test_a_full_disk_in_the_writer_is_checkpoint_failed_at_a_boundary(tiny_disk:
 
 
 def test_offload_after_copy_out_only_frees_and_a_reader_is_waited_for() -> None:
-    copies = _HostCopies(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    copies = _HostCopies(cpu, Staging(cpu, overlap=False), "out", "in")
     first = torch.full((5,), -1.0)  # its host copy comes first: the second's starts further on
     tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)[:, 1:]  # a strided view
     storages = [first.untyped_storage(), tensor.untyped_storage()]

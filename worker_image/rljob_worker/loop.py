@@ -31,6 +31,7 @@ from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM
 from rljob_worker.model import load_tokenizer, resolve_model_path, stop_token_ids, torch_dtype
 from rljob_worker.reward import Scorer
 from rljob_worker.stages import StageMachine
+from rljob_worker.staging import Staging, overlap_staging
 from rljob_worker.task import Problem, Task, make_task
 from rljob_worker.train import Experience, NamedTensors, Trainer, TrainStats
 
@@ -152,6 +153,8 @@ class RankIteration:
     # asynchronous one is an earlier iteration's) and this iteration's export (rank 0).
     checkpoint: checkpoints.SavedCheckpoint | None = None
     export_path: str | None = None
+    # The training state's copies in order, "stage: start|wait transfer" (overlapStaging).
+    staging: tuple[str, ...] = ()
 
 
 # A SavedCheckpoint on its own: one the ranks agreed complete in an iteration that then failed
@@ -421,7 +424,8 @@ def run_rank(
     )
     # The start-up, measured like a stage: status.memory.load against the plan's load row.
     with meter.load():
-        trainer = Trainer(spec, model_path, device, pad_id=tokenizer.pad_token_id)
+        staging = Staging(device, overlap_staging(spec, device))
+        trainer = Trainer(spec, model_path, device, pad_id=tokenizer.pad_token_id, staging=staging)
     checks: dict[str, tuple[str, str]] = {}
 
     def check_weights(_iteration: int, bucket: NamedTensors) -> None:
@@ -453,6 +457,7 @@ def run_rank(
         checkpoint=keeper.save if spec.checkpoint is not None else None,
         checkpoint_every=spec.checkpoint.every_iterations if spec.checkpoint else 0,
         between_stages=keeper.poll if spec.checkpoint is not None else None,
+        staging=staging,
     )
     # A new attempt, or the same manifest run again, continues from the newest complete
     # checkpoint: its iteration N is trained, so the run starts with N's second half.
@@ -505,6 +510,7 @@ def run_rank(
                 resume_point=keeper.resumed if resumed else None,
                 checkpoint=saved,
                 export_path=exported,
+                staging=outcome.staging,
             )
             result.iterations.append(report)
             send(report)

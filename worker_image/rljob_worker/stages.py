@@ -18,6 +18,7 @@ from rljob.report import Stage
 from rljob_worker import allocator_report
 from rljob_worker.engines.base import TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS, RolloutEngine
 from rljob_worker.memory import MemoryMeter
+from rljob_worker.staging import Staging
 from rljob_worker.train import Experience, NamedTensors, TrainStats
 
 # Staged awake (docs/design.md, "The stage machine"): the engine's weights come back while the
@@ -88,6 +89,8 @@ class TrainerLike(Protocol):
 
     def train_step(self, experience: Experience) -> TrainStats: ...
     def offload_optimizer(self) -> None: ...
+    def start_offload_optimizer(self) -> None: ...
+    def finish_offloads(self) -> None: ...
     def load_optimizer(self) -> None: ...
     def offload_params(self) -> None: ...
     def load_params(self) -> None: ...
@@ -102,6 +105,8 @@ class IterationOutcome:
     stages: tuple[Stage, ...]
     train: TrainStats | None
     experience: Experience | None
+    # The training state's copies: "stage: start|wait transfer" in order (staging.Staging).
+    staging: tuple[str, ...] = ()
 
 
 def release_cublas_workspaces() -> None:
@@ -136,6 +141,7 @@ class StageMachine:
         checkpoint: Callable[[int], None] | None = None,
         checkpoint_every: int = 0,
         between_stages: Callable[[], None] | None = None,
+        staging: Staging | None = None,
     ) -> None:
         self.trainer = trainer
         self.engine = engine
@@ -154,6 +160,9 @@ class StageMachine:
         # Runs after every stage, outside its measurement (checkpoint.Keeper.poll: the ranks
         # agree on how far an asynchronous checkpoint's writers are).
         self.between_stages = between_stages
+        # The trainer's, where it has one: its record names our stages. overlap picks the
+        # overlapped order below (spec.training.overlapStaging; docs/performance.md).
+        self.staging = staging if staging is not None else Staging(torch.device("cpu"), False)
         self.experience: Experience | None = None
         self.weight_sync_seconds: float | None = None
         # The part of it spent in engine.update_weights (the hand-off to the engine); the rest
@@ -184,24 +193,38 @@ class StageMachine:
         """One iteration in the spec's wake-up order; iteration 0 is the prologue (see above),
         and so is the first iteration of a resumed run (resumed=True).
 
-        Expects the engine released and the training state on the device, and leaves them so.
+        Expects the engine released and the training state on the device, and leaves them so;
+        overlapped (self.staging.overlap), the offloaded moments come back only in train.
         """
         order = stage_order(
             self.wake_up, iteration, checkpoint=self.checkpoint_due(iteration), resumed=resumed
         )
         self._iteration, self._train_stats = iteration, None
         for stage in order:
+            self.staging.stage = str(stage)
             with self.meter.stage(stage, iteration):
                 self._actions[stage]()
             if self.between_stages is not None:
                 self.between_stages()
-        return IterationOutcome(iteration, order, self._train_stats, self.experience)
+        return IterationOutcome(
+            iteration, order, self._train_stats, self.experience, self.staging.take()
+        )
+
+    @property
+    def _moments_leave_during_sync(self) -> bool:
+        # Staged only: single resumes the KV cache with the weights, where the moments staying
+        # through the sync would add to its largest peak (rljob.plan.stage_peaks).
+        return self.staging.overlap and self.wake_up == WakeUp.STAGED
 
     # -- the stages, in staged order -----------------------------------------------------------
 
     def train(self) -> None:
         if self.experience is None:
             raise RuntimeError("train stage without experience: run iteration 0 first")
+        if self.staging.overlap and self.offload_optimizer_enabled:
+            # Overlapped: the moments come back during the first micro-batches' forward and
+            # backward; the first optimizer step waits for them (Trainer.load_optimizer).
+            self.trainer.load_optimizer()
         self._train_stats = self.trainer.train_step(self.experience)
 
     def checkpoint(self) -> None:
@@ -209,7 +232,11 @@ class StageMachine:
         self.checkpoint_fn(self._iteration)
 
     def offload_optimizer(self) -> None:
-        if self.offload_optimizer_enabled:
+        if self.offload_optimizer_enabled and self._moments_leave_during_sync:
+            # The weight sync reads the params, not the moments: their copies run behind it
+            # and offload_train frees them.
+            self.trainer.start_offload_optimizer()
+        elif self.offload_optimizer_enabled:
             self.trainer.offload_optimizer()
         # The moments (and the gradients and activations freed since train) go back to the
         # device here, so the stage that releases them shows them as free device memory.
@@ -252,6 +279,7 @@ class StageMachine:
         self.weight_handoff_seconds = handoff
 
     def offload_train(self) -> None:
+        self.trainer.finish_offloads()  # the moments whose copies ran behind the weight sync
         if self.offload_params_enabled:
             self.trainer.offload_params()
         # The freed params sit in torch's caching allocator, invisible to the memory saver:
@@ -272,8 +300,17 @@ class StageMachine:
         self.experience = self.rollout_fn(self._iteration)
 
     def sleep(self) -> None:
-        self.engine.release([TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS])
+        if not self.staging.overlap:
+            self.engine.release([TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS])
+            if self.offload_params_enabled:
+                self.trainer.load_params()
+            if self.offload_optimizer_enabled:
+                self.trainer.load_optimizer()
+            return
+        # Overlapped: the params come back into the KV cache's memory while the engine's
+        # weights are released (they do not fit beside the pool); the moments come back in
+        # train. The device's later work waits for the params, the host does not.
+        self.engine.release([TAG_CUDA_GRAPH, TAG_KV_CACHE])
         if self.offload_params_enabled:
             self.trainer.load_params()
-        if self.offload_optimizer_enabled:
-            self.trainer.load_optimizer()
+        self.engine.release([TAG_WEIGHTS])

@@ -27,6 +27,13 @@ from rljob_worker.policy_update import Experience as Experience
 from rljob_worker.policy_update import PolicyUpdate
 from rljob_worker.policy_update import TrainStats as TrainStats
 from rljob_worker.sharded_load import chunk_rows, load_sharded, row_chunk
+from rljob_worker.staging import (
+    OPTIMIZER_TO_DEVICE,
+    OPTIMIZER_TO_HOST,
+    PARAMS_TO_DEVICE,
+    PARAMS_TO_HOST,
+    Staging,
+)
 from rljob_worker.weight_sync import overlap_enabled, prefetched
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -198,9 +205,11 @@ class _HostCopies:
     writer may read them until `hold`'s wait returns, which the next write into them calls.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, staging: Staging, outward: str, inward: str) -> None:
         self.pin = device.type == "cuda"
         self.device = device
+        # Runs the copies (on its side stream where the staging overlaps) and their waits.
+        self.staging, self.outward, self.inward = staging, outward, inward
         self._buffers: list[torch.Tensor] = []
         self._held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         # The storages copy_out copied and not freed since (their host copies are current).
@@ -212,41 +221,55 @@ class _HostCopies:
         """Someone reads the buffers until `wait()` returns: called before they are rewritten."""
         self._reader_wait = wait
 
-    def copy_out(self, storages: list[torch.UntypedStorage]) -> None:
-        """Copy the storages into the host buffers (allocated on first use), freeing nothing.
+    def copy_out(self, storages: list[torch.UntypedStorage], *, wait: bool = True) -> None:
+        """Copy the storages into the host buffers (allocated on first use), freeing nothing;
+        `wait=False`: the copies may still run on return (the next offload waits for them).
 
         Valid only while the storages do not change until the next offload (the stage machine
         runs nothing that writes them in between): that offload then only frees them."""
         if self._held:
             raise RuntimeError("copy_out while offloaded: load first")
         if self._reader_wait is not None:
-            wait, self._reader_wait = self._reader_wait, None
-            wait()
+            reader_done, self._reader_wait = self._reader_wait, None
+            reader_done()
         if not self._buffers:
             self._allocate([storage.nbytes() for storage in storages])
         if len(storages) != len(self._buffers):
             raise RuntimeError(f"{len(storages)} storages to offload, {len(self._buffers)} before")
         self._current, self._by_pointer = [], {}
-        for index, storage in enumerate(storages):
-            source = _bytes_of(storage)
-            buffer = self._buffers[index]
+        sources = [_bytes_of(storage) for storage in storages]
+        for index, (source, buffer) in enumerate(zip(sources, self._buffers, strict=True)):
             if buffer.numel() != source.numel():
                 raise RuntimeError(f"storage {index} changed size since the last offload")
-            buffer.copy_(source, non_blocking=self.pin)
+        with self.staging.copies(self.outward):
+            for source, buffer in zip(sources, self._buffers, strict=True):
+                buffer.copy_(source, non_blocking=self.pin)
+        for storage, buffer in zip(storages, self._buffers, strict=True):
             self._current.append((storage, buffer))
             self._by_pointer[storage.data_ptr()] = buffer
-        if self.pin:
-            torch.cuda.synchronize(self.device)  # the copies read what may be freed next
+        if wait:  # the copies read what may be freed next; the host reads the buffers
+            self.staging.wait(self.outward, host=True)
+
+    def start_offload(self, storages: list[torch.UntypedStorage]) -> None:
+        """The copies to the host start, unless copy_out made them; `offload` frees."""
+        if self._held:
+            raise RuntimeError("offload while already offloaded: load first")
+        if not self._copied(storages):
+            self.copy_out(storages, wait=False)
 
     def offload(self, storages: list[torch.UntypedStorage]) -> None:
         if self._held:
             raise RuntimeError("offload while already offloaded: load first")
-        copied = {storage.data_ptr() for storage, _ in self._current}
-        if copied != {storage.data_ptr() for storage in storages}:
+        if not self._copied(storages):
             self.copy_out(storages)
+        self.staging.wait(self.outward, host=True)  # start_offload's copies read them
         for storage, _ in self._current:
             storage.resize_(0)
         self._held, self._current = self._current, []
+
+    def _copied(self, storages: list[torch.UntypedStorage]) -> bool:
+        copied = {storage.data_ptr() for storage, _ in self._current}
+        return copied == {storage.data_ptr() for storage in storages}
 
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """`tensor` (a plain tensor over a storage the last copy_out copied) as a view of its
@@ -275,19 +298,32 @@ class _HostCopies:
             self._host[start : start + size] for start, size in zip(starts, sizes, strict=True)
         ]
 
-    def load(self) -> None:
+    def load(self, *, wait: bool = True) -> None:
+        """The storages back on the device (allocated on the current stream) and refilled;
+        `wait=False`: whoever uses them first waits (`staging.wait(inward)`)."""
+        if not self._held:
+            return  # nothing offloaded (a fresh AdamW has no moments yet)
         for storage, buffer in self._held:
             storage.resize_(buffer.numel())
-            _bytes_of(storage).copy_(buffer, non_blocking=self.pin)
-        if self.pin:
-            torch.cuda.synchronize(self.device)
+        with self.staging.copies(self.inward):
+            for storage, buffer in self._held:
+                _bytes_of(storage).copy_(buffer, non_blocking=self.pin)
         self._held = []
+        if wait:
+            self.staging.wait(self.inward)
 
 
 class Trainer:
     """The sharded policy of one rank; every method is collective (all ranks call it together)."""
 
-    def __init__(self, spec: RLJobSpec, model_path: Path | str, device: torch.device, pad_id: int):
+    def __init__(
+        self,
+        spec: RLJobSpec,
+        model_path: Path | str,
+        device: torch.device,
+        pad_id: int,
+        staging: Staging | None = None,
+    ):
         self.spec = spec
         self.device = device
         self.pad_id = pad_id
@@ -314,10 +350,19 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=spec.algorithm.learning_rate, weight_decay=0.0
         )
-        self._optimizer_copies = _HostCopies(device)
-        self._param_copies = _HostCopies(device)
+        # The copies of the training state, and (overlapStaging) their side stream.
+        self.staging = staging if staging is not None else Staging(device, overlap=False)
+        self._optimizer_copies = _HostCopies(
+            device, self.staging, OPTIMIZER_TO_HOST, OPTIMIZER_TO_DEVICE
+        )
+        self._param_copies = _HostCopies(device, self.staging, PARAMS_TO_HOST, PARAMS_TO_DEVICE)
+        # Moments whose load was started arrive behind forward/backward: the step reads them.
+        self.optimizer.register_step_pre_hook(
+            lambda *_: self.staging.wait(OPTIMIZER_TO_DEVICE, before="optimizer.step()")
+        )
         self.optimizer_on_device = True
         self.params_on_device = True
+        self._optimizer_leaving = False  # start_offload_optimizer's copies, not yet freed
 
     # -- training ----------------------------------------------------------------------------
 
@@ -327,6 +372,8 @@ class Trainer:
             self.spec, self.model, self.reference, self.optimizer, self.pad_id, self.device
         )
         stats = update.run(experience)
+        # Without an optimizer step (no tokens), the moments' later users still come after.
+        self.staging.wait(OPTIMIZER_TO_DEVICE)
         if self.reference is not None:
             _reshard(self.reference)  # forward only: its root would stay unsharded (see _reshard)
         return stats
@@ -374,10 +421,23 @@ class Trainer:
     def offload_optimizer(self) -> None:
         """AdamW moments to (pinned) CPU memory; their device memory is freed."""
         self._optimizer_copies.offload(self._optimizer_storages())
-        self.optimizer_on_device = False
+        self.optimizer_on_device, self._optimizer_leaving = False, False
+
+    def start_offload_optimizer(self) -> None:
+        """The moments' copies to the host start (behind what follows, where the staging
+        overlaps); finish_offloads frees them."""
+        self._optimizer_copies.start_offload(self._optimizer_storages())
+        self._optimizer_leaving = True
+
+    def finish_offloads(self) -> None:
+        """Free what start_offload_optimizer began to copy, once copied (else nothing)."""
+        if self._optimizer_leaving:
+            self.offload_optimizer()
 
     def load_optimizer(self) -> None:
-        self._optimizer_copies.load()
+        """The moments back. Where the staging overlaps, their copies run behind what follows
+        and the next optimizer step (or the train step's end) waits for them."""
+        self._optimizer_copies.load(wait=not self.staging.overlap)
         self.optimizer_on_device = True
 
     def _modules(self) -> list[torch.nn.Module]:
@@ -389,6 +449,8 @@ class Trainer:
         self.params_on_device = False
 
     def load_params(self) -> None:
+        """The params back: where the staging overlaps, the host goes on at once (the
+        device's later work waits for the copies)."""
         self._param_copies.load()
         self.params_on_device = True
 
