@@ -418,8 +418,9 @@ class Point:
     # Issue 33: the weight-sync path the point ran (SYNC_PATHS), the rollout's answers (rank 0,
     # steady iterations), and each stage's floor beside its seconds (stage_floors).
     sync_path: str = "default"
-    # spec.training.overlapStaging the point ran with (--overlap-staging): Auto is On on CUDA.
-    overlap_staging: str = "Auto"
+    # spec.training.overlapStaging the point ran with (--overlap-staging; Off, the spec's
+    # default, for points stored before it).
+    overlap_staging: str = "Off"
     response_tokens: float | None = None  # generated per rollout, rank 0
     response_length_mean: float | None = None
     response_length_max: int | None = None
@@ -934,7 +935,7 @@ def main(argv: list[str] | None = None) -> int:
                              "weight-sync path (see SYNC_PATHS)")  # fmt: skip
     parser.add_argument(
         "--overlap-staging",
-        default="auto",
+        default="off",
         help="comma list of auto,on,off: each point once per setting "
         "(spec.training.overlapStaging; docs/performance.md)",
     )

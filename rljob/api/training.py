@@ -44,12 +44,13 @@ class TrainingSpec(_Spec):
         "KV cache is resumed.",
     )
     overlap_staging: OverlapStaging = Field(
-        default=OverlapStaging.AUTO,
+        default=OverlapStaging.OFF,
         description="Move the offloaded training state over PCIe behind other work "
         "(docs/performance.md, 'Staging behind compute'): the optimizer state comes back while "
         "the first micro-batches run (the optimizer step waits for it), goes out while the "
         "weight sync runs (staged wake-up), and the params come back while the engine's "
         "weights are released. Results are bit-identical either way; the memory plan counts "
         "the optimizer state in wake_weights (staged) and no longer in sleep. "
-        "Auto: On where the worker has CUDA. Off: each copy completes in its own stage.",
+        "Auto: On where the worker has CUDA. Off (the default until the overlap is measured on "
+        "a GPU): each copy completes in its own stage.",
     )
