@@ -15,7 +15,15 @@ one step, on the GPU, one rank), then saves it `--repeats` times each way (`--mo
   marker is written (`Keeper.finish`: durable). Then the offloads that follow the stage, which
   now only free the device memory (`offload_after_seconds`). Its first save also pins the
   buffers (reported apart: `pinned_first`);
-- **pinned-sync**: the same with `mode: Sync` (the stage waits for the writer).
+- **pinned-sync**: the same with `mode: Sync` (the stage waits for the writer);
+- **pinned-before**: `pinned` with the writer as it was before issue 30's writer fix: dcp's
+  FileSystemWriter (torch.save's CRC32 of every record) given views of the one host
+  allocation (which dcp clones before writing), for a before/after on the same card.
+
+`--busy python|torch`: while a `pinned*` writer runs, the main thread does not wait idle but
+runs a loop (pure Python, or CUDA matmuls with a synchronize every 8, as training's thread),
+polling the writer between chunks as the stage machine does at its boundaries: the writer
+beside a busy main thread. The first save (it pins the buffers) always runs idle.
 
 Beside them, in the same run: the disk's own write bandwidth (the same number of bytes written
 with `os.write` and fsync'd, as DCP's writer fsyncs its files), and pinned device-to-host
@@ -25,12 +33,14 @@ bandwidth, the floors of the two paths. It prints one JSON line per measurement 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +82,42 @@ def d2h_pinned_bandwidth(nbytes: int = 1 << 30) -> float:
     return 3 * nbytes / (time.perf_counter() - started)
 
 
-MODES = ("sync", "async", "pinned", "pinned-sync")
+MODES = ("sync", "async", "pinned", "pinned-sync", "pinned-before")
+BUSY = ("idle", "python", "torch")
+
+
+def _busy_chunk(busy: str, state: dict[str, Any]) -> None:
+    """About a millisecond or more of the main thread's work (`busy`: python or torch)."""
+    if busy == "python":
+        total = 0
+        for i in range(20_000):
+            total += i * i
+    else:
+        a = state.setdefault("a", torch.randn(1024, 1024, device="cuda") / 32)
+        for _ in range(8):
+            a = torch.tanh(a @ a)
+        torch.cuda.synchronize()
+        state["a"] = a
+
+
+@contextlib.contextmanager
+def _writer_before(before: bool) -> Iterator[None]:
+    """The writer as it was before the fix (CRC32 on, dcp cloning every view), or as it is."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    import rljob_worker.checkpoint as checkpoint
+    import rljob_worker.checkpoint_writer as checkpoint_writer
+
+    if not before:
+        yield
+        return
+    saved = checkpoint.FileWriter, checkpoint_writer.own_storage
+    checkpoint.FileWriter = FileSystemWriter  # type: ignore[misc,assignment]
+    checkpoint_writer.own_storage = lambda tensor: tensor
+    try:
+        yield
+    finally:
+        checkpoint.FileWriter, checkpoint_writer.own_storage = saved  # type: ignore[misc]
 
 
 def _spec(model_dir: Path, checkpoints: Path, mode: str) -> Any:
@@ -94,17 +139,28 @@ def _spec(model_dir: Path, checkpoints: Path, mode: str) -> Any:
     return parse_manifest(doc)[1]
 
 
-def _pinned(trainer: Any, spec: Any, model_dir: Path | str, iteration: int) -> dict[str, float]:
-    """One checkpoint stage as the loop runs it, then the offloads that follow it."""
+def _pinned(trainer: Any, spec: Any, model_dir: Path | str, iteration: int,
+            busy: str = "idle", before: bool = False) -> dict[str, float]:  # fmt: skip
+    """One checkpoint stage as the loop runs it (the main thread `busy` while the writer
+    writes), then the offloads that follow it."""
     from rljob_worker.checkpoint import Keeper
 
     keeper = Keeper(spec, trainer.model, trainer.optimizer, model_dir, host=trainer)
-    started = time.perf_counter()
-    keeper.save(iteration)
-    returned = time.perf_counter() - started
-    keeper.finish()
-    done = time.perf_counter() - started
-    saved, _ = keeper.take()
+    chunks, scratch = 0, dict[str, torch.Tensor]()
+    with _writer_before(before):
+        started = time.perf_counter()
+        keeper.save(iteration)
+        returned = time.perf_counter() - started
+        saved = None
+        while busy != "idle" and saved is None:
+            _busy_chunk(busy, scratch)
+            chunks += 1
+            keeper.poll()  # a stage boundary
+            saved, _ = keeper.take()
+        keeper.finish()
+        done = time.perf_counter() - started
+    if saved is None:
+        saved, _ = keeper.take()
     assert saved is not None
     offloading = time.perf_counter()
     trainer.offload_optimizer()
@@ -120,6 +176,7 @@ def _pinned(trainer: Any, spec: Any, model_dir: Path | str, iteration: int) -> d
         "keeper_blocked_seconds": saved.blocked_seconds or 0.0,
         "keeper_seconds": saved.seconds,
         "offload_after_seconds": offload_after,
+        "busy_chunks_per_second": chunks / max(done - returned, 1e-9),
     }
 
 
@@ -128,6 +185,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES), help=f"some of {', '.join(MODES)}")
+    parser.add_argument("--busy", choices=BUSY, default="idle", help="the main thread, beside")
     parser.add_argument("--target", type=Path, default=None, help="where to write (a disk)")
     parser.add_argument("--out", type=Path, default=None, help="a JSON summary file")
     args = parser.parse_args()
@@ -152,7 +210,7 @@ def main() -> None:
         torch.cuda.set_device(0)
     model_dir = resolve_model_path(str(args.model_dir))
     specs = {m: _spec(args.model_dir, root / m, "Sync" if m.endswith("sync") else "Async")
-             for m in ("pinned", "pinned-sync")}  # fmt: skip
+             for m in ("pinned", "pinned-sync", "pinned-before")}  # fmt: skip
     trainer = Trainer(specs["pinned"], model_dir, device, pad_id=0)
     model, optimizer = trainer.model, trainer.optimizer
     ids = torch.randint(0, 100, (1, 16), device=device)
@@ -188,7 +246,8 @@ def main() -> None:
                        "bytes": written_bytes}  # fmt: skip
                 shutil.rmtree(target)
             else:
-                row = _pinned(trainer, specs[kind], model_dir, 2 + index)
+                row = _pinned(trainer, specs[kind], model_dir, 2 + index, args.busy,
+                              before=kind == "pinned-before")  # fmt: skip
                 written_bytes = int(row["bytes"])
             results[kind].append(row)
             print(json.dumps({"kind": kind, "repeat": index, **row}), flush=True)
@@ -198,6 +257,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else "cpu (smoke run)",
         "torch": torch.__version__,
         "model_dir": str(args.model_dir),
+        "busy": args.busy,
         "parameters": sum(p.numel() for p in model.parameters()),
         "pinned_first": first,
         "bytes_per_rank": written_bytes,

@@ -42,6 +42,8 @@
 #                about 6.5 min): one call each
 #   auto-7b      #35: the 7B job at Auto's choice, 3 runs of 3 iterations (two H200s)
 #   sweep-7b     #35: the 7B sweep around Auto's choice (two H200s)
+#   ckpt-writer  #30: the async checkpoint's writer at 1.5B, before and after its fix, beside a
+#                busy (pure-Python) main thread, and the disk's floor (one card; ~150 s)
 #   par1         ckpt-resume on card 0 beside mt-test and mt-bench on card 1 (two cards)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -171,6 +173,11 @@ for step in "$@"; do
       colocate --model qwen2.5-7b --ranks 2 --tp 1 --modes staged --staged-fractions 0.96,0.97,0.98 \
         --keep-going --iterations 3 --no-alone --deadline-seconds 420 --out "$out/run" > "$out/log" 2>&1
       tail -30 "$out/log" ;;
+    ckpt-writer)
+      model qwen2.5-1.5b && python3 bench/checkpoint_gpu.py --model-dir /tmp/rljob-bench-models/qwen2.5-1.5b \
+        --repeats 1 --modes pinned-before,pinned --busy python --out "$out/ckpt-writer-1.5b.json" \
+        > "$out/ckpt-writer-1.5b.log" 2>&1
+      echo "checkpoint_gpu exit $?"; tail -4 "$out/ckpt-writer-1.5b.log" ;;
     par1)
       (CUDA_VISIBLE_DEVICES=0 bash bench/gpu_steps.sh ckpt-resume > "$out/card0.log" 2>&1) &
       (CUDA_VISIBLE_DEVICES=1 bash bench/gpu_steps.sh mt-test mt-bench > "$out/card1.log" 2>&1) &

@@ -256,3 +256,46 @@ def test_host_state_dict_views_what_has_a_host_copy_and_copies_the_rest() -> Non
     copied = host_state_dict(state, None)
     assert copied.state["a"] is not moved and torch.equal(copied.state["a"], moved)
     assert copied.copied_bytes == 2 * moved.nbytes and copied.state["lr"] == 0.1
+
+
+def test_the_writer_writes_the_host_copies_in_place_without_crc_and_they_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dcp's writer clones a tensor whose storage is larger than itself, and the host copies
+    are views of one allocation: host_state_dict hands it views over storages of their own
+    bytes instead (the same memory), and FileWriter skips torch.save's CRC32; the files load."""
+    import zipfile
+
+    import torch.distributed.checkpoint as dcp
+
+    from rljob_worker.checkpoint_writer import FileWriter
+
+    copies = _HostCopies(torch.device("cpu"))
+    weight, moment = torch.randn(4, 8), torch.randn(16)
+    copies.copy_out([weight.untyped_storage(), moment.untyped_storage()])
+    host = host_state_dict({"weight": weight, "moment": moment}, copies.host_copy)
+    assert host.copied_bytes == 0
+    for name, tensor in host.state.items():
+        view = copies.host_copy({"weight": weight, "moment": moment}[name])
+        assert view is not None and view.untyped_storage().nbytes() > view.nbytes  # one buffer
+        assert tensor.data_ptr() == view.data_ptr()  # the same memory, not a copy
+        assert tensor.untyped_storage().nbytes() == tensor.nbytes
+    clones: list[int] = []
+    real_clone = torch.Tensor.clone
+
+    def counted_clone(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        clones.append(self.nbytes)
+        return real_clone(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "clone", counted_clone)
+    dcp.save(host.state, storage_writer=FileWriter(tmp_path / "state"), no_dist=True)
+    monkeypatch.undo()
+    assert clones == []
+    assert torch.serialization.get_crc32_options()  # the process-wide switch is restored
+    (shard,) = (tmp_path / "state").glob("*.distcp")
+    # A .distcp file is torch.save records back to back; the first one's zip entries.
+    with zipfile.ZipFile(shard) as records:
+        assert {info.CRC for info in records.infolist()} == {0}
+    loaded = {"weight": torch.zeros(4, 8), "moment": torch.zeros(16)}
+    dcp.load(loaded, checkpoint_id=tmp_path / "state", no_dist=True)
+    assert torch.equal(loaded["weight"], weight) and torch.equal(loaded["moment"], moment)

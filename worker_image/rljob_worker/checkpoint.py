@@ -41,7 +41,7 @@ from rljob.api import (
     ResumePoint,
     RLJobSpec,
 )
-from rljob_worker.checkpoint_writer import HostLookup, host_state_dict, start_thread
+from rljob_worker.checkpoint_writer import FileWriter, HostLookup, host_state_dict, start_thread
 from rljob_worker.model import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -249,7 +249,7 @@ def _write(state: dict[str, Any], rng: dict[str, Any], spec: RLJobSpec, iteratio
     def write_shards() -> None:
         # Collective itself: a rank's failure reaches all as one CheckpointException. Its
         # writer fsyncs every file before the ranks' results are gathered.
-        dcp.save(state, checkpoint_id=directory / STATE, process_group=group)
+        dcp.save(state, storage_writer=FileWriter(directory / STATE), process_group=group)
         _write_durably(directory / f"rng-rank{rank}.pt", rng)
 
     completed: list[str] = []

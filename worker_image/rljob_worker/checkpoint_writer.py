@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.futures import Future as TorchFuture
 
 T = TypeVar("T")
 
@@ -50,8 +54,8 @@ def host_state_dict(
 ) -> HostState:
     """`state` (get_state_dict's: DTensors, tensors, numbers) with every tensor on the host.
 
-    A tensor whose host copy `lookup` finds is a view of it (no copy, no device traffic); any
-    other is copied to host memory. Non-tensor values are copied too: the writer must see the
+    A tensor whose host copy `lookup` finds is a view of it (no copy, no device traffic; over a
+    storage of its own bytes, see own_storage); any other is copied to host memory. Non-tensor values are copied too: the writer must see the
     state as it was here, whatever the loop changes while it writes. DTensors stay DTensors
     with the same placements and global shape, so dcp.save writes the same shards, in the
     same format, as from the device."""
@@ -62,7 +66,7 @@ def host_state_dict(
         nbytes = tensor.numel() * tensor.element_size()
         if found is not None:
             out.viewed_bytes += nbytes
-            return found
+            return own_storage(found)
         out.copied_bytes += nbytes
         return tensor.detach().to("cpu", copy=True)
 
@@ -103,3 +107,34 @@ def start_thread(work: Callable[[], T], name: str) -> Future[T]:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` over a storage of exactly its own bytes, the same memory (a contiguous host
+    tensor; any other is returned as it is). torch.distributed.checkpoint's writer clones every
+    tensor whose storage is larger than the tensor (both its loaders: `untyped_storage().size()
+    != nbytes`), and the host copies are views of one allocation: without this every byte is
+    copied once more, into fresh memory, before it is written."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return tensor
+    if tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    flat = tensor.reshape(-1).view(torch.uint8)
+    # from_numpy makes a storage of the array's bytes; the array keeps the allocation alive.
+    return torch.from_numpy(flat.numpy()).view(tensor.dtype).view(tensor.shape)
+
+
+class FileWriter(FileSystemWriter):
+    """dcp's FileSystemWriter (the same files, fsynced, the same format) without torch.save's
+    CRC32 of every record: computed while the writer holds the GIL, it took about half the
+    writer's time on the CPU (docs/checkpoints.md, "Why the writer was slow"), and torch.load
+    does not check it. The switch is process-wide (torch.serialization.config), so it is off
+    only while this writer writes (one writer at a time in a rank)."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:  # FileSystemWriter writes every file before it returns its (done) future
+            return super().write_data(plan, planner)
+        finally:
+            torch.serialization.set_crc32_options(crc)
