@@ -270,7 +270,8 @@ def test_the_writer_writes_the_host_copies_in_place_without_crc_and_they_load(
 
     from rljob_worker.checkpoint_writer import FileWriter
 
-    copies = _HostCopies(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    copies = _HostCopies(cpu, Staging(cpu, overlap=False), "out", "in")
     weight, moment = torch.randn(4, 8), torch.randn(16)
     copies.copy_out([weight.untyped_storage(), moment.untyped_storage()])
     host = host_state_dict({"weight": weight, "moment": moment}, copies.host_copy)
