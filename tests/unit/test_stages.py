@@ -222,6 +222,22 @@ def test_overlapped_staged_order_moves_the_state_behind_the_sync_the_release_and
     ]
 
 
+def test_the_moments_leave_after_the_stage_empties_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """empty_cache() frees segments with cudaFree, which waits for every stream of the device:
+    the moments' copies to the host start after it, or they would finish inside this stage
+    instead of behind the weight sync."""
+    machine, _, log = _machine(WakeUp.STAGED, overlap=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
+    monkeypatch.setattr(
+        "rljob_worker.stages.release_cublas_workspaces", lambda: log.append("release_cublas")
+    )
+    machine.offload_optimizer()
+    assert log == ["release_cublas", "empty_cache", "start_offload_optimizer"]
+
+
 def test_overlapped_single_order_keeps_the_moments_offload_in_its_stage() -> None:
     machine, _, log = _machine(WakeUp.SINGLE, overlap=True)
     machine.run_iteration(0)

@@ -300,3 +300,19 @@ def test_the_writer_writes_the_host_copies_in_place_without_crc_and_they_load(
     loaded = {"weight": torch.zeros(4, 8), "moment": torch.zeros(16)}
     dcp.load(loaded, checkpoint_id=tmp_path / "state", no_dist=True)
     assert torch.equal(loaded["weight"], weight) and torch.equal(loaded["moment"], moment)
+
+
+def test_an_empty_shard_goes_to_the_writer_as_it_is() -> None:
+    """FSDP2 gives a rank an empty shard where a parameter's first dimension has fewer chunks
+    than ranks (_chunk_with_empty: 128 rows on 24 ranks leave ranks 22 and 23 none); its host
+    copy is an empty view into the one host allocation, and host_state_dict still hands it on
+    (the writer's clone of 0 bytes costs nothing) instead of failing the checkpoint stage."""
+    cpu = torch.device("cpu")
+    copies = _HostCopies(cpu, Staging(cpu, overlap=False), "out", "in")
+    full, padded = torch.randn(6), torch.zeros(4)
+    empty = padded[:0].view(0, 2)  # a shard with no rows, over FSDP2's padded storage
+    copies.copy_out([full.untyped_storage(), padded.untyped_storage()])
+    host = host_state_dict({"full": full, "empty": empty}, copies.host_copy)
+    assert host.copied_bytes == 0
+    assert host.state["empty"].shape == (0, 2) and host.state["empty"].dtype == torch.float32
+    assert torch.equal(host.state["full"], full)

@@ -119,6 +119,11 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     if tensor.untyped_storage().nbytes() == tensor.nbytes:
         return tensor
+    if tensor.numel() == 0:
+        # An empty shard (FSDP2 gives a rank none where a dimension has fewer chunks than
+        # ranks): numpy's empty array has stride 0, which no dtype view accepts; the writer's
+        # clone of it copies nothing.
+        return tensor
     flat = tensor.reshape(-1).view(torch.uint8)
     # from_numpy makes a storage of the array's bytes; the array keeps the allocation alive.
     return torch.from_numpy(flat.numpy()).view(tensor.dtype).view(tensor.shape)

@@ -232,17 +232,19 @@ class StageMachine:
         self.checkpoint_fn(self._iteration)
 
     def offload_optimizer(self) -> None:
-        if self.offload_optimizer_enabled and self._moments_leave_during_sync:
-            # The weight sync reads the params, not the moments: their copies run behind it
-            # and offload_train frees them.
-            self.trainer.start_offload_optimizer()
-        elif self.offload_optimizer_enabled:
+        leaving = self.offload_optimizer_enabled and self._moments_leave_during_sync
+        if self.offload_optimizer_enabled and not leaving:
             self.trainer.offload_optimizer()
         # The moments (and the gradients and activations freed since train) go back to the
         # device here, so the stage that releases them shows them as free device memory.
         if torch.cuda.is_available():
             release_cublas_workspaces()
             torch.cuda.empty_cache()
+        if leaving:
+            # The weight sync reads the params, not the moments: their copies run behind it
+            # and offload_train frees them. Started after empty_cache(): its cudaFree waits
+            # for the whole device, so a copy started before it would finish in this stage.
+            self.trainer.start_offload_optimizer()
 
     def wake_weights(self) -> None:
         tags = (
