@@ -47,14 +47,14 @@ def _label(point: dict[str, Any]) -> str:
     return (
         f"{point['mode']}{_offload_note(point)}"
         + ("" if path == "default" else f" [{path}]")
-        + ("" if overlap == "Auto" else f" overlap {overlap}")
+        + ("" if overlap == "Off" else f" overlap {overlap}")
     )
 
 
 def _overlap(point: dict[str, Any]) -> str:
     """spec.training.overlapStaging of the point (--overlap-staging); points stored before it
-    existed ran each copy in its own stage, and are labelled as the default was then."""
-    return str(point.get("overlap_staging", "Auto"))
+    existed ran each copy in its own stage: Off (their labels stay as they were)."""
+    return str(point.get("overlap_staging", "Off"))
 
 
 # -- outputs -----------------------------------------------------------------------------------
