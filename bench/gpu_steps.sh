@@ -34,6 +34,7 @@
 #   overlap      #33: 3B one card, staging tax with overlapStaging off then on: small workload,
 #                then realistic (2 iterations; the deadline keeps the call under 10 minutes)
 #   overlap-test #33: tests/gpu/test_overlap_staging_gpu.py (on = off bit for bit, on the card)
+#   staging-probe #33: bench/staging_probe.py: which host calls make a side-stream copy end early
 #   tp2          #31: 3B, one TP-2 engine over both cards, at Auto's choice on the card (two cards)
 #   tp2-next     #31/#35: the same at Auto's choice + 0.01, the sweep's next point (two cards)
 #   two-gpu      #31: tests/gpu/test_two_gpu_sglang.py (two cards; needs ray: carry its pieces)
@@ -144,6 +145,9 @@ for step in "$@"; do
         --iterations 2 --overlap-staging off,on --no-alone --deadline-seconds 300 \
         --out "$out/realistic" > "$out/realistic.log" 2>&1
       tail -30 "$out/realistic.log" ;;
+    staging-probe)
+      python3 bench/staging_probe.py > "$out/probe.txt" 2>&1
+      echo "staging_probe exit $?"; cat "$out/probe.txt" ;;
     overlap-test)
       python3 -m pytest -v -s tests/gpu/test_overlap_staging_gpu.py > "$out/pytest.log" 2>&1
       echo "pytest exit $?"; tail -15 "$out/pytest.log" ;;
