@@ -316,3 +316,19 @@ def test_an_empty_shard_goes_to_the_writer_as_it_is() -> None:
     assert host.copied_bytes == 0
     assert host.state["empty"].shape == (0, 2) and host.state["empty"].dtype == torch.float32
     assert torch.equal(host.state["full"], full)
+
+
+def test_overlapping_writers_leave_torch_saves_crc_as_it_was() -> None:
+    """The CRC switch is process-wide: with two writers overlapping (A starts, B starts, A ends,
+    B ends) it stays off until the last one ends and is then back on. Saving and restoring it
+    per writer would leave it off: B saved 'off' while A wrote."""
+    from rljob_worker.checkpoint_writer import _CrcOff
+
+    crc = _CrcOff()
+    assert torch.serialization.get_crc32_options()
+    crc.__enter__()  # A
+    crc.__enter__()  # B
+    crc.__exit__()  # A ends: B still writes
+    assert not torch.serialization.get_crc32_options()
+    crc.__exit__()  # B ends
+    assert torch.serialization.get_crc32_options()

@@ -129,17 +129,41 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(flat.numpy()).view(tensor.dtype).view(tensor.shape)
 
 
+class _CrcOff:
+    """torch.save's CRC32 switched off while at least one FileWriter writes, back to what it was
+    when the last one ends. The switch is process-wide (torch.serialization), so two writers
+    that overlapped, each saving and restoring it, could leave it off for good; this counts
+    them under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._writers = 0
+        self._before = True
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._writers == 0:
+                self._before = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(False)
+            self._writers += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._writers -= 1
+            if self._writers == 0:
+                torch.serialization.set_crc32_options(self._before)
+
+
+_CRC_OFF = _CrcOff()
+
+
 class FileWriter(FileSystemWriter):
     """dcp's FileSystemWriter (the same files, fsynced, the same format) without torch.save's
     CRC32 of every record: computed while the writer holds the GIL, it took about half the
     writer's time on the CPU (docs/checkpoints.md, "Why the writer was slow"), and torch.load
-    does not check it. The switch is process-wide (torch.serialization.config), so it is off
-    only while this writer writes (one writer at a time in a rank)."""
+    does not check it. The switch is process-wide (torch.serialization), so it is off only
+    while a FileWriter writes (`_CrcOff` counts overlapping writers)."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        crc = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:  # FileSystemWriter writes every file before it returns its (done) future
+        with _CRC_OFF:  # FileSystemWriter writes every file before it returns its (done) future
             return super().write_data(plan, planner)
-        finally:
-            torch.serialization.set_crc32_options(crc)
