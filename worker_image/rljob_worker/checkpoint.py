@@ -8,6 +8,7 @@ The writer thread and the host copies it writes from: checkpoint_writer.py.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -173,6 +174,25 @@ def _os_error(exc: BaseException) -> OSError | None:
     return _os_error(cause) if cause is not None else None
 
 
+# Below this many free bytes a failed write is reported as the full disk it is.
+FULL_DISK_BYTES = 1 << 20
+
+
+def _full_disk(directory: Path, exc: BaseException) -> str:
+    """The line a failure without an OSError reports. torch.save's zip writer can meet a
+    short write on a full disk as its own error ("[enforce fail at inline_container.cc]
+    unexpected pos ..."), with no OSError behind it: where the checkpoint's file system has
+    (almost) no space left, say so with ENOSPC's text, the writer's own line after it."""
+    line = str(exc).strip().splitlines()[-1]
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    if existing is None:
+        return line
+    free = shutil.disk_usage(existing).free
+    if free >= FULL_DISK_BYTES:
+        return line
+    return f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: {free} bytes free in {existing} ({line})"
+
+
 def _agreed(step: Callable[[], None], iteration: int, directory: Path,
             group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
     """Run this rank's part of a save step, then agree with every rank on how it went (a
@@ -183,11 +203,14 @@ def _agreed(step: Callable[[], None], iteration: int, directory: Path,
     error: str | None = None
     try:
         step()
-    except (OSError, CheckpointException) as exc:
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        # torch.save's zip writer ends its file in __exit__ even after a failed write, and
+        # that raises a RuntimeError ("unexpected pos ...") over the OSError (ENOSPC, EIO):
+        # the OSError is then its __context__, and it is what the user must read.
         found = _os_error(exc)
         if found is None and not isinstance(exc, CheckpointException):
             raise
-        error = str(found) if found is not None else str(exc).strip().splitlines()[-1]
+        error = str(found) if found is not None else _full_disk(directory, exc)
     errors: list[str | None] = [error]
     if dist.is_initialized():
         errors = [None] * dist.get_world_size(group)
