@@ -30,9 +30,12 @@ REAL_OOM_MESSAGE = (
 class RecordingTrainer:
     """Stand-in for train.Trainer: records calls into a shared log; two tiny named tensors."""
 
-    def __init__(self, log: list[str], fail_with: BaseException | None = None) -> None:
+    def __init__(
+        self, log: list[str], fail_with: BaseException | None = None, overlap: bool = False
+    ) -> None:
         self.log = log
         self.fail_with = fail_with
+        self.staging = Staging(torch.device("cpu"), overlap)
 
     def train_step(self, experience: Experience) -> TrainStats:
         self.log.append("train_step")
@@ -128,7 +131,7 @@ def _machine(
 
     meter = MemoryMeter(rank=0, device=torch.device("cpu"), inject=inject)
     machine = StageMachine(
-        RecordingTrainer(log, fail_with),
+        RecordingTrainer(log, fail_with, overlap),
         RecordingEngine(log),
         meter,
         rollout,
@@ -137,7 +140,6 @@ def _machine(
         engine_dtype=torch.float32,
         checkpoint=lambda iteration: log.append(f"save {iteration}"),
         checkpoint_every=checkpoint_every,
-        staging=Staging(torch.device("cpu"), overlap),
     )
     return machine, meter, log
 

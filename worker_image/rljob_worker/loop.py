@@ -457,7 +457,6 @@ def run_rank(
         checkpoint=keeper.save if spec.checkpoint is not None else None,
         checkpoint_every=spec.checkpoint.every_iterations if spec.checkpoint else 0,
         between_stages=keeper.poll if spec.checkpoint is not None else None,
-        staging=staging,
     )
     # A new attempt, or the same manifest run again, continues from the newest complete
     # checkpoint: its iteration N is trained, so the run starts with N's second half.

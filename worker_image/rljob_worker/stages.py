@@ -87,6 +87,10 @@ def stage_order(
 class TrainerLike(Protocol):
     """What the machine needs from training (train.Trainer; tests use stand-ins)."""
 
+    # Runs and records the training state's copies; the machine names the stages in its record
+    # and picks the overlapped order by it (spec.training.overlapStaging).
+    staging: Staging
+
     def train_step(self, experience: Experience) -> TrainStats: ...
     def offload_optimizer(self) -> None: ...
     def start_offload_optimizer(self) -> None: ...
@@ -141,7 +145,6 @@ class StageMachine:
         checkpoint: Callable[[int], None] | None = None,
         checkpoint_every: int = 0,
         between_stages: Callable[[], None] | None = None,
-        staging: Staging | None = None,
     ) -> None:
         self.trainer = trainer
         self.engine = engine
@@ -160,9 +163,9 @@ class StageMachine:
         # Runs after every stage, outside its measurement (checkpoint.Keeper.poll: the ranks
         # agree on how far an asynchronous checkpoint's writers are).
         self.between_stages = between_stages
-        # The trainer's, where it has one: its record names our stages. overlap picks the
-        # overlapped order below (spec.training.overlapStaging; docs/performance.md).
-        self.staging = staging if staging is not None else Staging(torch.device("cpu"), False)
+        # The trainer's: its record names our stages, and its overlap picks the overlapped
+        # order below (spec.training.overlapStaging; docs/performance.md).
+        self.staging = trainer.staging
         self.experience: Experience | None = None
         self.weight_sync_seconds: float | None = None
         # The part of it spent in engine.update_weights (the hand-off to the engine); the rest
