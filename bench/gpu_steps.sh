@@ -77,11 +77,14 @@ for step in "$@"; do
     models)
       for m in qwen2.5-1.5b qwen2.5-3b qwen2.5-7b; do model $m; done
       du -sh /tmp/rljob-bench-models/* ;;
-    ckpt-1.5b | ckpt-3b)
-      m=qwen2.5-${step#ckpt-}
-      model "$m" && python3 bench/checkpoint_gpu.py --model-dir "/tmp/rljob-bench-models/$m" \
-        --repeats 2 --modes sync,async,pinned --out "$out/ckpt-gpu-$m.json" > "$out/ckpt-gpu-$m.log" 2>&1
-      echo "checkpoint_gpu exit $?"; tail -15 "$out/ckpt-gpu-$m.log" ;;
+    ckpt-bench | ckpt-1.5b | ckpt-3b)
+      sizes=$([[ $step == ckpt-bench ]] && echo "1.5b 3b" || echo "${step#ckpt-}")
+      for size in $sizes; do
+        m=qwen2.5-$size
+        model "$m" && python3 bench/checkpoint_gpu.py --model-dir "/tmp/rljob-bench-models/$m" \
+          --repeats 2 --modes sync,async,pinned --out "$out/ckpt-gpu-$m.json" > "$out/ckpt-gpu-$m.log" 2>&1
+        echo "checkpoint_gpu exit $?"; tail -15 "$out/ckpt-gpu-$m.log"
+      done ;;
     load-7b)
       model qwen2.5-7b && python3 -m rljob.cli run bench/plans/load-7b-two-gpu.yaml --device cuda \
         --out "$out/run" > "$out/log" 2>&1
@@ -103,12 +106,6 @@ for step in "$@"; do
       echo "install: exit $? (3: pieces still missing)" ;;
     ckpt-resume)
       bash bench/checkpoint_resume_gpu.sh "$out" 2>&1 | tail -40 ;;
-    ckpt-bench)
-      for m in qwen2.5-1.5b qwen2.5-3b; do
-        model $m && python3 bench/checkpoint_gpu.py --model-dir /tmp/rljob-bench-models/$m --repeats 2 \
-          --modes sync,async,pinned --out "$out/ckpt-gpu-$m.json" > "$out/ckpt-gpu-$m.log" 2>&1
-        tail -15 "$out/ckpt-gpu-$m.log"
-      done ;;
     mt-test)
       python3 -m pytest -v -s tests/gpu/test_multi_turn_gpu.py > "$out/pytest.log" 2>&1
       echo "pytest exit $?"; tail -15 "$out/pytest.log" ;;
@@ -159,11 +156,8 @@ for step in "$@"; do
       colocate --model qwen2.5-3b --ranks 2 --tp 2 --modes "$wake" "--$wake-fractions" "$fraction" \
         --iterations 3 --no-alone --out "$out/run" > "$out/log" 2>&1
       tail -30 "$out/log" ;;
-    two-gpu)
-      python3 -m pytest -v -s tests/gpu/test_two_gpu_sglang.py > "$out/pytest.log" 2>&1
-      echo "pytest exit $?"; tail -15 "$out/pytest.log" ;;
-    two-gpu-1 | two-gpu-2)
-      select=$([[ $step == two-gpu-1 ]] && echo "tp2" || echo "not tp2")
+    two-gpu | two-gpu-1 | two-gpu-2)
+      case $step in two-gpu) select="" ;; two-gpu-1) select="tp2" ;; *) select="not tp2" ;; esac
       python3 -m pytest -v -s tests/gpu/test_two_gpu_sglang.py -k "$select" > "$out/pytest.log" 2>&1
       echo "pytest exit $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/pytest.log" | tail -12 ;;
     auto-7b)
