@@ -190,7 +190,8 @@ def _full_disk(directory: Path, exc: BaseException) -> str:
     free = shutil.disk_usage(existing).free
     if free >= FULL_DISK_BYTES:
         return line
-    return f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: {free} bytes free in {existing} ({line})"
+    enospc = f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
+    return f"{enospc}: {free} bytes free in {existing} ({line})"
 
 
 def _agreed(step: Callable[[], None], iteration: int, directory: Path,

@@ -55,10 +55,10 @@ def host_state_dict(
     """`state` (get_state_dict's: DTensors, tensors, numbers) with every tensor on the host.
 
     A tensor whose host copy `lookup` finds is a view of it (no copy, no device traffic; over a
-    storage of its own bytes, see own_storage); any other is copied to host memory. Non-tensor values are copied too: the writer must see the
-    state as it was here, whatever the loop changes while it writes. DTensors stay DTensors
-    with the same placements and global shape, so dcp.save writes the same shards, in the
-    same format, as from the device."""
+    storage of its own bytes, see own_storage); any other is copied to host memory. Non-tensor
+    values are copied too: the writer must see the state as it was here, whatever the loop
+    changes while it writes. DTensors stay DTensors with the same placements and global shape,
+    so dcp.save writes the same shards, in the same format, as from the device."""
     out = HostState(state={}, _cpu_meshes=cpu_meshes if cpu_meshes is not None else {})
 
     def host(tensor: torch.Tensor) -> torch.Tensor:
