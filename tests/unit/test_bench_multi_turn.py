@@ -3,26 +3,16 @@ conversation and turn, so the async and turn-by-turn runs of one bench wait the 
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
+
+from support.scripts import bench_module
 
 from rljob_worker.agentic.driver import Trajectory
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "bench_multi_turn", REPO / "bench" / "multi_turn.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("multi_turn.py", "bench_multi_turn")
 
 
 def _rollout(bench: Any, seconds: float) -> Any:

@@ -4,13 +4,11 @@ that train exactly the model's turns."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from support.scripts import bench_module
 
 from rljob.api import BUILTIN_CALCULATOR, DataSpec, MultiTurnSpec
 from rljob_worker.agentic.chat import ChatFormat
@@ -19,18 +17,9 @@ from rljob_worker.agentic.tools import calculate, make_tools
 from rljob_worker.model import TINY_QWEN2, load_tokenizer, resolve_model_path
 from rljob_worker.task import CALCULATOR_INSTRUCTIONS, make_task
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _warmstart() -> Any:
-    """The bench script as a module (it is a script, not a package's)."""
-    path = REPO / "bench" / "converging" / "multi_turn_warmstart.py"
-    spec = importlib.util.spec_from_file_location("multi_turn_warmstart", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("converging/multi_turn_warmstart.py", "multi_turn_warmstart")
 
 
 @pytest.fixture(scope="module")

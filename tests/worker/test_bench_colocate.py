@@ -7,7 +7,6 @@ The GPU figures come from the same code on the device machines; here the plumbin
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from support.scripts import bench_module
 
 REPO = Path(__file__).resolve().parents[2]
 ITERATIONS = 2
@@ -192,13 +192,7 @@ def test_realistic_workload_reports_each_stage_beside_its_floor_per_sync_path(
 
 
 def _colocate_module() -> Any:
-    """bench/colocate.py as a module (it is a script, not a package's)."""
-    spec = importlib.util.spec_from_file_location("bench_colocate", REPO / "bench" / "colocate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("colocate.py", "bench_colocate")
 
 
 def test_each_gpu_of_a_tp2_engine_gives_back_its_share_of_what_sleep_released() -> None:
