@@ -125,23 +125,27 @@ def test_a_failure_without_an_os_error_on_a_full_file_system_says_enospc(
     """The other form torch's zip writer gives a full disk: its own RuntimeError with no OSError
     behind it. With the checkpoint's file system (almost) full, the reported line says ENOSPC
     and keeps the writer's; with room left, it is the writer's line alone."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from rljob_worker.checkpoint import CheckpointFailed, _agreed
 
     def step() -> None:
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
-    directory = small_disk / "ckpt" / "iteration-00000002"
-    with pytest.raises(RuntimeError, match="unexpected pos"):  # room left: not a disk error
-        _agreed(step, 2, directory)
-    (small_disk / "filler").write_bytes(b"\0" * (2560 * 1024 - 4096))  # fill the 2560k tmpfs
-    with pytest.raises(OSError):
-        (small_disk / "more").write_bytes(b"\0" * (1 << 20))
-    from torch.distributed.checkpoint.api import CheckpointException
-
     def dcp_step() -> None:  # as dcp.save raises it: every rank's (exception, stack)
         error = RuntimeError("unexpected pos 704 vs 598")
         raise CheckpointException("write", {0: (error, traceback.extract_stack())})
 
+    directory = small_disk / "ckpt" / "iteration-00000002"
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # not dcp's, no OSError: a bug
+        _agreed(step, 2, directory)
+    with pytest.raises(CheckpointFailed) as failed:  # room left: the writer's line alone
+        _agreed(dcp_step, 2, directory)
+    assert failed.value.failure.error.endswith("unexpected pos 704 vs 598")
+    assert "Errno" not in failed.value.failure.error
+    (small_disk / "filler").write_bytes(b"\0" * (2560 * 1024 - 4096))  # fill the 2560k tmpfs
+    with pytest.raises(OSError):
+        (small_disk / "more").write_bytes(b"\0" * (1 << 20))
     with pytest.raises(CheckpointFailed) as failed:
         _agreed(dcp_step, 2, directory)
     assert failed.value.failure.error.startswith("[Errno 28] No space left on device: ")
