@@ -17,11 +17,14 @@
 #                carried pieces: the install calls also run the steps that need only torch
 #   models       the bench's random 1.5B, 3B and 7B models under /tmp/rljob-bench-models (once)
 #   ckpt-1.5b    #30: ckpt-bench's 1.5B half (torch only); ckpt-3b: its 3B half
+#                (CKPT_REPEATS=N: saves each way, 2 unless set)
 #   load-7b      #30: `rljob run bench/plans/load-7b-two-gpu.yaml`, the sharded loader's start-up
 #                peak against the plan's load row, 7B over two cards (two H200s)
 #   tp2-3x3      #35: 3B TP 2 at Auto's choice, 3 runs of 3 iterations, then Auto + 0.01 and
 #                + 0.02 (the sweep's next points) (two cards)
-#   sanity       tests/gpu/test_sglang_gpu.py and test_loop_gpu.py (one card)
+#   sanity       tests/gpu/test_sglang_gpu.py and test_loop_gpu.py (one card; about 5 minutes)
+#   sanity-rest  the other one-card files: engine, saver exit, overlap staging, multi-turn
+#   multi-gpu    test_multi_gpu.py and test_weight_gather_gpu.py (two cards, torch and NCCL only)
 #   ckpt-resume  #30: kill, resume and export of the 1.5B job (bench/checkpoint_resume_gpu.sh)
 #   ckpt-bench   #30: bench/checkpoint_gpu.py, sync against the async (pinned) save, 1.5B and 3B
 #   mt-test      #32: tests/gpu/test_multi_turn_gpu.py
@@ -82,7 +85,7 @@ for step in "$@"; do
       for size in $sizes; do
         m=qwen2.5-$size
         model "$m" && python3 bench/checkpoint_gpu.py --model-dir "/tmp/rljob-bench-models/$m" \
-          --repeats 2 --modes sync,async,pinned --out "$out/ckpt-gpu-$m.json" > "$out/ckpt-gpu-$m.log" 2>&1
+          --repeats "${CKPT_REPEATS:-2}" --modes sync,async,pinned --out "$out/ckpt-gpu-$m.json" > "$out/ckpt-gpu-$m.log" 2>&1
         echo "checkpoint_gpu exit $?"; tail -15 "$out/ckpt-gpu-$m.log"
       done ;;
     load-7b)
@@ -97,9 +100,16 @@ for step in "$@"; do
         "--$wake-fractions" "$fraction,$fraction,$fraction,$next" --keep-going --iterations 3 \
         --no-alone --deadline-seconds 300 --out "$out/run" > "$out/log" 2>&1
       tail -30 "$out/log" ;;
-    sanity)
-      python3 -m pytest -v -s tests/gpu/test_sglang_gpu.py tests/gpu/test_loop_gpu.py > "$out/pytest.log" 2>&1
-      echo "pytest exit $?"; tail -15 "$out/pytest.log" ;;
+    sanity | sanity-rest | multi-gpu)
+      case $step in
+        sanity) files="tests/gpu/test_sglang_gpu.py tests/gpu/test_loop_gpu.py" ;;
+        sanity-rest) files="tests/gpu/test_engine_gpu.py tests/gpu/test_saver_exit_gpu.py
+          tests/gpu/test_overlap_staging_gpu.py tests/gpu/test_multi_turn_gpu.py" ;;
+        *) files="tests/gpu/test_multi_gpu.py tests/gpu/test_weight_gather_gpu.py" ;;
+      esac
+      # shellcheck disable=SC2086  # a list of paths
+      python3 -m pytest -v -s $files > "$out/pytest.log" 2>&1
+      echo "pytest exit $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/pytest.log" | tail -14 ;;
     install)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rljob-xg .whl/*.whl
       bash hack/sglang-gpu-install.sh
