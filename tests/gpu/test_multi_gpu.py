@@ -55,7 +55,7 @@ def test_two_ranks_on_nccl_run_staged_iterations_with_a_memory_report_per_rank()
     latest = run.reports[-1]
     for rank in range(RANKS):
         own = [s for s in latest.samples if s.rank == rank]
-        assert {s.stage for s in own} == set(Stage)
+        assert {s.stage for s in own} == set(Stage) - {Stage.CHECKPOINT}  # no spec.checkpoint
         assert all(s.kind == "cuda" and s.device_total_bytes > 0 for s in own)
         for s in own:
             print(

@@ -165,7 +165,7 @@ def test_tp2_one_engine_over_both_gpus_runs_staged_iterations_with_memory_per_ra
     latest = run.reports[-1]
     for rank in range(RANKS):
         own = [s for s in latest.samples if s.rank == rank]
-        assert {s.stage for s in own} == set(Stage)
+        assert {s.stage for s in own} == set(Stage) - {Stage.CHECKPOINT}  # no spec.checkpoint
         assert all(s.kind == "cuda" and s.device_total_bytes > 0 for s in own)
         used = {s.stage: s.device_used_bytes for s in own}
         # The engine's TP shard on this rank's GPU holds a KV pool in rollout, given back in sleep.
