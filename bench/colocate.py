@@ -64,8 +64,9 @@ from colocate_report import (  # noqa: E402 (the report of the result measured h
 )
 
 from rljob.api import RLJobSpec, WakeUp  # noqa: E402
-from rljob.plan import plan_line  # noqa: E402 (issue 19: the plan beside each point)
+from rljob.plan import plan_for_point, plan_line  # noqa: E402 (issue 19: the plan beside each point)
 from rljob.report import Stage, StageSample  # noqa: E402
+from rljob_worker.cli_run import _positive  # noqa: E402 (rljob run's check of a count)
 from rljob_worker.driver.local import LocalRun, run_local  # noqa: E402
 from rljob_worker.loop import RankIteration  # noqa: E402
 
@@ -452,6 +453,35 @@ def make_spec(
             "offload": args.offload,
         }
     )  # fmt: skip
+
+
+def _micro_batch_arg(text: str) -> int | str:
+    return text if text == "auto" else _positive(text)
+
+
+def fitting_micro_batch(
+    args: argparse.Namespace,
+    model_path: str,
+    mode: str,
+    fraction: float,
+    overlap: str,
+    capacity_bytes: int,
+) -> int:
+    """--micro-batch-size auto: the workload's micro-batch, halved until the memory plan's
+    training stages (train, offload_optimizer) fit a card of `capacity_bytes` at the first point
+    (what the OOM policy would do after a training OOM, done before the run); 1 if none does."""
+    shape = {**_QWEN25_COMMON, **QWEN25[args.model]}
+    size = args.micro_batch_size
+    while True:
+        args.micro_batch_size = size
+        m = plan_for_point(make_spec(args, model_path, mode, fraction, overlap), shape,
+                           capacity_bytes, args.ranks)  # fmt: skip
+        training = [s for s in m.stages if s.stage in (Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER)]
+        if size == 1 or all(s.fits for s in training):
+            print(f"micro-batch auto: {size} (train planned "
+                  f"{max(s.peak_bytes for s in training) / GiB:.2f} GiB)", flush=True)  # fmt: skip
+            return size
+        size = max(1, size // 2)
 
 
 def failure_kind(error: str) -> str:
@@ -929,7 +959,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=None, help="prompts per iteration")
     parser.add_argument("--group-size", type=int, default=None)
     parser.add_argument("--response-length", type=int, default=None)
-    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--micro-batch-size", type=_micro_batch_arg, default=None,
+                        help="a number, or auto: the workload's halved until the plan's "
+                             "training stages fit the card (CUDA only)")  # fmt: skip
     parser.add_argument("--sync-path", default="default",
                         help=f"comma list of {', '.join(SYNC_PATHS)}: each point runs once per "
                              "weight-sync path (see SYNC_PATHS)")  # fmt: skip
@@ -1023,6 +1055,14 @@ def main(argv: list[str] | None = None) -> int:
             sync_profile = {"error": f"{type(error).__name__}: {error}"[:500]}
     if on_cuda:
         torch.cuda.empty_cache()
+    if args.micro_batch_size == "auto":
+        args.micro_batch_size = workload.micro_batch_size
+        if on_cuda and model_name in QWEN25:
+            mode, fractions = next(iter(plan.items()))
+            args.micro_batch_size = fitting_micro_batch(
+                args, model_path, mode, fractions[0], str(overlaps[0]),
+                environment["device_total_bytes"],
+            )  # fmt: skip
     model = model_figures(model_name, n_params, args)
     bytes_moved = {
         "weight_sync": weight_sync_floor_bytes(model),  # fp32 shard read, bf16 weights written

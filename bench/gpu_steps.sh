@@ -140,16 +140,17 @@ for step in "$@"; do
       tail -30 "$out/log" ;;
     realistic)
       for path in before flattened; do
-        colocate --model qwen2.5-3b --workload realistic --modes staged --staged-fractions 0.9 \
-          --iterations 2 --sync-path $path --no-alone --out "$out/$path" > "$out/$path.log" 2>&1
+        colocate --model qwen2.5-3b --workload realistic --micro-batch-size auto --modes staged \
+          --staged-fractions 0.9 --iterations 2 --sync-path $path --no-alone --out "$out/$path" \
+          > "$out/$path.log" 2>&1
         tail -30 "$out/$path.log"
       done ;;
     overlap)
       colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --iterations 3 \
         --overlap-staging off,on --no-alone --out "$out/small" > "$out/small.log" 2>&1
       tail -12 "$out/small.log"
-      colocate --model qwen2.5-3b --workload realistic --modes staged --staged-fractions 0.9 \
-        --iterations 2 --overlap-staging off,on --no-alone --deadline-seconds 300 \
+      colocate --model qwen2.5-3b --workload realistic --micro-batch-size auto --modes staged \
+        --staged-fractions 0.9 --iterations 2 --overlap-staging off,on --no-alone --deadline-seconds 300 \
         --out "$out/realistic" > "$out/realistic.log" 2>&1
       tail -30 "$out/realistic.log" ;;
     staging-probe)

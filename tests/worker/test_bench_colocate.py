@@ -249,3 +249,43 @@ def test_overlap_staging_on_and_off_run_as_two_points_of_one_invocation(tmp_path
     bad = subprocess.run([*command[:-4], "--overlap-staging", "sometimes"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "--overlap-staging 'sometimes'" in bad.stderr
+
+
+def test_micro_batch_auto_halves_the_realistic_workloads_until_the_plan_says_training_fits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--micro-batch-size auto at 3B, realistic workload (micro-batch 4): on an H100 80GB the
+    plan's train stage does not fit at 4 (83.27 of 79.18 GiB, as printed on one on 2026-11-26),
+    so auto halves it to a size whose train stage fits; on a 140 GiB H200 it keeps 4."""
+    colocate = _colocate_module()
+    plan = __import__("rljob.plan", fromlist=["plan_for_point"])
+    workload = colocate.WORKLOADS["realistic"]
+
+    def args() -> argparse.Namespace:
+        return argparse.Namespace(
+            model="qwen2.5-3b", smoke=False, group_size=workload.group_size, kl_coef=0.001,
+            iterations=2, prompts=workload.prompts, response_length=workload.response_length,
+            engine="sglang", tp=1, micro_batch_size=workload.micro_batch_size,
+            gradient_checkpointing=workload.gradient_checkpointing, ranks=1, offload="Always",
+        )  # fmt: skip
+
+    shape = {**colocate._QWEN25_COMMON, **colocate.QWEN25["qwen2.5-3b"]}
+
+    def train_fits(size: int, capacity: int) -> bool:
+        a = args()
+        a.micro_batch_size = size
+        m = plan.plan_for_point(colocate.make_spec(a, "/m", "staged", 0.9, "Off"), shape,
+                                capacity, 1)  # fmt: skip
+        return all(s.fits for s in m.stages if s.stage in ("train", "offload_optimizer"))
+
+    h100, h200 = 85_017_493_504, 150_119_079_936  # mem_get_info totals seen on the cards
+    assert not train_fits(4, h100) and train_fits(4, h200)
+    chosen = colocate.fitting_micro_batch(args(), "/m", "staged", 0.9, "Off", h100)
+    assert chosen < 4 and train_fits(chosen, h100) and not train_fits(chosen * 2, h100)
+    assert f"micro-batch auto: {chosen} (train planned" in capsys.readouterr().out
+    assert colocate.fitting_micro_batch(args(), "/m", "staged", 0.9, "Off", h200) == 4
+    # Nothing fits a card too small for the state itself: the smallest is used, and said.
+    assert colocate.fitting_micro_batch(args(), "/m", "staged", 0.9, "Off", 20 << 30) == 1
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a positive whole number"):
+        colocate._micro_batch_arg("0")
+    assert colocate._micro_batch_arg("auto") == "auto" and colocate._micro_batch_arg("2") == 2
