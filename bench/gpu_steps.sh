@@ -32,6 +32,9 @@
 #   mt-engines   #32: two engines on one card, sticky against random routing
 #   mt-tools     #32: mt-bench with 256 conversations and tools that take time (--tool-seconds
 #                0.3: log-normal, median 0.3 s, as a code runner or a search API), 2-4 turns
+#                (builtin:python's pool of runners); mt-tools-spawn: the same with the interpreter
+#                spawned per call it replaced (--python-runner spawn), to compare on one machine
+#   tool-runner  #32: bench/tool_runner.py, builtin:python's calls/s spawn against pool (CPU only)
 #   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
 #   realistic    #33: 3B realistic workload, before and after (one card)
 #   overlap      #33: 3B one card, staging tax with overlapStaging off then on: small workload,
@@ -124,11 +127,15 @@ for step in "$@"; do
         --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 2 3 4 --spread \
         --out "$out/one" > "$out/log" 2>&1
       tail -12 "$out/log" ;;
-    mt-tools)
+    mt-tools|mt-tools-spawn)
+      runner=pool; [[ $step == mt-tools-spawn ]] && runner=spawn
       model qwen2.5-0.5b && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
         --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 256 --turns 2 3 4 --spread \
-        --tool-seconds 0.3 --out "$out/tools" > "$out/log" 2>&1
+        --tool-seconds 0.3 --python-runner $runner --out "$out/tools" > "$out/log" 2>&1
       tail -12 "$out/log" ;;
+    tool-runner)
+      python3 bench/tool_runner.py --calls 64 256 --repeats 5 --out "$out/tool_runner" > "$out/log" 2>&1
+      tail -9 "$out/log" ;;
     mt-engines)
       model qwen2.5-0.5b && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
         --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 3 --engines 2 \

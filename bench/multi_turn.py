@@ -11,8 +11,9 @@ turns (--turns 2 3 4):
   sticky against random routing, where the engine reports cached tokens (sglang; torch has no
   prefix cache, so n/a).
 
-Each conversation calls builtin:python (a child process, ~20 ms) after each of its first
-turns-1 turns and answers at the last one: the bench fixes the turn count (BenchRollout.calls_of);
+Each conversation calls builtin:python (a process forked by the tool's pool of runners; with
+--python-runner spawn an interpreter spawned per call, as before the pool) after each of its
+first turns-1 turns and answers at the last one: the bench fixes the turn count (BenchRollout.calls_of);
 generation is the engine's own. With --tool-seconds S every tool turn also waits a drawn time
 (log-normal, median S, sigma 1, capped at 10 S; seeded by conversation and turn, so both modes
 wait the same) before its tools run: a stand-in for tools that take time (a code runner, a
@@ -197,6 +198,9 @@ def main() -> None:
                         help="median extra seconds a tool turn takes (log-normal; 0: none)")  # fmt: skip
     parser.add_argument("--batch-window", type=float, default=0.0,
                         help="torch engine: seconds a batch waits for more requests")  # fmt: skip
+    parser.add_argument("--python-runner", choices=["pool", "spawn"], default="pool",
+                        help="builtin:python's runner: the pool (the product's) or, to compare, "
+                        "an interpreter spawned per call (bench/tool_runner.py)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "multi_turn")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -206,6 +210,11 @@ def main() -> None:
     engines = _engines(args, model_path, eos)
     tools = make_tools(MultiTurnSpec(tools=["builtin:calculator", "builtin:python"],
                                      tool_timeout_seconds=10))  # fmt: skip
+    if args.python_runner == "spawn":
+        from tool_runner import SpawnedPythonExpression  # bench/, this script's folder
+
+        tools.close()
+        tools.tools["python"] = SpawnedPythonExpression(256)
     task = make_task(DataSpec(source=BUILTIN_CALCULATOR, max_prompt_length=1024), 0, tokenizer,
                      tools.schemas)  # fmt: skip
     prompts = [list(p.prompt_ids) for p in task.sample(args.conversations, salt=0)]
@@ -248,6 +257,7 @@ def main() -> None:
         "turn_tokens": args.turn_tokens,
         "spread": args.spread,
         "tool_seconds": args.tool_seconds,
+        "python_runner": args.python_runner,
         "command": "python bench/multi_turn.py " + " ".join(
             f"--{k.replace('_', '-')}" if v is True else
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
@@ -255,6 +265,7 @@ def main() -> None:
         ),
         "rows": rows,
     }  # fmt: skip
+    tools.close()
     for engine in engines:
         engine.shutdown()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -276,7 +287,8 @@ def markdown(result: dict[str, Any]) -> str:
             f", each tool turn waiting a log-normal time of median {result['tool_seconds']} s."
             if result.get("tool_seconds")
             else "."
-        ),
+        )
+        + f" builtin:python's runner: {result.get('python_runner', 'spawn')}.",
         f"Command: `{result['command']}`",
         "",
         "| turns | routing | mode | tokens/s | speed-up | p50 s | p99 s | straggler share | "

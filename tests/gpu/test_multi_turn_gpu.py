@@ -126,6 +126,7 @@ def test_staged_multi_turn_rollouts_end_before_release_and_give_every_byte_back(
         assert kept[1] <= kept[0] + PAGE_SLACK
     finally:
         engine.shutdown()
+        tools.close()
 
 
 def test_rljob_run_loop_in_mode_multi_turn_with_sglang(builtin_dir: Path) -> None:

@@ -405,6 +405,8 @@ def run_rank(
         engine = make_engine(spec, device=str(device), eos_token_ids=eos_ids, node=config.node)
     except BaseException:
         scorer.close()
+        if tools is not None:
+            tools.close()
         raise
     released = engine.released_tags
     engine.release([tag for tag in ALL_TAGS if tag not in released])
@@ -530,6 +532,8 @@ def run_rank(
     finally:
         engine.shutdown()
         scorer.close()
+        if tools is not None:
+            tools.close()  # builtin:python's runners
     if dist.is_initialized() and result.oom is None:
         dist.barrier()
     return result

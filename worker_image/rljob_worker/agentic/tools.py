@@ -14,12 +14,12 @@ import inspect
 import json
 import math
 import operator
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rljob.api import BUILTIN_TOOL_CALCULATOR, BUILTIN_TOOL_PYTHON, MultiTurnSpec
+from rljob_worker.agentic.python_runner import Evaluation, ZygotePool
 from rljob_worker.agentic.tool_calls import CallProblem, ParsedCall
 
 # Bounds of the calculator: no 9**9**9 that takes the rank's CPU for minutes.
@@ -125,31 +125,26 @@ class Calculator:
         return format_number(calculate(_expression(arguments)))
 
 
-# The child's program: one expression from stdin, evaluated with a few safe builtins and math.
-# -I (isolated: no user site, no PYTHON* variables) and -S (no site): it starts in ~15 ms.
-_PYTHON_CHILD = """
-import math, resource, sys
-# Limits set by the child itself, first thing: preexec_fn is not safe in a process with threads
-# (the rank runs the torch engine's batches in one), a fork that deadlocks would hang the call.
-memory, cpu = int(sys.argv[1]), int(sys.argv[2])
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-SAFE = {n: getattr(__builtins__, n) for n in (
-    "abs", "all", "any", "bin", "bool", "chr", "divmod", "float", "hex", "int", "len", "list",
-    "max", "min", "oct", "ord", "pow", "range", "reversed", "round", "sorted", "str", "sum",
-    "tuple", "set", "dict", "zip", "enumerate", "map", "filter", "True", "False", "None")}
-try:
-    print(repr(eval(sys.stdin.read(), {"__builtins__": SAFE, "math": math})))
-except BaseException as error:
-    print(f"Error: {type(error).__name__}: {error}")
-    sys.exit(1)
-"""
+def python_answer(evaluation: Evaluation) -> str:
+    """builtin:python's answer: the expression's repr, or RuntimeError with its error or, where
+    the process ended before it could say (a limit's signal, MemoryError before the handler),
+    its exit code and last line of output."""
+    text = evaluation.output.strip()
+    if evaluation.exit_code != 0:
+        if text.startswith("Error:"):
+            raise RuntimeError(text.removeprefix("Error: "))
+        last = text.splitlines()[-1:] or [""]
+        raise RuntimeError(
+            f"the expression ended the runner (exit {evaluation.exit_code}) {last[0]}"
+        )
+    return text
 
 
 class PythonExpression:
-    """builtin:python: one Python expression in a child process, with an address-space limit
-    (toolMemoryMegabytes), a CPU limit, and the call's timeout (the child is killed). Only a
-    few builtins and `math` are visible: a calculator with Python's syntax, not a shell."""
+    """builtin:python: one Python expression in a fresh process (forked by the rank's pool of
+    python runners, python_runner.py), with an address-space limit (toolMemoryMegabytes), a CPU
+    limit, and the call's timeout (the process is killed). Only a few builtins and `math` are
+    visible: a calculator with Python's syntax, not a shell. close() ends the runners."""
 
     name = "python"
     schema = _expression_schema(
@@ -158,36 +153,21 @@ class PythonExpression:
         "module) and return its repr.",
     )
 
-    def __init__(self, memory_megabytes: int) -> None:
+    def __init__(self, memory_megabytes: int, pool: ZygotePool | None = None) -> None:
         self.memory_bytes = memory_megabytes << 20
+        self.pool = pool if pool is not None else ZygotePool()
 
     async def __call__(self, arguments: dict[str, Any], timeout_seconds: float) -> str:
-        expression = _expression(arguments)
-        child = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-c", _PYTHON_CHILD,
-            str(self.memory_bytes), str(math.ceil(timeout_seconds) + 1),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        try:
-            out, err = await asyncio.wait_for(
-                child.communicate(expression.encode()), timeout_seconds
-            )
-        except BaseException:  # the timeout (or a cancelled rollout): the child goes too
-            if child.returncode is None:
-                child.kill()
-                await child.wait()
-            raise
-        text = out.decode(errors="replace").strip()
-        if child.returncode != 0:
-            if text.startswith("Error:"):
-                raise RuntimeError(text.removeprefix("Error: "))
-            # MemoryError before the handler could print, or the CPU limit's SIGXCPU.
-            last = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
-            raise RuntimeError(
-                f"the expression ended the runner (exit {child.returncode}) {last[0]}"
-            )
-        return text
+        evaluation = await self.pool.evaluate(
+            _expression(arguments),
+            memory_bytes=self.memory_bytes,
+            cpu_seconds=math.ceil(timeout_seconds) + 1,
+            timeout_seconds=timeout_seconds,
+        )
+        return python_answer(evaluation)
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 class UserTool:
@@ -268,6 +248,14 @@ class ToolSet:
         except Exception as error:  # the tool's failure is the model's answer, not the job's
             return ToolOutcome(f"Error: {type(error).__name__}: {error}", error=True)
         return ToolOutcome(text)
+
+    def close(self) -> None:
+        """End the processes the tools keep (builtin:python's runners); called where the
+        rollout ends. The tools may still be called after: they start what they need again."""
+        for tool in self.tools.values():
+            close = getattr(tool, "close", None)
+            if close is not None:
+                close()
 
 
 def make_tools(settings: MultiTurnSpec) -> ToolSet:
