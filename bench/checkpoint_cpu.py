@@ -7,7 +7,7 @@ iteration, the checkpoint stage's seconds and the bytes that rank wrote, with th
 dcp.async_save (until it returns, and until its future resolves) on the same sharded model.
 `--writer-compare` times the asynchronous checkpoint's writer (GB/s) alone and beside a busy
 main thread (a Python loop, a torch op loop), as it was, as it is, with dcp's writer options,
-as torch's writer process, and the os.write floor (docs/checkpoints.md, "Why the writer was
+as torch's writer process, and the os.write floor (docs/checkpoint-figures.md, "Why the writer was
 slow"); `--target` a disk instead of /dev/shm.
 """
 

@@ -160,7 +160,7 @@ _CRC_OFF = _CrcOff()
 class FileWriter(FileSystemWriter):
     """dcp's FileSystemWriter (the same files, fsynced, the same format) without torch.save's
     CRC32 of every record: computed while the writer holds the GIL, it took about half the
-    writer's time on the CPU (docs/checkpoints.md, "Why the writer was slow"), and torch.load
+    writer's time on the CPU (docs/checkpoint-figures.md, "Why the writer was slow"), and torch.load
     does not check it. The switch is process-wide (torch.serialization), so it is off only
     while a FileWriter writes (`_CrcOff` counts overlapping writers)."""
 
