@@ -5,8 +5,9 @@
 #
 # Run from the repository root on the lent machine, after SGLang is installed there
 # (hack/sglang-gpu-install.sh, call by call: docs/development.md). Each step writes under
-# /tmp/rljob-steps/STEP and, when it ends, packs that folder into $OUT/STEP.tgz (the device tool
-# brings back at most 8 files, 2 folders deep: one archive a step keeps under that). Unpack them
+# /tmp/rljob-steps/STEP and packs that folder into $OUT/STEP.tgz when it ends, and every 30 s
+# while it runs, so a step cut by the call's limit still brings back what it had written (the
+# device tool brings back at most 8 files, 2 folders deep: one archive a step keeps under that). Unpack them
 # here into bench/results/raw/. A step that needs two cards says so; `par1` runs two one-card
 # steps side by side on a two-card machine.
 #
@@ -70,10 +71,19 @@ auto() {  # "wakeUp fraction" that rollout Auto chooses for a manifest on this c
 }
 colocate() { python3 bench/colocate.py --engine sglang "$@"; }
 
+pack() {  # pack STEP: its folder into $OUT/STEP.tgz (written aside, then renamed: never half)
+  [[ -n ${OUT:-} ]] || return 0
+  tar -C "$R" -czf "$OUT/.$1.tgz" "$1" gpus.txt 2> /dev/null && mv -f "$OUT/.$1.tgz" "$OUT/$1.tgz"
+}
+
 for step in "$@"; do
   start=$SECONDS
   out=$R/$step
   mkdir -p "$out"
+  # A call cut by its time limit brings back what is under $OUT then: pack the step's folder
+  # every 30 s while it runs, so a cut step still returns what it had written.
+  (while sleep 30; do pack "$step"; done) > /dev/null 2>&1 &
+  packer=$!
   case $step in
     deps)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rljob-xg .whl/*.whl
@@ -203,8 +213,9 @@ for step in "$@"; do
       echo "unknown step $step (see the head of bench/gpu_steps.sh)" >&2
       exit 2 ;;
   esac
+  pkill -P "$packer" 2> /dev/null  # its sleep
+  kill "$packer" 2> /dev/null
+  wait "$packer" 2> /dev/null
   echo "== step $step: $((SECONDS - start)) s"
-  if [[ -n ${OUT:-} ]]; then
-    tar -C "$R" -czf "$OUT/$step.tgz" "$step" gpus.txt
-  fi
+  pack "$step"
 done
