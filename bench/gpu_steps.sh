@@ -5,11 +5,11 @@
 #
 # Run from the repository root on the lent machine, after SGLang is installed there
 # (hack/sglang-gpu-install.sh, call by call: docs/development.md). Each step writes under
-# /tmp/rljob-steps/STEP and packs that folder into $OUT/STEP.tgz when it ends, and every 30 s
-# while it runs, so a step cut by the call's limit still brings back what it had written (the
-# device tool brings back at most 8 files, 2 folders deep: one archive a step keeps under that). Unpack them
-# here into bench/results/raw/. A step that needs two cards says so; `par1` runs two one-card
-# steps side by side on a two-card machine.
+# /tmp/rljob-steps/STEP (RLJOB_STEPS_DIR) and packs that folder into $OUT/STEP.tgz when it ends,
+# and every 30 s while it runs, so a step cut by the call's limit still brings back what it had
+# written (the device tool brings back at most 8 files, 2 folders deep: one archive a step keeps
+# under that). Unpack them here into bench/results/raw/. A step that needs two cards says so;
+# `par1` runs two one-card steps side by side on a two-card machine.
 #
 # Steps (the issue each serves):
 #   install      xgrammar's wheel from .whl/ (carry it) and the carried .gl/sglang pieces
@@ -57,7 +57,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/rljob-sglang/site:/tmp/rljob-xg:$PWD:$PWD/worker_image:$PWD/operator:$PWD/tests
 export RLJOB_GPU_SGLANG=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-R=/tmp/rljob-steps
+R=${RLJOB_STEPS_DIR:-/tmp/rljob-steps}
 mkdir -p "$R"
 nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader > "$R/gpus.txt" || echo "no nvidia-smi" > "$R/gpus.txt"
 cat "$R/gpus.txt"
@@ -81,8 +81,8 @@ for step in "$@"; do
   out=$R/$step
   mkdir -p "$out"
   # A call cut by its time limit brings back what is under $OUT then: pack the step's folder
-  # every 30 s while it runs, so a cut step still returns what it had written.
-  (while sleep 30; do pack "$step"; done) > /dev/null 2>&1 &
+  # every 30 s (RLJOB_STEP_PACK_SECONDS) while it runs, so a cut step returns what it wrote.
+  (while sleep "${RLJOB_STEP_PACK_SECONDS:-30}"; do pack "$step"; done) > /dev/null 2>&1 &
   packer=$!
   case $step in
     deps)
