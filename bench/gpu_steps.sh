@@ -113,9 +113,11 @@ for step in "$@"; do
         "--$wake-fractions" "$fraction,$fraction,$fraction,$next" --keep-going --iterations 3 \
         --no-alone --deadline-seconds 300 --out "$out/run" > "$out/log" 2>&1
       tail -30 "$out/log" ;;
-    sanity | sanity-rest | multi-gpu)
+    sanity | sanity-rest | multi-gpu | mt-test | overlap-test)
       case $step in
         sanity) files="tests/gpu/test_sglang_gpu.py tests/gpu/test_loop_gpu.py" ;;
+        mt-test) files=tests/gpu/test_multi_turn_gpu.py ;;
+        overlap-test) files=tests/gpu/test_overlap_staging_gpu.py ;;
         sanity-rest) files="tests/gpu/test_engine_gpu.py tests/gpu/test_saver_exit_gpu.py
           tests/gpu/test_overlap_staging_gpu.py tests/gpu/test_multi_turn_gpu.py" ;;
         *) files="tests/gpu/test_multi_gpu.py tests/gpu/test_weight_gather_gpu.py" ;;
@@ -129,9 +131,6 @@ for step in "$@"; do
       echo "install: exit $? (3: pieces still missing)" ;;
     ckpt-resume)
       bash bench/checkpoint_resume_gpu.sh "$out" 2>&1 | tail -40 ;;
-    mt-test)
-      python3 -m pytest -v -s tests/gpu/test_multi_turn_gpu.py > "$out/pytest.log" 2>&1
-      echo "pytest exit $?"; tail -15 "$out/pytest.log" ;;
     mt-bench)
       model qwen2.5-0.5b && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
         --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 2 3 4 --spread \
@@ -173,9 +172,6 @@ for step in "$@"; do
     staging-probe)
       python3 bench/staging_probe.py > "$out/probe.txt" 2>&1
       echo "staging_probe exit $?"; cat "$out/probe.txt" ;;
-    overlap-test)
-      python3 -m pytest -v -s tests/gpu/test_overlap_staging_gpu.py > "$out/pytest.log" 2>&1
-      echo "pytest exit $?"; tail -15 "$out/pytest.log" ;;
     tp2 | tp2-next)
       read -r wake fraction < <(auto auto-sglang-3b-tp2-two-gpu)
       [[ $step == tp2-next ]] && fraction=$(python3 -c "print(f'{$fraction + 0.01:.2f}')")
