@@ -473,8 +473,8 @@ def fitting_micro_batch(
     shape = {**_QWEN25_COMMON, **QWEN25[args.model]}
     size = args.micro_batch_size
     while True:
-        args.micro_batch_size = size
-        m = plan_for_point(make_spec(args, model_path, mode, fraction, overlap), shape,
+        sized = argparse.Namespace(**{**vars(args), "micro_batch_size": size})
+        m = plan_for_point(make_spec(sized, model_path, mode, fraction, overlap), shape,
                            capacity_bytes, args.ranks)  # fmt: skip
         training = [s for s in m.stages if s.stage in (Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER)]
         if size == 1 or all(s.fits for s in training):

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from support.scripts import bench_module
 
+from rljob.plan import plan_for_point
+
 REPO = Path(__file__).resolve().parents[2]
 ITERATIONS = 2
 
@@ -258,7 +260,6 @@ def test_micro_batch_auto_halves_the_realistic_workloads_until_the_plan_says_tra
     plan's train stage does not fit at 4 (83.27 of 79.18 GiB, as printed on one on 2026-11-26),
     so auto halves it to a size whose train stage fits; on a 140 GiB H200 it keeps 4."""
     colocate = _colocate_module()
-    plan = __import__("rljob.plan", fromlist=["plan_for_point"])
     workload = colocate.WORKLOADS["realistic"]
 
     def args() -> argparse.Namespace:
@@ -274,13 +275,14 @@ def test_micro_batch_auto_halves_the_realistic_workloads_until_the_plan_says_tra
     def train_fits(size: int, capacity: int) -> bool:
         a = args()
         a.micro_batch_size = size
-        m = plan.plan_for_point(colocate.make_spec(a, "/m", "staged", 0.9, "Off"), shape,
-                                capacity, 1)  # fmt: skip
+        m = plan_for_point(colocate.make_spec(a, "/m", "staged", 0.9, "Off"), shape, capacity, 1)
         return all(s.fits for s in m.stages if s.stage in ("train", "offload_optimizer"))
 
     h100, h200 = 85_017_493_504, 150_119_079_936  # mem_get_info totals seen on the cards
     assert not train_fits(4, h100) and train_fits(4, h200)
-    chosen = colocate.fitting_micro_batch(args(), "/m", "staged", 0.9, "Off", h100)
+    asked = args()
+    chosen = colocate.fitting_micro_batch(asked, "/m", "staged", 0.9, "Off", h100)
+    assert asked.micro_batch_size == workload.micro_batch_size  # the caller's args untouched
     assert chosen < 4 and train_fits(chosen, h100) and not train_fits(chosen * 2, h100)
     assert f"micro-batch auto: {chosen} (train planned" in capsys.readouterr().out
     assert colocate.fitting_micro_batch(args(), "/m", "staged", 0.9, "Off", h200) == 4
