@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -428,6 +429,12 @@ class Point:
     truncated_share: float | None = None  # answers cut at maxResponseLength
     iteration_seconds: float | None = None  # the steady iteration, every stage
     floors: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    # Issue 30 (--checkpoint-every): spec.checkpoint.everyIterations the point ran with, rank
+    # 0's saves (iteration, bytes, seconds to durable, seconds the loop stood still), and the
+    # steady checkpoint stage's share of the steady iteration.
+    checkpoint_every: int | None = None
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint_share: float | None = None
 
 
 def make_spec(
@@ -451,8 +458,45 @@ def make_spec(
             # training.offload* say; Auto (the product's default since issue 19) offloads only
             # what the memory plan says the KV pool needs.
             "offload": args.offload,
+            **checkpoint_spec(args, mode, fraction, overlap),
         }
     )  # fmt: skip
+
+
+def checkpoint_spec(
+    args: argparse.Namespace, mode: str, fraction: float, overlap: str
+) -> dict[str, Any]:
+    """spec.checkpoint for --checkpoint-every N (issue 30: what a save costs an iteration): the
+    asynchronous save (the default mode) every N iterations into a directory of the point's
+    own, the newest one kept, never resumed from (each point starts at iteration 0)."""
+    every = getattr(args, "checkpoint_every", None)
+    if not every:
+        return {}
+    directory = Path(args.checkpoint_dir) / f"{mode}-{fraction:.2f}-overlap-{overlap}"
+    return {"checkpoint": {"path": str(directory), "every_iterations": every, "keep": 1,
+                           "resume": "Never", "mode": args.checkpoint_mode}}  # fmt: skip
+
+
+class StageProgress:
+    """Each stage rank 0 ends, as it ends: a line printed and a JSON line appended to
+    `path`, so a point cut short (a call's time limit) still tells where its time went."""
+
+    def __init__(self, path: Path, point: str) -> None:
+        self.path, self.point, self.began = path, point, time.monotonic()
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, event: object) -> None:
+        if not isinstance(event, StageSample) or event.rank != 0:
+            return
+        elapsed = time.monotonic() - self.began
+        with self.path.open("a") as out:
+            out.write(json.dumps({"point": self.point, "elapsed_seconds": round(elapsed, 3),
+                                  **event.model_dump(mode="json")}) + "\n")  # fmt: skip
+        print(
+            f"  [{elapsed:7.1f} s] iteration {event.iteration} {event.stage}: "
+            f"{event.seconds:.2f} s, peak {_gib(event.device_peak_used_bytes)} GiB",
+            flush=True,
+        )
 
 
 def _micro_batch_arg(text: str) -> int | str:
@@ -603,6 +647,18 @@ def summarize_point(
         point.rollout_tokens_per_second = model["tokens_per_rollout"] / rollout
     if point.stage_seconds:
         point.iteration_seconds = sum(point.stage_seconds.values())
+    if spec.checkpoint is not None:
+        point.checkpoint_every = spec.checkpoint.every_iterations
+        saved = [(i.iteration, i.checkpoint) for i in iterations if i.checkpoint is not None]
+        saved += [(c.iteration, c) for c in run.checkpoints if c.iteration not in dict(saved)]
+        point.checkpoints = [
+            {"iteration": n, "bytes": c.bytes, "seconds": c.seconds,
+             "blocked_seconds": c.blocked_seconds}
+            for n, c in sorted(saved, key=lambda item: item[0])
+        ]  # fmt: skip
+        stage = point.stage_seconds.get(str(Stage.CHECKPOINT))
+        if stage is not None and point.iteration_seconds:
+            point.checkpoint_share = stage / point.iteration_seconds
     last = max((s.iteration for s in samples), default=0)
     ordered = sorted((s for s in samples if s.iteration == last), key=lambda s: s.start_seconds)
     point.timeline = [
@@ -971,6 +1027,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of auto,on,off: each point once per setting "
         "(spec.training.overlapStaging; docs/performance.md)",
     )
+    parser.add_argument("--checkpoint-every", type=_positive, default=None,
+                        help="spec.checkpoint.everyIterations for every point (issue 30: the "
+                             "save's share of an iteration); none by default")  # fmt: skip
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("/tmp/rljob-bench-checkpoints"),
+                        help="each point's checkpoints go under it, deleted after the point")  # fmt: skip
+    parser.add_argument("--checkpoint-mode", default="Async", choices=("Async", "Sync"))
     parser.add_argument("--kl-coef", type=float, default=0.001, help="> 0 keeps a reference")
     parser.add_argument("--offload", default="Always", choices=("Always", "Auto"),
                         help="spec.offload (Always: as every stored point ran)")  # fmt: skip
@@ -1107,9 +1169,12 @@ def main(argv: list[str] | None = None) -> int:
         if on_cuda and model_name in QWEN25:  # issue 19: the memory plan beside the point
             shape = {**_QWEN25_COMMON, **QWEN25[model_name]}
             print(plan_line(spec, shape, environment["device_total_bytes"], args.ranks))
+        progress = StageProgress(args.out / "stages.jsonl", f"{mode} {fraction:.2f} {tag}")
         with environment_set(SYNC_PATHS[sync_path]):
-            run = run_local(spec, args.ranks, "cuda" if on_cuda else "cpu")
+            run = run_local(spec, args.ranks, "cuda" if on_cuda else "cpu", on_event=progress)
         point = summarize_point(run, mode, fraction, model, args, spec)
+        if spec.checkpoint is not None:  # a point's checkpoints take the next one's disk
+            shutil.rmtree(spec.checkpoint.path, ignore_errors=True)
         point.sync_path = sync_path
         point.overlap_staging = overlap
         point.wall_seconds = time.monotonic() - started
@@ -1125,6 +1190,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{point.wall_seconds:.0f} s wall",
             flush=True,
         )
+        for saved in point.checkpoints:
+            print(f"  checkpoint of iteration {saved['iteration']}: {saved['bytes'] / 1e9:.2f} GB, "
+                  f"blocked {_num(saved['blocked_seconds'], 2)} s, durable after "
+                  f"{saved['seconds']:.2f} s", flush=True)  # fmt: skip
+        if point.checkpoint_share is not None:
+            print(f"  checkpoint stage {point.stage_seconds[str(Stage.CHECKPOINT)]:.2f} s of a "
+                  f"{point.iteration_seconds:.2f} s iteration: {point.checkpoint_share:.1%}",
+                  flush=True)  # fmt: skip
         for rank, peaks in point.stage_peak_bytes_other_ranks.items():
             print(f"  rank {rank}'s GPU peaks {{{', '.join(f'{k}: {_gib(v)}' for k, v in peaks.items())}}} GiB", flush=True)  # fmt: skip
         if not point.completed and not args.keep_going:

@@ -30,7 +30,8 @@
 #   ckpt-bench   #30: bench/checkpoint_gpu.py, sync against the async (pinned) save, 1.5B and 3B
 #   mt-test      #32: tests/gpu/test_multi_turn_gpu.py
 #   mt-bench     #32: bench/multi_turn.py on sglang (the random 0.5B model: 32k context)
-#   mt-engines   #32: two engines on one card, sticky against random routing
+#   mt-engines   #32: two engines, sticky against random routing: one a GPU where two are
+#                visible, else both on one card
 #   mt-tools     #32: mt-bench with 256 conversations and tools that take time (--tool-seconds
 #                0.3: log-normal, median 0.3 s, as a code runner or a search API), 2-4 turns
 #                (builtin:python's pool of runners); mt-tools-spawn: the same with the interpreter
@@ -38,6 +39,9 @@
 #   tool-runner  #32: bench/tool_runner.py, builtin:python's calls/s spawn against pool (CPU only)
 #   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
 #   realistic    #33: 3B realistic workload, before and after (one card)
+#   realistic-ckpt #33/#30: 3B realistic, overlapStaging Off, the async checkpoint at iteration 2
+#                (its share of the iteration); realistic-on: overlapStaging On. Each runs
+#                longer than a call: start them with bench/gpu_bg.sh
 #   overlap      #33: 3B one card, staging tax with overlapStaging off then on: small workload,
 #                then realistic (2 iterations; the deadline keeps the call under 10 minutes)
 #   overlap-test #33: tests/gpu/test_overlap_staging_gpu.py (on = off bit for bit, on the card)
@@ -146,10 +150,22 @@ for step in "$@"; do
       python3 bench/tool_runner.py --calls 64 256 --repeats 5 --out "$out/tool_runner" > "$out/log" 2>&1
       tail -9 "$out/log" ;;
     mt-engines)
-      model qwen2.5-0.5b && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
-        --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 3 --engines 2 \
-        --mem-fraction 0.6 --out "$out/two" > "$out/log" 2>&1
-      tail -12 "$out/log" ;;
+      # Two engines, one a GPU where two are visible (the issue's first choice), else (or if
+      # that fails) both on one GPU at half the fraction each.
+      model qwen2.5-0.5b
+      gpus=$(python3 -c "import torch; print(torch.cuda.device_count())") rc=1
+      if ((gpus >= 2)); then
+        python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 --gpus 2 \
+          --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 3 --engines 2 \
+          --mem-fraction 0.6 --out "$out/two-gpus" > "$out/two-gpus.log" 2>&1
+        rc=$?; echo "two engines on two GPUs: exit $rc"; tail -12 "$out/two-gpus.log"
+      fi
+      if ((gpus < 2 || rc != 0)); then
+        python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
+          --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 3 --engines 2 \
+          --mem-fraction 0.6 --out "$out/two" > "$out/log" 2>&1
+        tail -12 "$out/log"
+      fi ;;
     sync-paths)
       colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
         --sync-path before,flattened --no-alone --deadline-seconds 420 --out "$out/run" > "$out/log" 2>&1
@@ -169,6 +185,20 @@ for step in "$@"; do
         --staged-fractions 0.9 --iterations 2 --overlap-staging off,on --no-alone --deadline-seconds 300 \
         --out "$out/realistic" > "$out/realistic.log" 2>&1
       tail -30 "$out/realistic.log" ;;
+    realistic-ckpt | realistic-on)
+      # #33 and #30: the 3B realistic workload, one card, 2 iterations (a point outlasts a
+      # call: start it with bench/gpu_bg.sh). realistic-ckpt: overlapStaging Off with the
+      # asynchronous checkpoint every 2 iterations (one save, at iteration 2, from buffers
+      # iteration 1's offload pinned: the steady save; a second 38 GB checkpoint would not fit
+      # a 64 GiB disk beside the first); realistic-on: overlapStaging On, no checkpoint.
+      df -h /tmp | tail -1
+      extra=(--overlap-staging on)
+      [[ $step == realistic-ckpt ]] && extra=(--overlap-staging off --checkpoint-every 2
+        --checkpoint-dir /tmp/rljob-bench-checkpoints)
+      colocate --model qwen2.5-3b --workload realistic --micro-batch-size auto --modes staged \
+        --staged-fractions 0.9 --iterations 2 --no-alone "${extra[@]}" --out "$out/run" \
+        > "$out/log" 2>&1
+      echo "colocate exit $?"; df -h /tmp | tail -1; tail -30 "$out/log" ;;
     staging-probe)
       python3 bench/staging_probe.py > "$out/probe.txt" 2>&1
       echo "staging_probe exit $?"; cat "$out/probe.txt" ;;

@@ -109,7 +109,8 @@ def _machine(device: str) -> str:
 
 def _engines(args: argparse.Namespace, model_path: str, eos: list[int]) -> list[Any]:
     engines: list[Any] = []
-    for _ in range(args.engines):
+    per_gpu = engines_per_gpu(args.engines, args.gpus)
+    for index in range(args.engines):
         if args.engine == "torch":
             from rljob_worker.engines.torch_engine import TorchEngine
 
@@ -122,17 +123,27 @@ def _engines(args: argparse.Namespace, model_path: str, eos: list[int]) -> list[
 
             from rljob_worker.engines.sglang_engine import SGLangEngine
 
-            engine = SGLangEngine(model_path=model_path, dtype=args.dtype,
-                                  mem_fraction_static=args.mem_fraction / args.engines)  # fmt: skip
+            gpu = index % args.gpus  # engines dealt round the GPUs, each its card's share
+            engine = SGLangEngine(model_path=model_path, dtype=args.dtype, base_gpu_id=gpu,
+                                  mem_fraction_static=args.mem_fraction / per_gpu)  # fmt: skip
             # It starts with every tag released and its weights' contents gone: load them.
             engine.resume(["weights"])
             hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
-            engine.update_weights([(n, p.detach().to("cuda")) for n, p in hf.named_parameters()])
+            engine.update_weights(
+                [(n, p.detach().to(f"cuda:{gpu}")) for n, p in hf.named_parameters()]
+            )
             del hf
             engine.flush_cache()
             engine.resume([t for t in ALL_TAGS if t != "weights"])
             engines.append(engine)
     return engines
+
+
+def engines_per_gpu(engines: int, gpus: int) -> int:
+    """How many engines share the busiest GPU when `engines` are dealt round `gpus`."""
+    if gpus < 1 or engines < 1:
+        raise ValueError(f"--engines {engines} --gpus {gpus}: both must be at least 1")
+    return -(-engines // gpus)
 
 
 def _flush(engine: Any, runner: Any, engines: int) -> None:
@@ -191,7 +202,11 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=24, help="tokens one turn may sample")
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--kv-tokens", type=int, default=65536, help="torch engine KV pool")
-    parser.add_argument("--mem-fraction", type=float, default=0.6, help="sglang, all engines")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="sglang: engines dealt round this many GPUs (two engines on two "
+                        "GPUs: one each, at the whole --mem-fraction)")  # fmt: skip
+    parser.add_argument("--mem-fraction", type=float, default=0.6,
+                        help="sglang: of each GPU, shared by the engines on it")  # fmt: skip
     parser.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
     parser.add_argument("--spread", action="store_true", help="long-tailed turn lengths")
     parser.add_argument("--tool-seconds", type=float, default=0.0,
@@ -252,6 +267,7 @@ def main() -> None:
         "torch": torch.__version__,
         "engine": args.engine,
         "engines": args.engines,
+        "gpus": args.gpus,
         "model": args.model,
         "conversations": args.conversations,
         "turn_tokens": args.turn_tokens,

@@ -39,3 +39,39 @@ def test_tool_delay_has_the_median_asked_a_cap_and_none_by_default() -> None:
     assert 0.18 < statistics.median(draws) < 0.22
     assert max(draws) <= 2.0 and max(draws) > 1.0  # sigma 1: the tail reaches the 10x cap
     assert _rollout(bench, 0.0).tool_delay(Trajectory(0, [1], turns=1)) == 0.0
+
+
+def test_engines_are_dealt_round_the_gpus_each_with_its_cards_share(monkeypatch: Any) -> None:
+    """--engines 2 --gpus 2 (issue 32's routing bench on two cards): one engine a GPU at the
+    whole fraction; --gpus 1: both on GPU 0 at half each; 3 on 2: the busier card's third."""
+    import argparse
+
+    import torch
+    import transformers
+
+    from rljob_worker.engines import sglang_engine
+
+    bench = _bench()
+    made: list[dict[str, Any]] = []
+
+    class StandIn:  # records how it was made; the bench's calls after that do nothing
+        def __init__(self, **kwargs: Any) -> None:
+            made.append(kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", StandIn)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        staticmethod(lambda *a, **k: torch.nn.Module()))  # fmt: skip
+    for engines, gpus, expected in [
+        (2, 2, [(0, 0.6), (1, 0.6)]),
+        (2, 1, [(0, 0.3), (0, 0.3)]),
+        (3, 2, [(0, 0.3), (1, 0.3), (0, 0.3)]),
+    ]:
+        made.clear()
+        args = argparse.Namespace(engine="sglang", engines=engines, gpus=gpus, dtype="bfloat16",
+                                  mem_fraction=0.6)  # fmt: skip
+        assert len(bench._engines(args, "/m", [0])) == engines
+        assert [(m["base_gpu_id"], m["mem_fraction_static"]) for m in made] == expected
+    assert bench.engines_per_gpu(4, 2) == 2 and bench.engines_per_gpu(1, 2) == 1

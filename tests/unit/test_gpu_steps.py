@@ -44,3 +44,44 @@ def test_without_the_periodic_pack_a_cut_step_brings_back_nothing(tmp_path: Path
     less often than the call lasts leaves nothing under $OUT."""
     returncode, out = _run_cut_step(tmp_path, "600")
     assert returncode == 124 and list(out.iterdir()) == []
+
+
+def test_a_background_step_outlives_its_call_and_wait_brings_back_what_it_has(
+    tmp_path: Path,
+) -> None:
+    """bench/gpu_bg.sh: `start` returns at once with the step running in its own session (the
+    device tool spares those when a call ends); `wait` brings back the log and the step's
+    archive while it runs (said so) and after it ends (with its exit status)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    flag = tmp_path / "finish"
+    (fake / "python3").write_text(
+        f"#!/bin/sh\necho probe started\nwhile [ ! -f {flag} ]; do sleep 0.2; done\necho probe done\n"
+    )
+    (fake / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}",
+           "RLJOB_STEP_PACK_SECONDS": "1", "RLJOB_STEPS_DIR": str(tmp_path / "steps"),
+           "RLJOB_BG_DIR": str(tmp_path / "bg")}  # fmt: skip
+
+    def bg(*words: str, out: Path | None = None) -> subprocess.CompletedProcess[str]:
+        call_env = {**env, "OUT": str(out)} if out else env
+        return subprocess.run(["timeout", "30", "bash", "bench/gpu_bg.sh", *words], cwd=REPO,
+                              env=call_env, capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    started = bg("start", "probe", "staging-probe")
+    assert started.returncode == 0 and "started probe" in started.stdout
+    assert bg("start", "probe", "staging-probe").returncode == 1  # not twice at once
+
+    def waited(seconds: str, said: str, written: bytes) -> Path:
+        out = tmp_path / f"out-{seconds}"
+        out.mkdir()
+        assert said in bg("wait", "probe", seconds, out=out).stdout
+        with tarfile.open(out / "probe-staging-probe.tgz") as archive:
+            probe = archive.extractfile("staging-probe/probe.txt")
+            assert probe is not None and probe.read() == written
+        return out
+
+    waited("3", "probe still running after 3 s", b"probe started\n")
+    flag.touch()
+    out = waited("20", "probe ended: exit 0", b"probe started\nprobe done\n")
+    assert "== step staging-probe:" in (out / "probe.log").read_text()

@@ -291,3 +291,35 @@ def test_micro_batch_auto_halves_the_realistic_workloads_until_the_plan_says_tra
     with pytest.raises(argparse.ArgumentTypeError, match="is not a positive whole number"):
         colocate._micro_batch_arg("0")
     assert colocate._micro_batch_arg("auto") == "auto" and colocate._micro_batch_arg("2") == 2
+
+
+def test_checkpoint_every_saves_each_trained_iteration_and_reports_its_share(
+    tmp_path: Path,
+) -> None:
+    """--checkpoint-every 1 (issue 30: what the save costs an iteration): each trained iteration
+    (1 and 2; iteration 0 only rolls out) saves, rank 0's account of each is recorded, the
+    checkpoint stage's share is of the steady iteration, and the point's checkpoints are gone
+    after it (the next point needs the disk). Every stage is also logged as it ends."""
+    root = tmp_path / "checkpoints"
+    command = [sys.executable, str(REPO / "bench" / "colocate.py"), "--smoke", "--no-alone",
+               "--iterations", str(ITERATIONS), "--prompts", "2", "--group-size", "2",
+               "--response-length", "8", "--modes", "staged", "--fractions", "0.5",
+               "--checkpoint-every", "1", "--checkpoint-dir", str(root), "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (point,) = json.loads((tmp_path / "colocate.json").read_text())["points"]
+    assert point["completed"] and point["checkpoint_every"] == 1
+    assert [c["iteration"] for c in point["checkpoints"]] == [1, 2]
+    for saved in point["checkpoints"]:
+        assert saved["bytes"] > 0 and 0 < saved["blocked_seconds"] <= saved["seconds"]
+    seconds = point["stage_seconds"]
+    assert point["checkpoint_share"] == pytest.approx(seconds["checkpoint"] / sum(seconds.values()))
+    assert "checkpoint of iteration 2:" in done.stdout
+    assert not any(root.iterdir())
+    # Each stage rank 0 ended, as it ended (a point cut by a call's limit keeps these).
+    lines = [json.loads(x) for x in (tmp_path / "stages.jsonl").read_text().splitlines()]
+    assert {(x["iteration"], x["stage"]) for x in lines} >= {(1, "checkpoint"), (2, "checkpoint")}
+    assert all(x["rank"] == 0 for x in lines)
+    assert [x["seconds"] for x in lines if x["iteration"] == 2 and x["stage"] == "checkpoint"] == [
+        seconds["checkpoint"]
+    ]
