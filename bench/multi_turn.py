@@ -124,8 +124,11 @@ def _engines(args: argparse.Namespace, model_path: str, eos: list[int]) -> list[
             from rljob_worker.engines.sglang_engine import SGLangEngine
 
             gpu = index % args.gpus  # engines dealt round the GPUs, each its card's share
+            # One event loop for all of them: the rollout awaits every engine's answers on it.
+            shared = engines[0].event_loop if engines else None
             engine = SGLangEngine(model_path=model_path, dtype=args.dtype, base_gpu_id=gpu,
-                                  mem_fraction_static=args.mem_fraction / per_gpu)  # fmt: skip
+                                  mem_fraction_static=args.mem_fraction / per_gpu,
+                                  event_loop=shared)  # fmt: skip
             # It starts with every tag released and its weights' contents gone: load them.
             engine.resume(["weights"])
             hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
@@ -144,17 +147,6 @@ def engines_per_gpu(engines: int, gpus: int) -> int:
     if gpus < 1 or engines < 1:
         raise ValueError(f"--engines {engines} --gpus {gpus}: both must be at least 1")
     return -(-engines // gpus)
-
-
-def _flush(engine: Any, runner: Any, engines: int) -> None:
-    """Drop the engine's prefix cache. Several sglang engines in one process: each Engine made
-    its own event loop, but their tokenizer managers answer on the loop the rollout runs on
-    (the first engine's), so the flush is awaited there too, not through Engine.flush_cache's
-    own loop (which nothing would answer on)."""
-    if engines > 1 and hasattr(engine, "run_async"):
-        runner(engine._engine.tokenizer_manager.flush_cache())
-    else:
-        engine.flush_cache()
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -249,7 +241,7 @@ def main() -> None:
         for routing in routings:
             for mode in ("turn-by-turn", "async"):
                 for engine in engines:  # each measurement starts with a cold cache
-                    _flush(engine, runner, len(engines))
+                    engine.flush_cache()
                 rollout = BenchRollout(
                     EngineRouter(engines, routing, seed=turns), ChatFormat(tokenizer, tools.schemas),
                     tools, limits, eos, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),

@@ -827,3 +827,56 @@ def test_release_while_an_async_request_is_in_flight_is_refused() -> None:
     assert engine.requests_in_flight == 0
     engine.release([TAG_KV_CACHE])
     assert TAG_KV_CACHE in engine.released_tags
+
+
+def test_engines_of_one_process_answer_on_one_event_loop_when_given_it() -> None:
+    """Two sglang engines in one process (bench/multi_turn.py --engines 2): each sglang.Engine
+    makes its own loop, and its tokenizer manager starts its receive loop on the loop running
+    its first request (its own, during start-up). A rollout awaiting both engines on the first
+    one's loop then never hears from the second: on an H100 two engines waited until the call's
+    limit, on one card and on two. Given the first engine's loop, the second answers there."""
+    import asyncio
+    import signal
+
+    class WithLoops(SGLangEngineStandIn):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(contract=NEWEST, **kwargs)
+            self.loop = asyncio.new_event_loop()  # as sglang's Engine.__init__, out of a loop
+            self.tokenizer_manager = SimpleNamespace(event_loop=None)
+
+        def _answer(self, method: str, kwargs: dict[str, Any]) -> Any:
+            # Each blocking call runs on self.loop; the first starts the receive loop there.
+            if self.tokenizer_manager.event_loop is None:
+                self.tokenizer_manager.event_loop = self.loop
+            return super()._answer(method, kwargs)
+
+        async def _async_answer(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+            if asyncio.get_running_loop() is not self.tokenizer_manager.event_loop:
+                raise AssertionError("no receive loop on this loop: sglang would wait forever")
+            return await super()._async_answer(kwargs)
+
+    def started(loop: asyncio.AbstractEventLoop | None = None) -> SGLangEngine:
+        engine = SGLangEngine(model_path="/m", dtype="bfloat16", mem_fraction_static=0.3,
+                              engine_class=WithLoops, contract=NEWEST, event_loop=loop)  # fmt: skip
+        engine.resume(list(ALL_TAGS))
+        return engine
+
+    before = signal.getsignal(signal.SIGQUIT)
+    try:
+        first = started()
+        second = started(first.event_loop)
+        alone = started()  # as before the fix: a loop of its own
+        assert first.event_loop is not None and second.event_loop is first.event_loop
+
+        async def both(engines: list[SGLangEngine]) -> list[Any]:
+            return list(
+                await asyncio.gather(*(e.async_generate([1, 2], SAMPLING) for e in engines))
+            )
+
+        answers = first.run_async(both([first, second]))
+        assert [a.token_ids for a in answers] == [[2, 7], [2, 7]]
+        second.flush_cache()  # its blocking calls run on the shared loop too
+        with pytest.raises(AssertionError, match="would wait forever"):
+            first.run_async(both([first, alone]))
+    finally:
+        signal.signal(signal.SIGQUIT, before)

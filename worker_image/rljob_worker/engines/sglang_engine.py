@@ -247,6 +247,7 @@ class SGLangEngine(ColocatedEngine):
         engine_class: Callable[..., Any] | None = None,
         contract: SGLangContract | None = None,
         handoff: TensorHandoff | None = None,
+        event_loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self._contract = contract = contract or installed_contract()
         # How buckets travel: flattened (one IPC handle per bucket) where sglang has that path,
@@ -296,6 +297,15 @@ class SGLangEngine(ColocatedEngine):
                 f"{type(error).__name__}: {error}"
             ) from error
         started = self._engine
+        if event_loop is not None:
+            # Several engines in one process (bench/multi_turn.py --engines 2): sglang's Engine
+            # makes a loop of its own (Engine.loop) and its tokenizer manager starts its receive
+            # loop on the loop running its first request, which is Engine.loop. A rollout awaits
+            # every engine's answers on one loop, so an engine whose receive loop lives on
+            # another never answers (seen on an H100: two engines, the first request waited
+            # until the call's limit). Give them one loop before the first request (below).
+            started.loop = event_loop
+            asyncio.set_event_loop(event_loop)
         self._engine = _Guarded(started)
         # The KV pool is sized once, at start-up, from mem_fraction_static (scheduler init info).
         self._kv_capacity_tokens = int(self._engine.get_server_info()[contract.kv_capacity_key])
@@ -365,6 +375,12 @@ class SGLangEngine(ColocatedEngine):
         return dataclasses.replace(
             self._completion(output), cached_tokens=None if cached is None else int(cached)
         )
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop sglang's Engine runs its calls and its answers on (Engine.loop); pass it as
+        `event_loop` to the next engine of this process. None for a stand-in without one."""
+        return getattr(self._engine, "loop", None)
 
     def run_async(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine of async_generate calls to its end, on sglang's event loop: the one
