@@ -208,6 +208,8 @@ def main() -> None:
     parser.add_argument("--python-runner", choices=["pool", "spawn"], default="pool",
                         help="builtin:python's runner: the pool (the product's) or, to compare, "
                         "an interpreter spawned per call (bench/tool_runner.py)")  # fmt: skip
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="measure from the first rollout (default: one untimed pass first)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "multi_turn")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -234,22 +236,32 @@ def main() -> None:
     context = json.loads((Path(model_path) / "config.json").read_text()).get(
         "max_position_embeddings"
     )
-    for turns in args.turns:
+
+    def rollout_of(turns: int, routing: Routing) -> BenchRollout:
         limits = Limits(max_turns=turns, max_response_length=turns * (4 * args.turn_tokens + 64),
                         max_tool_response_length=32, max_concurrent_conversations=args.conversations,
                         max_turn_tokens=args.turn_tokens, context_length=context)  # fmt: skip
+        for engine in engines:  # each measurement starts with a cold cache
+            engine.flush_cache()
+        rollout = BenchRollout(
+            EngineRouter(engines, routing, seed=turns), ChatFormat(tokenizer, tools.schemas),
+            tools, limits, eos, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+        )  # fmt: skip
+        rollout.turns, rollout.spread = turns, args.spread
+        rollout.tool_seconds = args.tool_seconds
+        return rollout
+
+    if args.warmup:
+        # Untimed: the first rollout of a process pays for start-up work (the engine's first
+        # batches, the tool runners' first forks). On an H100 the first measured row, 2 turns
+        # turn by turn, ran at a third of the 3-turn row's tokens/s without it.
+        measure(rollout_of(min(args.turns), Routing.STICKY), runner, prompts, "turn-by-turn",
+                sampling)  # fmt: skip
+    for turns in args.turns:
         for routing in routings:
             for mode in ("turn-by-turn", "async"):
-                for engine in engines:  # each measurement starts with a cold cache
-                    engine.flush_cache()
-                rollout = BenchRollout(
-                    EngineRouter(engines, routing, seed=turns), ChatFormat(tokenizer, tools.schemas),
-                    tools, limits, eos, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
-                )  # fmt: skip
-                rollout.turns, rollout.spread = turns, args.spread
-                rollout.tool_seconds = args.tool_seconds
                 row = {"turns_per_conversation": turns, "routing": str(routing),
-                       **measure(rollout, runner, prompts, mode, sampling)}  # fmt: skip
+                       **measure(rollout_of(turns, routing), runner, prompts, mode, sampling)}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {
@@ -269,8 +281,8 @@ def main() -> None:
         "command": "python bench/multi_turn.py " + " ".join(
             f"--{k.replace('_', '-')}" if v is True else
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items() if k != "out" and v is not False
-        ),
+            for k, v in vars(args).items() if k not in ("out", "warmup") and v is not False
+        ) + ("" if args.warmup else " --no-warmup"),
         "rows": rows,
     }  # fmt: skip
     tools.close()
