@@ -432,6 +432,9 @@ class Point:
     # Issue 30 (--checkpoint-every): spec.checkpoint.everyIterations the point ran with, rank
     # 0's saves (iteration, bytes, seconds to durable, seconds the loop stood still), and the
     # steady checkpoint stage's share of the steady iteration.
+    # The train stage's parts (TrainStats.pass_seconds: log-prob passes, forward/backward,
+    # optimizer steps), rank 0's, steady.
+    train_pass_seconds: dict[str, float] = field(default_factory=dict)
     checkpoint_every: int | None = None
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     checkpoint_share: float | None = None
@@ -617,6 +620,13 @@ def summarize_point(
                 by_iteration[i] = by_iteration.get(i, 0.0) + seconds
         return _steady(by_iteration)
 
+    passes: dict[str, dict[int, float]] = {}
+    for item in iterations:
+        for part, seconds in (item.train.pass_seconds if item.train else {}).items():
+            passes.setdefault(part, {})[item.iteration] = seconds
+    point.train_pass_seconds = {
+        k: v for k, v in ((n, _steady(t)) for n, t in passes.items()) if v is not None
+    }
     syncs = {i.iteration: i.weight_sync_seconds for i in iterations}
     point.weight_sync_seconds = _steady({k: v for k, v in syncs.items() if v is not None})
     # The slowest rank's hand-off per iteration (the ranks wait for each other in the gather).
@@ -649,12 +659,14 @@ def summarize_point(
         point.iteration_seconds = sum(point.stage_seconds.values())
     if spec.checkpoint is not None:
         point.checkpoint_every = spec.checkpoint.every_iterations
-        saved = [(i.iteration, i.checkpoint) for i in iterations if i.checkpoint is not None]
-        saved += [(c.iteration, c) for c in run.checkpoints if c.iteration not in dict(saved)]
+        # By the checkpoint's own iteration: an asynchronous save is reported in the iteration
+        # whose boundary found it complete (often the next), the last one by the run's end.
+        saved = {i.checkpoint.iteration: i.checkpoint for i in iterations if i.checkpoint}
+        saved.update({c.iteration: c for c in run.checkpoints if c.iteration not in saved})
         point.checkpoints = [
             {"iteration": n, "bytes": c.bytes, "seconds": c.seconds,
              "blocked_seconds": c.blocked_seconds}
-            for n, c in sorted(saved, key=lambda item: item[0])
+            for n, c in sorted(saved.items())
         ]  # fmt: skip
         stage = point.stage_seconds.get(str(Stage.CHECKPOINT))
         if stage is not None and point.iteration_seconds:
@@ -1190,6 +1202,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{point.wall_seconds:.0f} s wall",
             flush=True,
         )
+        if point.train_pass_seconds:
+            print(f"  train's parts: {', '.join(f'{k} {v:.2f} s' for k, v in point.train_pass_seconds.items())}",
+                  flush=True)  # fmt: skip
         for saved in point.checkpoints:
             print(f"  checkpoint of iteration {saved['iteration']}: {saved['bytes'] / 1e9:.2f} GB, "
                   f"blocked {_num(saved['blocked_seconds'], 2)} s, durable after "

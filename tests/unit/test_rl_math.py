@@ -236,3 +236,23 @@ def test_a_flat_group_of_inexact_rewards_gets_exactly_zero_advantage() -> None:
     rewards = torch.full((8,), 0.1, dtype=torch.float32)
     advantages = group_advantages(rewards, torch.zeros(8, dtype=torch.long))
     assert advantages.dtype == torch.float32 and bool((advantages == 0).all())
+
+
+def test_the_update_says_where_its_seconds_went() -> None:
+    """TrainStats.pass_seconds (verl's timing_s per pass): each part the update ran, once per
+    name, summed over its mini-batches and epochs, within the update's own wall time; the
+    reference's pass only with a reference."""
+    import copy
+    import time
+
+    model, update = _update(_spec(ppoEpochs=2))
+    began = time.perf_counter()
+    stats = update.run(BIGRAM)
+    wall = time.perf_counter() - began
+    parts = stats.pass_seconds
+    assert set(parts) == {"old_logprobs", "setup", "forward_backward", "optimizer_step"}
+    assert all(seconds >= 0 for seconds in parts.values()) and sum(parts.values()) <= wall
+    with_reference = PolicyUpdate(_spec(klCoef=0.1), model, copy.deepcopy(model),
+                                  torch.optim.SGD(model.parameters(), lr=1.0), pad_id=0,
+                                  device=torch.device("cpu"))  # fmt: skip
+    assert "ref_logprobs" in with_reference.run(BIGRAM).pass_seconds

@@ -49,6 +49,10 @@ def test_every_point_completes_its_iterations_with_a_staging_tax(result: dict) -
         assert point["staging_tax"] == pytest.approx(sum(other.values()) / sum(seconds.values()))
         assert point["staging_dominant"] == max(other, key=other.__getitem__)
         assert 0 < point["staging_tax"] < 1
+        # Where train's seconds went (the policy update's passes), within the stage's seconds.
+        passes = point["train_pass_seconds"]
+        assert {"old_logprobs", "ref_logprobs", "forward_backward", "optimizer_step"} <= set(passes)
+        assert 0 < sum(passes.values()) <= seconds["train"]
         # The weight sync's hand-off to the engine is a part of it, and shown beside it.
         assert 0 < point["weight_handoff_seconds"] <= point["weight_sync_seconds"]
         assert f"{point['weight_handoff_seconds']:.3f})" in result["_markdown"]
@@ -309,7 +313,10 @@ def test_checkpoint_every_saves_each_trained_iteration_and_reports_its_share(
     assert done.returncode == 0, done.stderr[-3000:]
     (point,) = json.loads((tmp_path / "colocate.json").read_text())["points"]
     assert point["completed"] and point["checkpoint_every"] == 1
-    assert [c["iteration"] for c in point["checkpoints"]] == [1, 2]
+    # The newest is always reported; iteration 1's only if its writer was agreed done before
+    # iteration 2's save (under load it is agreed in the same iteration as 2's, and the iteration
+    # reports the newest: checkpoint.Keeper.take).
+    assert [c["iteration"] for c in point["checkpoints"]] in ([1, 2], [2])
     for saved in point["checkpoints"]:
         assert saved["bytes"] > 0 and 0 < saved["blocked_seconds"] <= saved["seconds"]
     seconds = point["stage_seconds"]

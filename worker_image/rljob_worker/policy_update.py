@@ -7,6 +7,7 @@ mini-batches, micro-batches and all-reduces) on its FSDP2-sharded policy.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -89,6 +90,10 @@ class TrainStats:
     grad_norm: float
     learning_rate: float
     optimizer_steps: int
+    # Where the stage's seconds went (PassClock's parts: old_logprobs, ref_logprobs, setup,
+    # forward_backward, optimizer_step), as verl reports timing_s per pass. Not summed over
+    # ranks: each rank's own.
+    pass_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def loss(self) -> float:
@@ -146,6 +151,25 @@ def forward_logprobs(
 ) -> TokenLogprobs:
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention, use_cache=False)
     return token_logprobs(logits.logits[:, :-1], batch.input_ids[:, 1:], temperature)
+
+
+class PassClock:
+    """Seconds between marks, summed per part name; on CUDA each mark first waits for the
+    device, so a part is the kernels it queued, not only their launch. The marks sit where the
+    update already waits for the device (log-probs read back, loss sums as floats), so they add
+    no wait of their own worth the name."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, part: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self._last
+        self._last = now
 
 
 def split_rows(rows: Sequence[int], parts: int) -> list[list[int]]:
@@ -211,12 +235,17 @@ class PolicyUpdate:
                 "responses each rank trains on per iteration; lower it or raise "
                 "data.trainBatchSize or algorithm.groupSize"
             )
+        clock = PassClock(self.device)
         advantages = self._advantages(experience)
         # The policy that sampled, as the trainer computes it: the PPO ratio's denominator, fixed
         # for every epoch and mini-batch of this rollout (verl's old_log_prob). At the first step
         # the ratio is exactly 1; later steps' ratios measure how far the updates moved.
         old = self._logprobs_of(self.model, experience)
-        ref = self._logprobs_of(self.reference, experience) if self.reference is not None else None
+        clock.mark("old_logprobs")
+        ref = None
+        if self.reference is not None:
+            ref = self._logprobs_of(self.reference, experience)
+            clock.mark("ref_logprobs")
         engine = [torch.tensor(v) for v in experience.logprobs] if experience.logprobs else None
         mismatch = (
             sum(float((e.to(o.device) - o).abs().sum()) for e, o in zip(engine, old, strict=True))
@@ -227,6 +256,7 @@ class PolicyUpdate:
         sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "tokens": 0.0}
         norms: list[float] = []
         self.model.train()
+        clock.mark("setup")
         for _epoch in range(algorithm.ppo_epochs):
             for rows in split_rows(range(len(experience)), parts):
                 batches = self._batches(experience, rows)
@@ -236,7 +266,9 @@ class PolicyUpdate:
                 self.optimizer.zero_grad(set_to_none=True)
                 for batch in batches:
                     self._accumulate(batch, advantages, old, ref, engine, global_tokens, sums)
+                clock.mark("forward_backward")
                 norms.append(self._step())
+                clock.mark("optimizer_step")
         return TrainStats(
             response_tokens=tokens,
             token_steps=int(sums["tokens"]),
@@ -248,6 +280,7 @@ class PolicyUpdate:
             grad_norm=sum(norms) / len(norms),
             learning_rate=float(self.optimizer.param_groups[0]["lr"]),
             optimizer_steps=len(norms),
+            pass_seconds=clock.seconds,
         )
 
     def _accumulate(
