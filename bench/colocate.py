@@ -429,12 +429,12 @@ class Point:
     truncated_share: float | None = None  # answers cut at maxResponseLength
     iteration_seconds: float | None = None  # the steady iteration, every stage
     floors: dict[str, dict[str, float | None]] = field(default_factory=dict)
-    # Issue 30 (--checkpoint-every): spec.checkpoint.everyIterations the point ran with, rank
-    # 0's saves (iteration, bytes, seconds to durable, seconds the loop stood still), and the
-    # steady checkpoint stage's share of the steady iteration.
     # The train stage's parts (TrainStats.pass_seconds: log-prob passes, forward/backward,
     # optimizer steps), rank 0's, steady.
     train_pass_seconds: dict[str, float] = field(default_factory=dict)
+    # Issue 30 (--checkpoint-every): spec.checkpoint.everyIterations the point ran with, rank
+    # 0's saves (iteration, bytes, seconds to durable, seconds the loop stood still), and the
+    # steady checkpoint stage's share of the steady iteration.
     checkpoint_every: int | None = None
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     checkpoint_share: float | None = None

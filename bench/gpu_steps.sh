@@ -153,18 +153,18 @@ for step in "$@"; do
       # Two engines, one a GPU where two are visible (the first choice), else (or if
       # that fails) both on one GPU at half the fraction each.
       model qwen2.5-0.5b
+      two_engines() {  # two_engines NAME [ARG...]: the routing bench into $out/NAME(.log)
+        python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
+          --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 3 --engines 2 \
+          --mem-fraction 0.6 --out "$out/$1" "${@:2}" > "$out/$1.log" 2>&1
+      }
       gpus=$(python3 -c "import torch; print(torch.cuda.device_count())") rc=1
       if ((gpus >= 2)); then
-        python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 --gpus 2 \
-          --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 3 --engines 2 \
-          --mem-fraction 0.6 --out "$out/two-gpus" > "$out/two-gpus.log" 2>&1
+        two_engines two-gpus --gpus 2
         rc=$?; echo "two engines on two GPUs: exit $rc"; tail -12 "$out/two-gpus.log"
       fi
       if ((gpus < 2 || rc != 0)); then
-        python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
-          --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 64 --turns 3 --engines 2 \
-          --mem-fraction 0.6 --out "$out/two" > "$out/log" 2>&1
-        tail -12 "$out/log"
+        two_engines two; tail -12 "$out/two.log"
       fi ;;
     sync-paths)
       colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
