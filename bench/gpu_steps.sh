@@ -42,6 +42,9 @@
 #   realistic-ckpt #33/#30: 3B realistic, overlapStaging Off, the async checkpoint at iteration 2
 #                (its share of the iteration); realistic-on: overlapStaging On. Each runs
 #                longer than a call: start them with bench/gpu_bg.sh
+#   train-alone  #33: bench/train_alone.py, the train stage alone at the realistic 3B shape:
+#                64 rows with a profile, then all 1024 with micro-batches packed by length and
+#                not (one card, no SGLang: only the deps call before it; about 5 minutes)
 #   overlap      #33: 3B one card, staging tax with overlapStaging off then on: small workload,
 #                then realistic (2 iterations; the deadline keeps the call under 10 minutes)
 #   overlap-test #33: tests/gpu/test_overlap_staging_gpu.py (on = off bit for bit, on the card)
@@ -195,10 +198,23 @@ for step in "$@"; do
       extra=(--overlap-staging on)
       [[ $step == realistic-ckpt ]] && extra=(--overlap-staging off --checkpoint-every 2
         --checkpoint-dir /tmp/rljob-bench-checkpoints)
+      # realistic-ckpt also runs the engine alone after the point (the rollout's floor).
+      [[ $step == realistic-on ]] && extra+=(--no-alone)
       colocate --model qwen2.5-3b --workload realistic --micro-batch-size auto --modes staged \
-        --staged-fractions 0.9 --iterations 2 --no-alone "${extra[@]}" --out "$out/run" \
+        --staged-fractions 0.9 --iterations 2 "${extra[@]}" --out "$out/run" \
         > "$out/log" 2>&1
       echo "colocate exit $?"; df -h /tmp | tail -1; tail -30 "$out/log" ;;
+    train-alone)
+      # 64 rows packed, and a profile of 24 (a minute); then the whole rollout packed and not
+      # (the second is not started after 240 s).
+      python3 bench/train_alone.py --model qwen2.5-3b --workload realistic --prompts 8 \
+        --micro-batch-size "${TRAIN_MICRO:-2}" --pack on --profile-rows 24 \
+        --out "$out/train-alone-3b-64.json" > "$out/log-64" 2>&1
+      echo "train_alone (64 rows) exit $?"; cut -c1-700 "$out/log-64" | grep "^{"
+      python3 bench/train_alone.py --model qwen2.5-3b --workload realistic \
+        --micro-batch-size "${TRAIN_MICRO:-2}" --pack on,off --deadline-seconds 240 \
+        --out "$out/train-alone-3b.json" > "$out/log" 2>&1
+      echo "train_alone exit $?"; grep -v "^{" "$out/log" | tail -4; cut -c1-700 "$out/log" | grep "^{" ;;
     staging-probe)
       python3 bench/staging_probe.py > "$out/probe.txt" 2>&1
       echo "staging_probe exit $?"; cat "$out/probe.txt" ;;

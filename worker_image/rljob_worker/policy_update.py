@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rljob.api import AlgorithmName, RLJobSpec
 from rljob_worker.rl_math import (
@@ -26,6 +27,12 @@ from rljob_worker.rl_math import (
     token_logprobs,
     truncated_importance_weights,
 )
+
+NON_CUDNN_ATTENTION = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 
 
 @dataclass
@@ -113,7 +120,7 @@ class ResponseBatch:
 
     rows: tuple[int, ...]
     input_ids: torch.Tensor
-    attention: torch.Tensor
+    attention: torch.Tensor  # 1 on the real tokens (the model needs no mask: forward_logprobs)
     mask: torch.Tensor
 
 
@@ -149,7 +156,11 @@ def per_row_to_mask(values: Sequence[torch.Tensor], batch: ResponseBatch) -> tor
 def forward_logprobs(
     model: torch.nn.Module, batch: ResponseBatch, temperature: float
 ) -> TokenLogprobs:
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention, use_cache=False)
+    """The rows' token log-probs. The rows are right-padded, so causal attention alone keeps a
+    real token from seeing any pad (pads only follow it) and positions count from 0 either way:
+    the model is given no mask, which lets SDPA take its causal kernel (PolicyUpdate.run keeps
+    it off cuDNN's). The pads' own outputs differ, and batch.mask leaves them out."""
+    logits = model(input_ids=batch.input_ids, attention_mask=None, use_cache=False)
     return token_logprobs(logits.logits[:, :-1], batch.input_ids[:, 1:], temperature)
 
 
@@ -187,6 +198,46 @@ def chunks(rows: Sequence[int], size: int) -> list[list[int]]:
     return [list(rows[i : i + size]) for i in range(0, len(rows), size)]
 
 
+def pack_rows(lengths: Sequence[int], rows: Sequence[int], budget: int) -> list[list[int]]:
+    """`rows` longest first, cut into consecutive micro-batches whose padded tokens (rows x the
+    longest of them) stay within `budget`: short sequences ride many to a micro-batch, and a
+    micro-batch pads each row only up to similar lengths (verl's use_dynamic_bsz). A row longer
+    than the budget goes alone."""
+    order = sorted(rows, key=lambda row: (-lengths[row], row))
+    packed: list[list[int]] = []
+    for row in order:
+        # Sorted longest first: a micro-batch's first row is its longest.
+        if packed and (len(packed[-1]) + 1) * lengths[packed[-1][0]] <= budget:
+            packed[-1].append(row)
+        else:
+            packed.append([row])
+    return packed
+
+
+def split_to(packed: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """`packed` cut further until it has `count` micro-batches: the one of most padded tokens
+    (of those with two rows or more) is halved each time, so each stays within its budget."""
+    out = [list(batch) for batch in packed]
+    while len(out) < count:
+        splittable = [i for i, batch in enumerate(out) if len(batch) > 1]
+        if not splittable:
+            raise ValueError(f"{sum(map(len, out))} rows cannot make {count} micro-batches")
+        i = max(splittable, key=lambda j: len(out[j]) * lengths[out[j][0]])
+        half = len(out[i]) // 2
+        out[i : i + 1] = [out[i][:half], out[i][half:]]
+    return out
+
+
+def agreed_counts(counts: list[int], device: torch.device) -> list[int]:
+    """The most micro-batches any rank packed, per mini-batch (one all-reduce). Collective: FSDP's
+    all-gathers and reduce-scatters run once per micro-batch, so every rank runs as many."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return counts
+    agreed = torch.tensor(counts, dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return [int(c) for c in agreed.tolist()]
+
+
 class PolicyUpdate:
     """The update of one train stage on one rank: build once per rollout, then run()."""
 
@@ -198,27 +249,64 @@ class PolicyUpdate:
         optimizer: torch.optim.Optimizer,
         pad_id: int,
         device: torch.device,
+        pack: bool = True,
     ) -> None:
         self.spec, self.model, self.reference, self.optimizer = spec, model, reference, optimizer
         self.pad_id, self.device = pad_id, device
         self.temperature = spec.rollout.sampling.temperature
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.pack = pack
 
-    def _batches(self, experience: Experience, rows: Sequence[int]) -> list[ResponseBatch]:
+    def micro_batches(
+        self, experience: Experience, groups: list[list[int]]
+    ) -> list[list[list[int]]]:
+        """Each group of rows (a mini-batch, or all rows) as micro-batches of row indices.
+
+        Packed (the default): sorted by length and filled up to microBatchSize sequences of this
+        rank's longest one (pack_rows), so a rollout of mixed lengths runs fewer, fuller
+        micro-batches while none holds more padded tokens than microBatchSize of its longest
+        rows would: the memory plan's bound (microBatchSize at the longest sequence the spec
+        allows) holds, and a rollout of equal lengths is cut exactly as before. The counts are
+        agreed across ranks (agreed_counts). The gradient is the same either way: the loss is a
+        sum over tokens divided by the global count (rank_loss). Unpacked: consecutive runs of
+        microBatchSize rows."""
         micro = self.spec.training.micro_batch_size
+        if not self.pack:
+            return [chunks(rows, micro) for rows in groups]
+        lengths = [
+            len(experience.prompt_ids[i]) + len(experience.response_ids[i])
+            for i in range(len(experience))
+        ]
+        budget = micro * max(lengths, default=1)
+        packed = [pack_rows(lengths, rows, budget) for rows in groups]
+        counts = agreed_counts([len(p) for p in packed], self.device)
+        return [split_to(p, lengths, count) for p, count in zip(packed, counts, strict=True)]
+
+    def _batches(
+        self, experience: Experience, micro_batches: list[list[int]]
+    ) -> list[ResponseBatch]:
         return [
-            response_batch(experience, chunk, self.pad_id, self.device)
-            for chunk in chunks(rows, micro)
+            response_batch(experience, rows, self.pad_id, self.device) for rows in micro_batches
         ]
 
     @torch.no_grad()
-    def _logprobs_of(self, model: torch.nn.Module, experience: Experience) -> list[torch.Tensor]:
-        """Each response's token log-probs under `model` as it is now (no gradient)."""
-        values: list[torch.Tensor] = []
-        for batch in self._batches(experience, range(len(experience))):
+    def _logprobs_of(
+        self, model: torch.nn.Module, experience: Experience, micro_batches: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """Each response's token log-probs under `model` as it is now (no gradient), by row.
+
+        In eval mode: transformers wraps each layer in gradient checkpointing while the model
+        is in training mode, a cost a pass without gradient gets nothing for (on an H100 at 3B
+        the policy's pass took 2.5x the reference's over the same rows; the reference is in
+        eval mode, and in bf16). Qwen2's dropout is 0, so the log-probs are the same in either
+        mode. run() sets train mode again before the update."""
+        model.eval()
+        values: dict[int, torch.Tensor] = {}
+        for batch in self._batches(experience, micro_batches):
             logprobs = forward_logprobs(model, batch, self.temperature).logprobs
-            values += [logprobs[row][batch.mask[row]] for row in range(len(batch.rows))]
-        return values
+            for position, row in enumerate(batch.rows):
+                values[row] = logprobs[position][batch.mask[position]]
+        return [values[row] for row in range(len(experience))]
 
     def _advantages(self, experience: Experience) -> torch.Tensor:
         rewards = torch.tensor(experience.rewards, dtype=torch.float32, device=self.device)
@@ -227,6 +315,15 @@ class PolicyUpdate:
         return batch_advantages(rewards)
 
     def run(self, experience: Experience) -> TrainStats:
+        # Every attention kernel but cuDNN's, for the forwards and the backward's recomputed
+        # ones alike (all inside this block). On an H100 (torch 2.11) SDPA picked cuDNN for the
+        # training forwards, whose host side took ~1.2 ms a call at the changing shapes of
+        # packed micro-batches (3B: 36 calls a forward), a quarter of the CPU time of a train
+        # stage that the CPU bounded; flash attention's causal kernel computes the same.
+        with sdpa_kernel(NON_CUDNN_ATTENTION):
+            return self._run(experience)
+
+    def _run(self, experience: Experience) -> TrainStats:
         algorithm = self.spec.algorithm
         parts = algorithm.ppo_mini_batches
         if parts > len(experience):
@@ -237,14 +334,18 @@ class PolicyUpdate:
             )
         clock = PassClock(self.device)
         advantages = self._advantages(experience)
+        # One plan for every pass: the whole rollout for the log-prob passes, then each
+        # mini-batch's micro-batches (the same every epoch).
+        minis = split_rows(range(len(experience)), parts)
+        whole, *steps = self.micro_batches(experience, [list(range(len(experience))), *minis])
         # The policy that sampled, as the trainer computes it: the PPO ratio's denominator, fixed
         # for every epoch and mini-batch of this rollout (verl's old_log_prob). At the first step
         # the ratio is exactly 1; later steps' ratios measure how far the updates moved.
-        old = self._logprobs_of(self.model, experience)
+        old = self._logprobs_of(self.model, experience, whole)
         clock.mark("old_logprobs")
         ref = None
         if self.reference is not None:
-            ref = self._logprobs_of(self.reference, experience)
+            ref = self._logprobs_of(self.reference, experience, whole)
             clock.mark("ref_logprobs")
         engine = [torch.tensor(v) for v in experience.logprobs] if experience.logprobs else None
         mismatch = (
@@ -258,8 +359,8 @@ class PolicyUpdate:
         self.model.train()
         clock.mark("setup")
         for _epoch in range(algorithm.ppo_epochs):
-            for rows in split_rows(range(len(experience)), parts):
-                batches = self._batches(experience, rows)
+            for micro_batches in steps:
+                batches = self._batches(experience, micro_batches)
                 global_tokens = global_token_count(
                     torch.stack([b.mask.sum() for b in batches]).sum()
                 )

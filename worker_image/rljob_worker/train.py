@@ -360,6 +360,9 @@ class Trainer:
         self.optimizer.register_step_pre_hook(
             lambda *_: self.staging.wait(OPTIMIZER_TO_DEVICE, before="optimizer.step()")
         )
+        # Micro-batches packed by length (PolicyUpdate.micro_batches); False only for a bench's
+        # before/after (bench/train_alone.py).
+        self.pack_micro_batches = True
         self.optimizer_on_device = True
         self.params_on_device = True
         self._optimizer_leaving = False  # start_offload_optimizer's copies, not yet freed
@@ -369,7 +372,13 @@ class Trainer:
     def train_step(self, experience: Experience) -> TrainStats:
         """PPO epochs over mini-batches of the rank's experience (policy_update.PolicyUpdate)."""
         update = PolicyUpdate(
-            self.spec, self.model, self.reference, self.optimizer, self.pad_id, self.device
+            self.spec,
+            self.model,
+            self.reference,
+            self.optimizer,
+            self.pad_id,
+            self.device,
+            pack=self.pack_micro_batches,
         )
         stats = update.run(experience)
         # Without an optimizer step (no tokens), the moments' later users still come after.
