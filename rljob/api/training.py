@@ -25,8 +25,10 @@ class TrainingSpec(_Spec):
     micro_batch_size: int = Field(
         default=2,
         ge=1,
-        description="Sequences per forward/backward per rank "
-        "(verl: actor.ppo_micro_batch_size_per_gpu).",
+        description="Sequences per forward/backward per rank at the rollout's longest "
+        "(verl: actor.ppo_micro_batch_size_per_gpu); shorter ones are packed by length up to "
+        "the same padded tokens (verl: use_dynamic_bsz), so memory is bounded as for this many "
+        "sequences of the longest.",
     )
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     gradient_checkpointing: bool = Field(
