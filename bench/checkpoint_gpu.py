@@ -151,17 +151,17 @@ def _pinned(trainer: Any, spec: Any, model_dir: Path | str, iteration: int,
         started = time.perf_counter()
         keeper.save(iteration)
         returned = time.perf_counter() - started
-        saved = None
-        while busy != "idle" and saved is None:
+        taken: tuple[Any, ...] = ()
+        while busy != "idle" and not taken:
             _busy_chunk(busy, scratch)
             chunks += 1
             keeper.poll()  # a stage boundary
-            saved, _ = keeper.take()
+            taken, _ = keeper.take()
         keeper.finish()
         done = time.perf_counter() - started
-    if saved is None:
-        saved, _ = keeper.take()
-    assert saved is not None
+    if not taken:
+        taken, _ = keeper.take()
+    saved = taken[-1]
     offloading = time.perf_counter()
     trainer.offload_optimizer()
     trainer.offload_params()

@@ -25,6 +25,7 @@ from rljob_worker.checkpoint import (
     MARKER,
     CheckpointFailed,
     Keeper,
+    SavedCheckpoint,
     checkpoint_dir,
     complete_checkpoints,
     load,
@@ -97,19 +98,20 @@ def test_the_stage_returns_before_the_write_and_reports_blocked_apart_from_durab
     returned = time.perf_counter() - started
     assert returned < slow_writes / 2  # the loop went on while the writer wrote
     keeper.poll()  # a stage boundary: the writer is still running, nothing is complete
-    assert keeper.take() == (None, None)
+    assert keeper.take() == ((), None)
     assert complete_checkpoints(tmp_path / "ckpt") == []
     # The training goes on meanwhile: the checkpoint holds the state as it was at the save.
     saved_weight = _first_weight(model).detach().clone()
     with torch.no_grad():
         _first_weight(model).add_(1.0)
-    saved = None
+    taken: tuple[SavedCheckpoint, ...] = ()
     deadline = time.monotonic() + 60
-    while saved is None and time.monotonic() < deadline:  # the next stage boundaries
+    while not taken and time.monotonic() < deadline:  # the next stage boundaries
         time.sleep(0.05)
         keeper.poll()
-        saved, _ = keeper.take()
-    assert saved is not None and saved.iteration == 1
+        taken, _ = keeper.take()
+    (saved,) = taken
+    assert saved.iteration == 1
     assert saved.blocked_seconds is not None and saved.blocked_seconds < slow_writes / 2
     assert saved.seconds >= slow_writes  # to durable: the whole write
     assert saved.completed_at is not None and saved.bytes > 0
@@ -119,14 +121,31 @@ def test_the_stage_returns_before_the_write_and_reports_blocked_apart_from_durab
     assert torch.equal(_first_weight(fresh), saved_weight)
 
 
+def test_two_checkpoints_completed_before_one_take_are_both_reported(
+    tmp_path: Path, slow_writes: float
+) -> None:
+    """The next save settles the previous writer (iteration 1 complete), and the job's end
+    completes its own (iteration 2) before the loop takes them: both come out, oldest first
+    (the last iteration's report sends the older alone; status counts each)."""
+    model, optimizer = _trained()
+    keeper = Keeper(_spec(tmp_path / "ckpt"), model, optimizer, "builtin:tiny-qwen2")
+    keeper.save(1)
+    keeper.save(2)  # waits for iteration 1's writer first
+    keeper.finish()  # the last writer
+    taken, _ = keeper.take()
+    assert [c.iteration for c in taken] == [1, 2]
+    assert all(c.completed_at and c.bytes > 0 for c in taken)
+    assert keeper.take() == ((), None)
+
+
 def test_sync_mode_ends_the_stage_with_the_checkpoint_complete(
     tmp_path: Path, slow_writes: float
 ) -> None:
     model, optimizer = _trained()
     keeper = Keeper(_spec(tmp_path / "ckpt", mode="Sync"), model, optimizer, "m")
     keeper.save(1)
-    saved, _ = keeper.take()
-    assert saved is not None and saved.blocked_seconds is not None
+    (saved,), _ = keeper.take()
+    assert saved.blocked_seconds is not None
     assert saved.blocked_seconds >= slow_writes
     assert [i for i, _ in complete_checkpoints(tmp_path / "ckpt")] == [1]
 

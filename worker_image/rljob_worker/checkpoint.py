@@ -429,7 +429,10 @@ class Keeper:
                  model_path: Path | str, host: HostCopies | None = None) -> None:  # fmt: skip
         self.spec, self.model, self.optimizer, self.model_path = spec, model, optimizer, model_path
         self.host = host
-        self.saved: SavedCheckpoint | None = None
+        # Completed (agreed) since the last take, oldest first: two can complete between
+        # takes (a save settles the previous writer, then its own completes at a later boundary
+        # or at finish), and each is reported.
+        self.saved: list[SavedCheckpoint] = []
         self.exported: str | None = None
         self.resumed: ResumePoint | None = None  # the checkpoint resume() loaded
         self._in_flight: _InFlight | None = None
@@ -547,13 +550,15 @@ class Keeper:
         self._in_flight = None
         if not failures:
             written = future.result()
-            self.saved = SavedCheckpoint(
-                in_flight.iteration,
-                str(in_flight.directory),
-                _rank_bytes(in_flight.directory, rank),
-                written.finished - in_flight.started,
-                written.completed_at,
-                blocked_seconds=in_flight.blocked_seconds,
+            self.saved.append(
+                SavedCheckpoint(
+                    in_flight.iteration,
+                    str(in_flight.directory),
+                    _rank_bytes(in_flight.directory, rank),
+                    written.finished - in_flight.started,
+                    written.completed_at,
+                    blocked_seconds=in_flight.blocked_seconds,
+                )
             )
             return
         exc = future.exception() if future.done() else None
@@ -567,11 +572,11 @@ class Keeper:
             f"{first_rank}: {what}"
         )
 
-    def take(self) -> tuple[SavedCheckpoint | None, str | None]:
-        """The checkpoint completed (agreed) since the last take, and this iteration's export
-        path (None: none), then forgets them."""
-        taken = (self.saved, self.exported)
-        self.saved = self.exported = None
+    def take(self) -> tuple[tuple[SavedCheckpoint, ...], str | None]:
+        """The checkpoints completed (agreed) since the last take, oldest first, and this
+        iteration's export path (None: none), then forgets them."""
+        taken = (tuple(self.saved), self.exported)
+        self.saved, self.exported = [], None
         return taken
 
     def export_final(self) -> None:

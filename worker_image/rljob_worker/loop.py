@@ -475,6 +475,8 @@ def run_rank(
                 keeper.export_final()  # the policy as its last update left it
                 keeper.finish()  # the last writer: its checkpoint complete, or its failure
             saved, exported = keeper.take()
+            for older in saved[:-1]:  # completed in the same iteration: status counts each
+                send(older)
             experience = outcome.experience
             assert experience is not None  # every iteration ends with a rollout
             report = RankIteration(
@@ -509,7 +511,7 @@ def run_rank(
                 train=outcome.train,
                 resumed_from=start if resumed else None,
                 resume_point=keeper.resumed if resumed else None,
-                checkpoint=saved,
+                checkpoint=saved[-1] if saved else None,
                 export_path=exported,
                 staging=outcome.staging,
             )
@@ -525,8 +527,8 @@ def run_rank(
         # Every rank raises it together (checkpoint._agreed); the driver puts it in
         # status.checkpointFailure, the job fails with reason CheckpointFailed.
         saved, _ = keeper.take()
-        if saved is not None:
-            send(saved)
+        for part in saved:
+            send(part)
         send(failed.failure)
         raise
     finally:
