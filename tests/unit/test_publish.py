@@ -170,3 +170,37 @@ def test_rljob_run_publish_keeps_the_first_attempts_oom_in_the_second() -> None:
     publisher.publish(RLJobStatus(iteration=1), [])
     assert applied.status["oomCounts"] == {"CUDAOutOfMemory": 1}
     assert [e["stage"] for e in applied.status["oomEvents"]] == ["wake_kv_cache"]  # type: ignore[attr-defined]
+
+
+class _Recorder:
+    """Stands in for StatusPublisher at the listener's boundary: keeps what it was given."""
+
+    plan = None
+
+    def __init__(self) -> None:
+        self.published: list[RLJobStatus] = []
+
+    def publish(self, status: RLJobStatus, new_ooms: object) -> None:
+        self.published.append(status)
+
+
+def test_the_listener_counts_checkpoint_parts_sent_alone() -> None:
+    """A rank sends a checkpoint part alone when it completed in the iteration of a newer one
+    (loop.run_rank): the in-cluster listener keeps it for status.checkpoint, as LocalRun does,
+    and never takes it for a memory sample (which broke its status on kind)."""
+    from typing import Any, cast
+
+    from rljob_worker.checkpoint import SavedCheckpoint
+    from rljob_worker.publish import PublishingListener
+
+    recorder = _Recorder()
+    listener = PublishingListener(cast(Any, recorder), world_size=2)
+    for rank in range(2):
+        listener(SavedCheckpoint(1, "/ckpt/iteration-00000001", 100 + rank, 2.0 + rank,
+                                 "2026-11-26T22:00:00Z" if rank == 0 else None))  # fmt: skip
+    assert listener.samples == []
+    listener.flush()
+    (status,) = recorder.published
+    assert status.checkpoint is not None
+    assert (status.checkpoint.iteration, status.checkpoint.bytes) == (1, 201)
+    assert status.checkpoint.seconds == 3.0

@@ -297,6 +297,9 @@ class PublishingListener:
         self.iterations: list[Any] = []
         self.ooms: list[OOMRecord] = []
         self.checkpoint_failures: list[CheckpointFailure] = []
+        # Checkpoint parts a rank sent alone (completed in the iteration of a newer one, or
+        # before its iteration failed), as LocalRun keeps them.
+        self.checkpoints: list[Any] = []
         self.failures: list[Exception] = []
 
     def status(self) -> RLJobStatus:
@@ -304,10 +307,16 @@ class PublishingListener:
 
         reports = iteration_reports(self.samples, self.iterations)
         return driver_status(
-            reports, self.iterations, self.ooms, self.world_size, self.checkpoint_failures
+            reports,
+            self.iterations,
+            self.ooms,
+            self.world_size,
+            self.checkpoint_failures,
+            self.checkpoints,
         )
 
     def __call__(self, event: Any) -> None:
+        from rljob_worker.checkpoint import SavedCheckpoint
         from rljob_worker.loop import RankIteration
 
         if self.then is not None:
@@ -318,6 +327,9 @@ class PublishingListener:
             new.append(event)
         elif isinstance(event, CheckpointFailure):
             self.checkpoint_failures.append(event)  # published with the final flush
+            return
+        elif isinstance(event, SavedCheckpoint):
+            self.checkpoints.append(event)  # published with the iteration's report
             return
         elif isinstance(event, RankIteration):
             self.iterations.append(event)
