@@ -100,9 +100,7 @@ def plan_figures(trainer: Any, experience: Experience) -> dict[str, int]:
     update = PolicyUpdate(trainer.spec, trainer.model, None, trainer.optimizer, trainer.pad_id,
                           trainer.device, pack=trainer.pack_micro_batches)  # fmt: skip
     (batches,) = update.micro_batches(experience, [list(range(len(experience)))])
-    lengths = [
-        len(p) + len(r) for p, r in zip(experience.prompt_ids, experience.response_ids, strict=True)
-    ]
+    lengths = experience.sequence_lengths()
     return {
         "micro_batches": len(batches),
         "tokens": sum(lengths),

@@ -113,7 +113,7 @@ def _packed_rank_main(rank: int, init_method: str, world: int, results: Any) -> 
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
         update = _update(model)
         mine = PACKED[rank]
-        lengths = [len(p) + len(r) for p, r in zip(mine.prompt_ids, mine.response_ids, strict=True)]
+        lengths = mine.sequence_lengths()
         out["local"] = len(pack_rows(lengths, range(4), max(lengths)))  # microBatchSize 1
         out["agreed"] = len(update.micro_batches(mine, [[0, 1, 2, 3]])[0])  # collective
         forwards = []

@@ -74,6 +74,10 @@ class Experience:
     def trained_tokens(self) -> int:
         return sum(sum(self.trained(row)) for row in range(len(self)))
 
+    def sequence_lengths(self) -> list[int]:
+        """Each row's prompt + response tokens: the length it pads to in a micro-batch."""
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids, strict=True)]
+
 
 @dataclass(frozen=True)
 class TrainStats:
@@ -273,10 +277,7 @@ class PolicyUpdate:
         micro = self.spec.training.micro_batch_size
         if not self.pack:
             return [chunks(rows, micro) for rows in groups]
-        lengths = [
-            len(experience.prompt_ids[i]) + len(experience.response_ids[i])
-            for i in range(len(experience))
-        ]
+        lengths = experience.sequence_lengths()
         budget = micro * max(lengths, default=1)
         packed = [pack_rows(lengths, rows, budget) for rows in groups]
         counts = agreed_counts([len(p) for p in packed], self.device)
