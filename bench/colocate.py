@@ -837,12 +837,15 @@ def engine_alone(spec: RLJobSpec, ranks: int, device: str, point: dict[str, Any]
 # --sync-path: the weight sync's hand-off and overlap, set for the point's rank processes.
 # before: one tensor per parameter, each bucket gathered after the last was handed over (main
 # before issue 33); tensors: the same hand-off, the next gather overlapping it; flattened: one
-# buffer per bucket (sglang's flattened_bucket), overlapped. default: what the worker picks.
+# buffer per bucket (sglang's flattened_bucket), overlapped; direct: one buffer per bucket that
+# rljob's loader in the schedulers copies into sglang's parameters (engines/sglang_direct.py),
+# overlapped. default: what the worker picks.
 SYNC_PATHS: dict[str, dict[str, str]] = {
     "default": {},
     "before": {"RLJOB_SGLANG_WEIGHT_SYNC": "tensors", "RLJOB_WEIGHT_SYNC_OVERLAP": "0"},
     "tensors": {"RLJOB_SGLANG_WEIGHT_SYNC": "tensors", "RLJOB_WEIGHT_SYNC_OVERLAP": "1"},
     "flattened": {"RLJOB_SGLANG_WEIGHT_SYNC": "flattened_bucket", "RLJOB_WEIGHT_SYNC_OVERLAP": "1"},
+    "direct": {"RLJOB_SGLANG_WEIGHT_SYNC": "direct", "RLJOB_WEIGHT_SYNC_OVERLAP": "1"},
 }
 
 

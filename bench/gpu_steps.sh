@@ -16,14 +16,16 @@
 #   deps         the wheels in .whl/ only (xgrammar, and pydantic with its three dependencies, so
 #                rljob's own modules import before SGLang's pieces are all there), then the
 #                carried pieces: the install calls also run the steps that need only torch
-#   models       the bench's random 1.5B, 3B and 7B models under /tmp/rljob-bench-models (once)
+#   models       the bench's random 1.5B, 3B and 7B models under /tmp/rljob-bench-models (once;
+#                MODELS="qwen2.5-3b qwen2.5-7b" builds only those)
 #   ckpt-1.5b    #30: ckpt-bench's 1.5B half (torch only); ckpt-3b: its 3B half
 #                (CKPT_REPEATS=N: saves each way, 2 unless set)
 #   load-7b      #30: `rljob run bench/plans/load-7b-two-gpu.yaml`, the sharded loader's start-up
 #                peak against the plan's load row, 7B over two cards (two H200s)
 #   tp2-3x3      #35: 3B TP 2 at Auto's choice, 3 runs of 3 iterations, then Auto + 0.01 and
 #                + 0.02 (the sweep's next points) (two cards)
-#   sanity       tests/gpu/test_sglang_gpu.py and test_loop_gpu.py (one card; about 5 minutes)
+#   sanity       tests/gpu/test_sglang_gpu.py and test_loop_gpu.py (one card; about 5 minutes);
+#                PYTEST_K selects tests in any pytest step
 #   sanity-rest  the other one-card files: engine, saver exit, overlap staging, multi-turn
 #   multi-gpu    test_multi_gpu.py and test_weight_gather_gpu.py (two cards, torch and NCCL only)
 #   ckpt-resume  #30: kill, resume and export of the 1.5B job (bench/checkpoint_resume_gpu.sh)
@@ -38,6 +40,9 @@
 #                spawned per call it replaced (--python-runner spawn), to compare on one machine
 #   tool-runner  #32: bench/tool_runner.py, builtin:python's calls/s spawn against pool (CPU only)
 #   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
+#   sync-direct  #33: the same for the direct hand-off against the per-tensor one (one card)
+#   realistic-7b #33/#30: 7B realistic over two cards with the async checkpoint (gpu_bg.sh;
+#                SYNC_PATH, ALONE=1)
 #   realistic    #33: 3B realistic workload, before and after (one card)
 #   realistic-ckpt #33/#30: 3B realistic, overlapStaging Off, the async checkpoint at iteration 2
 #                (its share of the iteration); realistic-on: overlapStaging On. Each runs
@@ -98,7 +103,7 @@ for step in "$@"; do
       bash hack/sglang-gpu-install.sh
       echo "install: exit $? (3: pieces still missing)" ;;
     models)
-      for m in qwen2.5-1.5b qwen2.5-3b qwen2.5-7b; do model $m; done
+      for m in ${MODELS:-qwen2.5-1.5b qwen2.5-3b qwen2.5-7b}; do model "$m"; done
       du -sh /tmp/rljob-bench-models/* ;;
     ckpt-bench | ckpt-1.5b | ckpt-3b)
       sizes=$([[ $step == ckpt-bench ]] && echo "1.5b 3b" || echo "${step#ckpt-}")
@@ -130,7 +135,7 @@ for step in "$@"; do
         *) files="tests/gpu/test_multi_gpu.py tests/gpu/test_weight_gather_gpu.py" ;;
       esac
       # shellcheck disable=SC2086  # a list of paths
-      python3 -m pytest -v -s $files > "$out/pytest.log" 2>&1
+      python3 -m pytest -v -s $files ${PYTEST_K:+-k "$PYTEST_K"} > "$out/pytest.log" 2>&1
       echo "pytest exit $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/pytest.log" | tail -14 ;;
     install)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rljob-xg .whl/*.whl
@@ -173,6 +178,22 @@ for step in "$@"; do
       colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
         --sync-path before,flattened --no-alone --deadline-seconds 420 --out "$out/run" > "$out/log" 2>&1
       tail -30 "$out/log" ;;
+    sync-direct)
+      colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
+        --sync-path before,direct --no-alone --deadline-seconds 420 --out "$out/run" > "$out/log" 2>&1
+      echo "colocate exit $?"; tail -30 "$out/log" ;;
+    realistic-7b)
+      # #33 and #30: 7B over two cards (one engine and one FSDP rank per card), the realistic
+      # workload, overlapStaging Off, the asynchronous checkpoint at iteration 2 (45 GB a rank:
+      # one fits the two-card machine's disk), the weight-sync path SYNC_PATH (default unless
+      # set); ALONE=1 also runs the engine alone after the point. Start it with gpu_bg.sh.
+      df -h /tmp | tail -1
+      alone=(--no-alone); [[ ${ALONE:-0} == 1 ]] && alone=()
+      colocate --model qwen2.5-7b --ranks 2 --tp 1 --workload realistic --micro-batch-size auto \
+        --modes staged --staged-fractions 0.9 --iterations 2 --overlap-staging off \
+        --checkpoint-every 2 --checkpoint-dir /tmp/rljob-bench-checkpoints \
+        --sync-path "${SYNC_PATH:-default}" "${alone[@]}" --out "$out/run" > "$out/log" 2>&1
+      echo "colocate exit $?"; df -h /tmp | tail -1; tail -30 "$out/log" ;;
     realistic)
       for path in before flattened; do
         colocate --model qwen2.5-3b --workload realistic --micro-batch-size auto --modes staged \

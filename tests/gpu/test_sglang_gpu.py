@@ -173,9 +173,10 @@ def process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-# Both hand-offs the adapter has (RLJOB_SGLANG_WEIGHT_SYNC): one tensor per parameter, and one
-# flattened buffer per bucket (sglang's load_format="flattened_bucket", issue 33).
-SYNC_PATHS = ["tensors", "flattened_bucket"]
+# The hand-offs the adapter has (RLJOB_SGLANG_WEIGHT_SYNC): one tensor per parameter, one
+# flattened buffer per bucket (sglang's load_format="flattened_bucket", issue 33), and one buffer
+# per bucket copied into sglang's parameters by rljob's own loader (engines/sglang_direct.py).
+SYNC_PATHS = ["tensors", "flattened_bucket", "direct"]
 
 
 @pytest.mark.parametrize("sync_path", SYNC_PATHS)
@@ -209,13 +210,14 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
             buckets += 1
             del bucket
         engine.flush_cache()
-        flattened = engine.flattened_buckets
+        flattened, direct = engine.flattened_buckets, engine.direct_buckets
         held = {name: tensor_digest(t) for name, t in engine.named_weights()}
         engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])
         after = engine.generate(PROMPTS, GREEDY)
     finally:
         engine.shutdown()
     assert flattened == (sync_path == "flattened_bucket")
+    assert direct == (sync_path == "direct")
     mismatched = sorted(n for n in sent if held.get(n) != sent[n])
     assert sent and not mismatched, f"{len(mismatched)} of {len(sent)} differ: {mismatched[:5]}"
     del trainer

@@ -241,6 +241,7 @@ def _tp_rank_main(rank: int, init_method: str, dirs: list[str], results: Any) ->
                 del bucket  # two buckets at most: the next one's gather overlaps this hand-off
             engine.flush_cache()
             out["flattened"] = engine.flattened_buckets
+            out["direct"] = engine.direct_buckets
             out["weights"].append(_weight_check(sent, held()))
             del trainer
             torch.cuda.empty_cache()
@@ -270,7 +271,7 @@ BF16_SPREAD_FACTOR = 3.0
 FLOOR_NATS = 0.1
 
 
-@pytest.mark.parametrize("sync_path", ["tensors", "flattened_bucket"])
+@pytest.mark.parametrize("sync_path", ["tensors", "flattened_bucket", "direct"])
 def test_tp2_weights_equal_the_trainers_after_every_update_and_answers_part_only_at_near_ties(
     tmp_path: Path, sync_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -287,12 +288,14 @@ def test_tp2_weights_equal_the_trainers_after_every_update_and_answers_part_only
         dirs.append(random_qwen2(tmp_path / name, seed=seed))
     from rljob_worker.engines.sglang_engine import WEIGHT_SYNC_ENV
 
-    # The ranks (spawned) inherit it: one payload per rank and bucket, or one handle per tensor.
+    # The ranks (spawned) inherit it: one payload or buffer per rank and bucket, or one handle per
+    # tensor.
     monkeypatch.setenv(WEIGHT_SYNC_ENV, sync_path)
     out = run_ranks(_tp_rank_main, RANKS, [str(d) for d in dirs], timeout_seconds=900)
     for rank in range(RANKS):
         assert "error" not in out[rank], out[rank].get("error")
         assert out[rank]["flattened"] == (sync_path == "flattened_bucket")
+        assert out[rank]["direct"] == (sync_path == "direct")
 
     # 1. Weights: every parameter, on every rank's read of both TP ranks' shards, bit for bit.
     checks = [

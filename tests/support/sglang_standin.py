@@ -80,6 +80,12 @@ HANDOFF_FLAT_STAND_IN = TensorHandoff(
 )
 
 
+# The direct hand-off (rljob's loader in the schedulers, engines/sglang_direct.py).
+HANDOFF_DIRECT_STAND_IN = TensorHandoff(
+    serialize=serialize, local_tensor=LocalSerializedTensorStandIn, direct=True
+)
+
+
 def reconstruct_flattened(payload: Any) -> list[tuple[str, torch.Tensor]]:
     """What a TP scheduler does with its flattened-bucket payload (weight_updater's
     _update_weights_from_flattened_bucket and FlattenedTensorBucket.reconstruct_tensors)."""
@@ -118,7 +124,8 @@ class SGLangEngineStandIn:
 
     def __init__(self, *, contract: SGLangContract = NEWEST, **kwargs: Any) -> None:
         self.contract = contract
-        undeclared = set(kwargs) - set(contract.server_args)
+        loader_field = [contract.direct_loader[0]] if contract.direct_loader else []
+        undeclared = set(kwargs) - set(contract.server_args) - set(loader_field)
         assert not undeclared, f"Engine() keywords outside the contract's server_args: {undeclared}"
         self.calls: list[tuple[str, dict[str, Any]]] = [("__init__", kwargs)]
         # What the scheduler processes would inherit: the GPUs they may use.
@@ -129,6 +136,7 @@ class SGLangEngineStandIn:
         self.session_open = False
         self.refuse: dict[str, str] = {}
         self.flattened_loads = 0  # buckets loaded through load_format="flattened_bucket"
+        self.direct_loads = 0  # buckets loaded through rljob's loader (the direct path)
 
     def __getattr__(self, method: str) -> Any:
         contract = self.contract
@@ -178,8 +186,9 @@ class SGLangEngineStandIn:
             return False, "update_weights_from_tensor must run between begin and end"
         if method == "update_weights_from_tensor" and kwargs["load_format"] == "flattened_bucket":
             self._load_flattened(kwargs["named_tensors"])
+        elif method == "update_weights_from_tensor" and kwargs["load_format"] is not None:
+            self._load_direct(kwargs["load_format"], kwargs["named_tensors"])
         elif method == "update_weights_from_tensor":
-            assert kwargs["load_format"] is None, kwargs["load_format"]
             self._load(kwargs["named_tensors"])
         if method in self.contract.returns_success_message:
             return True, "Success"
@@ -243,6 +252,26 @@ class SGLangEngineStandIn:
         for index, (name, _) in enumerate(per_rank[0]):
             self.loaded[name] = [tensors[index][1].clone() for tensors in per_rank]
 
+    def _load_direct(self, load_format: str, named_tensors: list[tuple[str, Any]]) -> None:
+        """A custom loader runs only where the engine was started with it declared
+        (ServerArgs.custom_weight_loader); each TP scheduler unwraps its own rank's buffer and
+        the loader cuts the bucket's tensors out of it (sglang_direct.unpack)."""
+        from rljob_worker.engines.sglang_direct import unpack
+
+        assert self.contract.direct_loader is not None
+        declared = self.calls[0][1].get(self.contract.direct_loader[0]) or []
+        assert load_format in declared, f"load_format {load_format!r} is not a declared loader"
+        tp_size = self.calls[0][1].get("tp_size", 1)
+        self.direct_loads += 1
+        for name, value in named_tensors:
+            if isinstance(value, LocalSerializedTensorStandIn):
+                buffers = [value.get(rank) for rank in range(tp_size)]
+            else:
+                buffers = [value] * tp_size
+            per_rank = [unpack(name, buffer) for buffer in buffers]
+            for index, (tensor, _) in enumerate(per_rank[0]):
+                self.loaded[tensor] = [tensors[index][1].clone() for tensors in per_rank]
+
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
 
@@ -254,8 +283,9 @@ def sglang_shards(
     layers, independently of the adapter's join: q/k/v fused into qkv_proj (this rank's query
     heads, then its KV heads; one KV head shared by tp_size/num_kv_heads ranks where there are
     fewer than ranks), gate/up into gate_up_proj, o_proj/down_proj cut on the input dimension,
-    the embedding padded with zeros to a multiple of 64 rows and cut on the vocabulary (a tied LM
-    head saved once, as `lm_head.weight`: save_sharded_model keeps the smaller of two names)."""
+    the embedding and an untied LM head padded with zeros to a multiple of 64 rows and cut on the
+    vocabulary (a tied LM head saved once, as `lm_head.weight`: save_sharded_model keeps the
+    smaller of two names)."""
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config["hidden_size"] // heads
     q_rows = heads // tp_size * head_dim
@@ -277,12 +307,13 @@ def sglang_shards(
             fused.setdefault(name.replace(part, "gate_up_proj"), {})[part] = piece
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             out[name] = tensor.chunk(tp_size, dim=1)[rank]
-        elif name.endswith("embed_tokens.weight"):
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
             padded = torch.zeros(
                 (-(-tensor.shape[0] // 64) * 64, *tensor.shape[1:]), dtype=tensor.dtype
             )
             padded[: tensor.shape[0]] = tensor
-            key = "lm_head.weight" if config.get("tie_word_embeddings") else name
+            tied = config.get("tie_word_embeddings") and name.endswith("embed_tokens.weight")
+            key = "lm_head.weight" if tied else name
             out[key] = padded.chunk(tp_size, dim=0)[rank]
         else:
             out[name] = tensor

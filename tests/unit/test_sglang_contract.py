@@ -432,6 +432,49 @@ def check_contract(contract: SGLangContract, root: Path) -> list[str]:
         problems.append(f"{patch_module}.{patch_function} does not exist")
     problems += _handoff_problems(contract, tree)
     problems += _flattened_bucket_problems(contract, tree)
+    problems += _direct_loader_problems(contract, tree)
+    return problems
+
+
+def _direct_loader_problems(contract: SGLangContract, tree: SourceTree) -> list[str]:
+    """The direct hand-off: the ServerArgs field that declares custom loaders, the schedulers'
+    update_weights_from_tensor matching load_format against them after unwrapping each TP
+    rank's tensor, and the functions that say a scheduler's TP rank and size."""
+    problems: list[str] = []
+    module, rank, size = contract.tp_place
+    defined = (
+        {n.name for n in tree.module(module).body if isinstance(n, ast.FunctionDef)}
+        if tree.has_module(module)
+        else set()
+    )
+    problems += [f"{module}.{f} does not exist" for f in (rank, size) if f not in defined]
+    if contract.direct_loader is None:
+        return problems
+    field, attribute = contract.direct_loader
+    if field not in server_args_fields(tree):
+        problems.append(f"ServerArgs has no field {field!r}")
+    method = next(
+        (
+            n
+            for n in ast.walk(tree.module(WEIGHT_UPDATER))
+            if isinstance(n, ast.FunctionDef) and n.name == "update_weights_from_tensor"
+        ),
+        None,
+    )
+    attributes = (
+        {n.attr for n in ast.walk(method) if isinstance(n, ast.Attribute)} if method else set()
+    )
+    called = {
+        n.func.id
+        for n in ast.walk(method or ast.Module(body=[], type_ignores=[]))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+    }
+    if attribute not in attributes or "dynamic_import" not in called:
+        problems.append(
+            f"update_weights_from_tensor does not run a loader listed in self.{attribute}"
+        )
+    elif "_unwrap_tensor" not in called:
+        problems.append("update_weights_from_tensor does not unwrap each TP rank's tensor")
     return problems
 
 
@@ -642,6 +685,22 @@ def test_0_5_17_declares_a_disable_switch_that_nothing_reads() -> None:
 Drift = Callable[[SGLangContract], dict[str, Any]]
 
 
+DIRECT_DRIFTS: list[tuple[Drift, str]] = [
+    (
+        lambda c: {"direct_loader": ("custom_weight_loaders", "custom_weight_loaders")},
+        "ServerArgs has no field 'custom_weight_loaders'",
+    ),
+    (
+        lambda c: {"direct_loader": ("custom_weight_loader", "weight_loaders")},
+        "does not run a loader listed in self.weight_loaders",
+    ),
+    (
+        lambda c: {"tp_place": (c.tp_place[0], "get_tp_rank", c.tp_place[2])},
+        "parallel_state.get_tp_rank does not exist",
+    ),
+]
+
+
 @pytest.mark.parametrize(
     ("drift", "expected"),
     [
@@ -749,6 +808,7 @@ Drift = Callable[[SGLangContract], dict[str, Any]]
             },
             "sglang.srt.weight_sync.utils.FlattenedTensorMetadata is not defined there",
         ),
+        *DIRECT_DRIFTS,
     ],
 )
 def test_checker_reports_a_contract_that_drifted_from_the_release(

@@ -47,6 +47,7 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     import torch
     import torch.distributed as dist
     from support.sglang_standin import (
+        HANDOFF_DIRECT_STAND_IN,
         HANDOFF_FLAT_STAND_IN,
         HANDOFF_STAND_IN,
         SGLangEngineStandIn,
@@ -81,9 +82,12 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     # The stand-in imitates the newest supported release; sglang is not installed here.
     sglang_engine.installed_contract = lambda: SGLANG_NEWEST  # type: ignore[assignment]
     # "flattened": the installed sglang has the flattened-bucket path (one payload per bucket).
-    handoff = HANDOFF_FLAT_STAND_IN if scenario == "flattened" else HANDOFF_STAND_IN
-    if scenario == "flattened":  # opt-in (the default is the per-tensor hand-off)
-        os.environ[sglang_engine.WEIGHT_SYNC_ENV] = "auto"
+    # "direct": rljob's loader in the schedulers (one buffer per rank and bucket).
+    handoff = {"flattened": HANDOFF_FLAT_STAND_IN, "direct": HANDOFF_DIRECT_STAND_IN}.get(
+        scenario, HANDOFF_STAND_IN
+    )
+    if scenario in ("flattened", "direct"):  # opt-in (the default is the per-tensor hand-off)
+        os.environ[sglang_engine.WEIGHT_SYNC_ENV] = "auto" if scenario == "flattened" else "direct"
     sglang_engine.load_tensor_handoff = lambda: handoff  # type: ignore[assignment]
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
@@ -133,6 +137,7 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
             out["sampling"] = next(kw for n, kw in built[0].calls if n == "generate")
         out["visible_after"] = os.environ.get("CUDA_VISIBLE_DEVICES")
         out["flattened_loads"] = built[0].flattened_loads if built else None
+        out["direct_loads"] = built[0].direct_loads if built else None
         out["resumed_at"] = resumed_at
     except Exception as exc:
         out["error"] = (type(exc).__name__, str(exc))
@@ -146,20 +151,26 @@ def _run(scenario: str) -> dict[int, dict[str, Any]]:
     return run_ranks(_rank_main, WORLD, scenario)
 
 
-@pytest.mark.parametrize("scenario", ["iterations", "flattened"])
+@pytest.mark.parametrize("scenario", ["iterations", "flattened", "direct"])
 def test_one_engine_per_group_on_the_groups_gpus_each_rank_gets_its_own_answers(
     scenario: str,
 ) -> None:
-    """Per tensor ("iterations") or one flattened payload per rank and bucket ("flattened"),
-    TP rank i's scheduler loads rank i's tensors."""
+    """Per tensor ("iterations"), one flattened payload per rank and bucket ("flattened"), or
+    one buffer per rank and bucket for rljob's loader ("direct"): TP rank i's scheduler loads
+    rank i's tensors."""
     from support.sglang_standin import staged_iteration_calls
 
     from rljob_worker.engines.base import ALL_TAGS
+    from rljob_worker.engines.sglang_direct import DIRECT_LOADER
 
     out = _run(scenario)
-    # One flattened load per bucket and iteration where that path is taken, none otherwise.
-    assert out[0]["flattened_loads"] == (ITERATIONS if scenario == "flattened" else 0)
     assert "error" not in out[0] and "error" not in out[1], out
+    # One load per bucket and iteration on the path taken, none on the others.
+    assert out[0]["flattened_loads"] == (ITERATIONS if scenario == "flattened" else 0)
+    assert out[0]["direct_loads"] == (ITERATIONS if scenario == "direct" else 0)
+    # Only the direct path declares rljob's loader to sglang at start-up.
+    declared = out[0]["init"].get("custom_weight_loader")
+    assert declared == ([DIRECT_LOADER] if scenario == "direct" else None)
     # Only the leader starts sglang, over both ranks' GPUs in rank order, from the first.
     assert (out[0]["engines_here"], out[1]["engines_here"]) == (1, 0)
     assert out[0]["visible_devices"] == "3,5"

@@ -15,6 +15,7 @@ from rljob_worker.engines.base import (
     TAG_KV_CACHE,
     TAG_WEIGHTS,
 )
+from rljob_worker.engines.sglang_direct import TP_PLACE
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,13 @@ class SGLangContract:
     # rebuilt views with the model's load_weights, as the per-tensor path does. None: no such
     # path (the adapter hands over one tensor per parameter).
     flattened_bucket: tuple[str, str, str] | None = None
+    # The direct hand-off (sglang_direct.py): (the ServerArgs field listing the weight loaders
+    # the schedulers may run by import path, the WeightUpdater attribute holding that list,
+    # which update_weights_from_tensor matches load_format against and then calls the loader as
+    # loader(model, named_tensors) with each TP rank's own tensors). None: no such path.
+    direct_loader: tuple[str, str] | None = ("custom_weight_loader", "custom_weight_loaders")
+    # (module, function, function): where a scheduler reads its TP rank and TP size.
+    tp_place: tuple[str, str, str] = TP_PLACE
 
     @property
     def opens_weight_update_session(self) -> bool:

@@ -47,6 +47,7 @@ from rljob_worker.engines.sglang_contract import (
     contract_for,
     installed_contract,
 )
+from rljob_worker.engines.sglang_direct import DIRECT_LOADER, payload_name
 from rljob_worker.engines.sglang_handoff import (
     DEFAULT_WEIGHT_SYNC,
     WEIGHT_SYNC_ENV,
@@ -55,6 +56,7 @@ from rljob_worker.engines.sglang_handoff import (
     _patch_tensor_reductions,
     flattened_bucket_metadata,
     load_tensor_handoff,
+    weight_sync_choice,
 )
 from rljob_worker.engines.sglang_process import (
     CHILD_BENIGN_MARKERS,
@@ -119,6 +121,7 @@ __all__ = [
     "flattened_bucket_metadata",
     "installed_contract",
     "load_tensor_handoff",
+    "weight_sync_choice",
 ]
 
 T = TypeVar("T")
@@ -255,6 +258,23 @@ class SGLangEngine(ColocatedEngine):
         # an engine class given (a stand-in), only as told.
         self._handoff = handoff
         self._find_handoff = handoff is None and engine_class is None
+        # The direct path needs rljob's loader declared to sglang at start-up (the schedulers
+        # run only loaders named in ServerArgs.custom_weight_loader).
+        self._direct = (
+            handoff.direct
+            if handoff is not None
+            else (engine_class is None and weight_sync_choice() == "direct")
+        )
+        if self._direct and contract.direct_loader is None:
+            raise SGLangVersionError(
+                f"{WEIGHT_SYNC_ENV}=direct, but sglang {contract.release} runs no custom weight "
+                "loader; unset it to hand over one tensor per parameter"
+            )
+        loaders = (
+            {contract.direct_loader[0]: [DIRECT_LOADER]}
+            if contract.direct_loader and self._direct
+            else {}
+        )
         if dtype not in contract.server_arg_choices["dtype"]:
             raise ValueError(
                 f"dtype={dtype!r} is not one of {contract.server_arg_choices['dtype']}"
@@ -286,6 +306,7 @@ class SGLangEngine(ColocatedEngine):
                     skip_tokenizer_init=True,
                     disable_cuda_graph=disable_cuda_graph,
                     custom_sigquit_handler=_on_sglang_child_failure,
+                    **loaders,
                 )
         except Exception as error:
             # sglang reports a failed start (a scheduler that could not fit weights and a KV
@@ -478,6 +499,11 @@ class SGLangEngine(ColocatedEngine):
             self._handoff, self._find_handoff = load_tensor_handoff(), False
         return self._handoff is not None and self._handoff.flattened_metadata is not None
 
+    @property
+    def direct_buckets(self) -> bool:
+        """Whether buckets go to rljob's loader in the schedulers (sglang_direct.py)."""
+        return self._direct
+
     def flat_payload(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> bytes:
         """One bucket as sglang's flattened-bucket payload: one IPC handle for its buffer."""
         assert self._handoff is not None and self._handoff.flattened_metadata is not None
@@ -497,7 +523,12 @@ class SGLangEngine(ColocatedEngine):
         named_tensors = list(bucket)
         if not named_tensors:
             return
-        if self.flattened_buckets and all(isinstance(t, torch.Tensor) for _, t in named_tensors):
+        tensors = all(isinstance(t, torch.Tensor) for _, t in named_tensors)
+        if self._direct and tensors:
+            flat = flatten(named_tensors)
+            self.update_weights_direct(payload_name(flat), flat.buffer)
+            return
+        if self.flattened_buckets and tensors:
             payload = self.flat_payload(named_tensors)
             self.update_weights_flattened([payload] * self._tp_size)
             return
@@ -510,6 +541,17 @@ class SGLangEngine(ColocatedEngine):
             raise ValueError(f"{len(payloads)} payloads for tp_size {self._tp_size}")
         assert self._contract.flattened_bucket is not None
         self._load(list(payloads), self._contract.flattened_bucket[2])
+
+    def update_weights_direct(self, name: str, buffer: torch.Tensor | Any) -> None:
+        """Load one bucket through rljob's loader in the schedulers: `buffer` is its flat buffer
+        (every TP rank opens the same) or a TensorHandoff.local_tensor of one per TP rank, and
+        `name` its layout (sglang_direct.payload_name)."""
+        if not self._direct:
+            raise SGLangEngineError(
+                "update_weights_direct on an engine started without rljob's direct loader "
+                f"({WEIGHT_SYNC_ENV}=direct must be set before the engine starts)"
+            )
+        self._load([(name, buffer)], DIRECT_LOADER)
 
     def _load(self, named_tensors: list[Any], load_format: str | None) -> None:
         self._require_resident((TAG_WEIGHTS,), "update_weights")

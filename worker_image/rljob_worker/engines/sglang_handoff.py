@@ -43,26 +43,38 @@ class TensorHandoff:
     # sglang's FlattenedTensorMetadata where the flattened-bucket path is taken, else None:
     # then each rank serializes one {"flattened_tensor", "metadata"} per bucket instead.
     flattened_metadata: Callable[..., Any] | None = None
+    # The direct path (engines/sglang_direct.py): each bucket travels as one flat buffer to
+    # rljob's own loader in the schedulers, which copies it into sglang's parameters.
+    direct: bool = False
 
 
 # RLJOB_SGLANG_WEIGHT_SYNC: "tensors" (the default: one tensor per parameter, the path the GPU
-# tests verified), "auto" (flattened buckets where the installed sglang has them), or
-# "flattened_bucket" (required: an error where sglang lacks it). The flattened path is opt-in
-# until it has run on a GPU (docs/performance.md); bench/colocate.py --sync-path measures each.
+# tests verified), "auto" (flattened buckets where the installed sglang has them),
+# "flattened_bucket" (required: an error where sglang lacks it), or "direct" (one flat buffer a
+# bucket, copied into sglang's parameters by rljob's loader in the schedulers: sglang_direct.py).
+# The other paths are opt-in until they have run on a GPU (docs/performance.md);
+# bench/colocate.py --sync-path measures each.
 WEIGHT_SYNC_ENV = "RLJOB_SGLANG_WEIGHT_SYNC"
-WEIGHT_SYNC_PATHS = ("auto", "tensors", "flattened_bucket")
+WEIGHT_SYNC_PATHS = ("auto", "tensors", "flattened_bucket", "direct")
 DEFAULT_WEIGHT_SYNC = "tensors"
+
+
+def weight_sync_choice() -> str:
+    """RLJOB_SGLANG_WEIGHT_SYNC, checked (one of WEIGHT_SYNC_PATHS; unset: the default)."""
+    choice = os.environ.get(WEIGHT_SYNC_ENV, DEFAULT_WEIGHT_SYNC).strip().lower()
+    choice = choice or DEFAULT_WEIGHT_SYNC
+    if choice not in WEIGHT_SYNC_PATHS:
+        raise ValueError(f"{WEIGHT_SYNC_ENV}={choice!r} must be one of {WEIGHT_SYNC_PATHS}")
+    return choice
 
 
 def flattened_bucket_metadata(contract: SGLangContract) -> Callable[..., Any] | None:
     """sglang's metadata class of the flattened-bucket path, found by import (the feature, not
     the version number), or None where the path is not taken: RLJOB_SGLANG_WEIGHT_SYNC says
-    "tensors", or (under "auto") the contract has none or the installed sglang lacks the class."""
-    choice = os.environ.get(WEIGHT_SYNC_ENV, DEFAULT_WEIGHT_SYNC).strip().lower()
-    choice = choice or DEFAULT_WEIGHT_SYNC
-    if choice not in WEIGHT_SYNC_PATHS:
-        raise ValueError(f"{WEIGHT_SYNC_ENV}={choice!r} must be one of {WEIGHT_SYNC_PATHS}")
-    if choice == "tensors":
+    "tensors" or "direct", or (under "auto") the contract has none or the installed sglang lacks
+    the class."""
+    choice = weight_sync_choice()
+    if choice in ("tensors", "direct"):
         return None
     found: Callable[..., Any] | None = None
     if contract.flattened_bucket is not None:
@@ -82,7 +94,8 @@ def flattened_bucket_metadata(contract: SGLangContract) -> Callable[..., Any] | 
 
 def load_tensor_handoff() -> TensorHandoff:
     """sglang's own serializer and per-rank wrapper (the contract's serializer, local_tensor),
-    and its flattened-bucket metadata where that path is taken (flattened_bucket_metadata)."""
+    and its flattened-bucket metadata where that path is taken (flattened_bucket_metadata), or
+    the direct path where RLJOB_SGLANG_WEIGHT_SYNC asks for it."""
     contract = installed_contract()
     _patch_tensor_reductions(contract)
     module, cls, method = contract.serializer
@@ -92,4 +105,5 @@ def load_tensor_handoff() -> TensorHandoff:
         serialize=getattr(serializer, method),
         local_tensor=getattr(importlib.import_module(module), cls),
         flattened_metadata=flattened_bucket_metadata(contract),
+        direct=weight_sync_choice() == "direct",
     )

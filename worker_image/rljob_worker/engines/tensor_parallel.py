@@ -62,6 +62,8 @@ class GroupEngine(Protocol):
 
     def update_weights_flattened(self, payloads: Sequence[bytes]) -> None: ...
 
+    def update_weights_direct(self, name: str, buffer: Any) -> None: ...
+
     def flush_cache(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -188,6 +190,11 @@ class TensorParallelEngine(ColocatedEngine):
         """Whether buckets go to sglang flattened (one payload per rank and bucket)."""
         return self._handoff.flattened_metadata is not None
 
+    @property
+    def direct_buckets(self) -> bool:
+        """Whether buckets go to rljob's loader in the schedulers (one buffer per rank)."""
+        return self._handoff.direct
+
     def generate_with_logprobs(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[Completion]:
@@ -256,19 +263,29 @@ class TensorParallelEngine(ColocatedEngine):
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every rank hands over its own full tensors; TP rank i's scheduler loads rank i's.
 
-        Where sglang has the flattened-bucket path, each rank sends one payload for the whole
-        bucket (its buffer's IPC handle and the tensors' places in it), else one handle per
-        tensor. This rank's tensors stay referenced (`named`, `flat`) until the leader reports
+        On the direct path each rank sends its bucket's buffer (one handle) and the bucket's
+        layout as its name, which must be every rank's; where sglang has the flattened-bucket
+        path, each rank sends one payload for the whole bucket (its buffer's IPC handle and the
+        tensors' places in it), else one handle per tensor. This rank's tensors stay referenced (`named`, `flat`) until the leader reports
         the bucket loaded: an IPC handle is only good while its tensor lives.
         """
         named = [(name, tensor.detach()) for name, tensor in bucket]
         names = [name for name, _ in named]
         metadata = self._handoff.flattened_metadata
-        if metadata is not None:
+        direct = self._handoff.direct
+        if direct:
+            from rljob_worker.engines.sglang_direct import payload_name
+            from rljob_worker.weight_sync import flatten
+
+            flat = flatten(named)
+            # The layout travels as the bucket's one name: every rank's must be the same.
+            names = [payload_name(flat)]
+            mine: Any = self._handoff.serialize(flat.buffer)
+        elif metadata is not None:
             from rljob_worker.weight_sync import flatten, sglang_flattened_bucket
 
             flat = flatten(named)
-            mine: Any = self._handoff.serialize(sglang_flattened_bucket(flat, metadata))
+            mine = self._handoff.serialize(sglang_flattened_bucket(flat, metadata))
         else:
             mine = [self._handoff.serialize(tensor) for _, tensor in named]
         layout = self.layout
@@ -284,6 +301,10 @@ class TensorParallelEngine(ColocatedEngine):
                         f"rank {layout.group[tp_rank]} sent a different bucket than rank "
                         f"{layout.leader}: {theirs} != {names}"
                     )
+            if direct:
+                buffers = self._handoff.local_tensor(values=[payload for _, payload in gathered])
+                engine.update_weights_direct(names[0], buffers)
+                return
             if metadata is not None:
                 engine.update_weights_flattened([payload for _, payload in gathered])
                 return

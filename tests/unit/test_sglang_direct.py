@@ -1,0 +1,239 @@
+"""The direct weight hand-off (rljob_worker.engines.sglang_direct): the trainer's full tensors
+copied into each TP rank's share of sglang's fused parameters, in the schedulers.
+
+What each TP rank must end up holding comes from tests/support/sglang_standin.sglang_shards,
+written from sglang's layers independently of the loader (and of the adapter's join). The
+"engine" here is a torch module with sglang's parameter names and shard shapes (a stand-in:
+sglang's model classes need CUDA); the loader sees only its named_parameters(), its config and
+its load_weights, as in a scheduler. The adapter's side runs against SGLangEngineStandIn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from support.sglang_standin import (
+    HANDOFF_DIRECT_STAND_IN,
+    SGLangEngineStandIn,
+    sglang_shards,
+)
+from test_weight_sync import _adapter
+
+from rljob_worker.engines import sglang_direct
+from rljob_worker.engines.sglang_direct import DIRECT_LOADER, copy_into, load, payload_name
+from rljob_worker.engines.sglang_engine import (
+    CONTRACTS,
+    SUPPORTED_SGLANG_VERSIONS,
+    WEIGHT_SYNC_ENV,
+    SGLangEngine,
+    SGLangVersionError,
+    flattened_bucket_metadata,
+    weight_sync_choice,
+)
+from rljob_worker.engines.sglang_weights import EngineWeightsError
+from rljob_worker.weight_sync import flatten
+
+# A small dense decoder: 4 query heads of 4, 2 KV heads (fewer than 4 TP ranks: shared), a
+# vocabulary that is not a multiple of 64 (sglang pads it), two layers.
+CONFIG: dict[str, Any] = {
+    "hidden_size": 16,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 24,
+    "vocab_size": 100,
+    "num_hidden_layers": 2,
+}
+
+
+def full_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """The trainer's full tensors by Hugging Face name (a tied head is not a tensor of its own,
+    as named_parameters() gives it), in bf16 as the sync sends them."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).bfloat16()
+
+    out = {"model.embed_tokens.weight": rand(v, h), "model.norm.weight": rand(h)}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        out |= {
+            f"{p}.self_attn.q_proj.weight": rand(h, h),
+            f"{p}.self_attn.q_proj.bias": rand(h),
+            f"{p}.self_attn.k_proj.weight": rand(kv, h),
+            f"{p}.self_attn.k_proj.bias": rand(kv),
+            f"{p}.self_attn.v_proj.weight": rand(kv, h),
+            f"{p}.self_attn.v_proj.bias": rand(kv),
+            f"{p}.self_attn.o_proj.weight": rand(h, h),
+            f"{p}.mlp.gate_proj.weight": rand(i, h),
+            f"{p}.mlp.up_proj.weight": rand(i, h),
+            f"{p}.mlp.down_proj.weight": rand(h, i),
+            f"{p}.input_layernorm.weight": rand(h),
+            f"{p}.post_attention_layernorm.weight": rand(h),
+        }
+    if not config.get("tie_word_embeddings"):
+        out["lm_head.weight"] = rand(v, h)
+    return out
+
+
+def expected_shards(
+    full: dict[str, torch.Tensor], config: dict[str, Any], rank: int, tp: int
+) -> dict[str, torch.Tensor]:
+    """TP rank `rank`'s parameters by the names sglang's model holds them under: the oracle's
+    shards, with a tied head under the embedding's name (one parameter, named_parameters())."""
+    shards = sglang_shards(full, config, rank, tp)
+    if config.get("tie_word_embeddings"):
+        shards["model.embed_tokens.weight"] = shards.pop("lm_head.weight")
+    return shards
+
+
+class EngineModelStandIn(torch.nn.Module):
+    """sglang's model as its loader sees it (a stand-in): parameters under sglang's names with
+    this TP rank's shapes, zeros at first; `config`; and `load_weights`, which records what it
+    was given (sglang's own loader, for what the direct rules do not place)."""
+
+    def __init__(self, shapes: dict[str, torch.Size], config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = config
+        self.held = torch.nn.ParameterDict(
+            {n.replace(".", "__"): torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+        )
+        self.given: list[str] = []
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # sglang's names
+        return ((name.replace("__", "."), p) for name, p in self.held.items())
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.given += [name for name, _ in weights]
+
+
+def engine_model(full: dict[str, torch.Tensor], config: dict[str, Any], rank: int, tp: int) -> Any:
+    shapes = {n: t.shape for n, t in expected_shards(full, config, rank, tp).items()}
+    return EngineModelStandIn(shapes, config)
+
+
+def assert_holds(model: Any, expected: dict[str, torch.Tensor]) -> None:
+    held = dict(model.named_parameters())
+    assert sorted(held) == sorted(expected)
+    wrong = [n for n in expected if not torch.equal(held[n].data, expected[n])]
+    assert not wrong, f"{len(wrong)} of {len(expected)} parameters differ: {wrong[:4]}"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_tp_rank_holds_its_share_of_every_fused_and_sharded_parameter(
+    tp: int, tied: bool
+) -> None:
+    config = {**CONFIG, "tie_word_embeddings": tied}
+    full = full_weights(config)
+    for rank in range(tp):
+        model = engine_model(full, config, rank, tp)
+        rest = copy_into(model, full.items(), tp=(rank, tp))
+        assert rest == []  # every tensor placed by the rules: none through load_weights
+        assert_holds(model, expected_shards(full, config, rank, tp))
+
+
+def test_a_second_sync_overwrites_the_first_and_touches_only_this_ranks_rows() -> None:
+    config = {**CONFIG, "tie_word_embeddings": False}
+    first, second = full_weights(config, seed=1), full_weights(config, seed=2)
+    model = engine_model(first, config, 1, 2)
+    copy_into(model, first.items(), tp=(1, 2))
+    copy_into(model, second.items(), tp=(1, 2))
+    assert_holds(model, expected_shards(second, config, 1, 2))
+
+
+def test_the_loader_takes_the_adapters_flat_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """load() as the schedulers call it: (payload name, uint8 buffer) pairs, one per bucket."""
+    config = {**CONFIG, "tie_word_embeddings": False}
+    full = full_weights(config)
+    monkeypatch.setattr(sglang_direct, "_tp_rank_and_size", lambda: (1, 2))
+    model = engine_model(full, config, 1, 2)
+    names = list(full)
+    buckets = [names[: len(names) // 2], names[len(names) // 2 :]]
+    payloads = []
+    for bucket in buckets:
+        flat = flatten([(n, full[n]) for n in bucket])
+        payloads.append((payload_name(flat), flat.buffer))
+    load(model, payloads)
+    assert_holds(model, expected_shards(full, config, 1, 2))
+    assert model.given == []
+
+
+def test_what_the_rules_do_not_place_goes_to_sglangs_own_loader() -> None:
+    config = {**CONFIG, "tie_word_embeddings": False}
+    full = full_weights(config)
+    model = engine_model(full, config, 0, 1)
+    extra = [("model.layers.0.self_attn.rotary.scale", torch.ones(3).bfloat16())]
+    rest = copy_into(model, [*full.items(), *extra], tp=(0, 1))
+    assert [n for n, _ in rest] == ["model.layers.0.self_attn.rotary.scale"]
+    # A model without a config: nothing is placed by the rules, all goes to load_weights.
+    bare = engine_model(full, config, 0, 1)
+    del bare.config
+    assert [n for n, _ in copy_into(bare, full.items(), tp=(0, 1))] == list(full)
+
+
+def test_a_tensor_that_does_not_fit_its_parameter_is_refused_by_name() -> None:
+    config = {**CONFIG, "tie_word_embeddings": False}
+    full = full_weights(config)
+    model = engine_model(full, config, 0, 1)
+    wrong = [("model.norm.weight", torch.ones(CONFIG["hidden_size"] + 1).bfloat16())]
+    with pytest.raises(EngineWeightsError, match=r"model.norm.weight \(17,\).*does not fit"):
+        copy_into(model, wrong, tp=(0, 1))
+
+
+def test_the_loader_refuses_a_payload_it_did_not_make() -> None:
+    with pytest.raises(EngineWeightsError, match="not a bucket the rljob adapter sent"):
+        sglang_direct.unpack("model.norm.weight", torch.zeros(4, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("release", SUPPORTED_SGLANG_VERSIONS)
+def test_on_the_direct_path_each_bucket_is_one_buffer_for_rljobs_declared_loader(
+    release: str,
+) -> None:
+    engine, sgl = _adapter(HANDOFF_DIRECT_STAND_IN, release)
+    assert engine.direct_buckets
+    # sglang runs a custom loader only if it was declared when the engine started.
+    assert sgl.calls[0][1]["custom_weight_loader"] == [DIRECT_LOADER]
+    full = full_weights({**CONFIG, "tie_word_embeddings": False})
+    names = list(full)
+    buckets = [[(n, full[n]) for n in names[:5]], [(n, full[n]) for n in names[5:]]]
+    for bucket in buckets:
+        engine.update_weights(bucket)
+    engine.flush_cache()
+    updates = [kw for name, kw in sgl.calls if name == "update_weights_from_tensor"]
+    assert [kw["load_format"] for kw in updates] == [DIRECT_LOADER] * 2
+    assert all(len(kw["named_tensors"]) == 1 for kw in updates)  # one buffer a bucket
+    assert sgl.direct_loads == 2
+    for name, tensor in full.items():
+        (loaded,) = sgl.loaded[name]
+        assert torch.equal(loaded, tensor) and loaded.dtype == tensor.dtype
+
+
+def test_the_direct_path_is_chosen_by_the_environment_and_takes_no_flattened_metadata(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    contract = CONTRACTS[SUPPORTED_SGLANG_VERSIONS[-1]]
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, "direct")
+    assert weight_sync_choice() == "direct"
+    assert flattened_bucket_metadata(contract) is None
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, " Direct ")
+    assert weight_sync_choice() == "direct"
+
+
+def test_a_release_without_custom_loaders_refuses_the_direct_path_at_start() -> None:
+    contract = CONTRACTS[SUPPORTED_SGLANG_VERSIONS[-1]]
+    sglang_direct_less = dataclasses.replace(contract, direct_loader=None)
+    with pytest.raises(SGLangVersionError, match="runs no custom weight loader"):
+        SGLangEngine(
+            model_path="/models/qwen",
+            dtype="bfloat16",
+            mem_fraction_static=0.9,
+            engine_class=lambda **kw: SGLangEngineStandIn(contract=sglang_direct_less, **kw),
+            contract=sglang_direct_less,
+            handoff=HANDOFF_DIRECT_STAND_IN,
+        )

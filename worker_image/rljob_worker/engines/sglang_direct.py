@@ -1,0 +1,259 @@
+"""The direct weight hand-off: a bucket's tensors copied straight into sglang's parameters, in
+sglang's own processes, without the model's `load_weights`.
+
+sglang's `update_weights_from_tensor` runs a weight loader on each TP scheduler. Its default,
+the model's `load_weights`, walks every tensor through the stacked-parameter mapping and a
+per-layer `weight_loader` (about 0.1 ms of host time a tensor), which is most of the sync at 3B
+(docs/performance.md). sglang also runs a loader named by import path when that path is in
+`ServerArgs.custom_weight_loader` (0.5.17 and 0.5.23 alike: `load_format` equal to the path, the
+loader called as `loader(model, named_tensors)` after each TP rank unwrapped its own tensor).
+`load` below is that loader. The adapter starts the engine with it declared and hands it one
+flat buffer per bucket (one CUDA IPC handle), the bucket's layout in the name it travels under;
+each TP scheduler cuts its own shard of every tensor out of the buffer by shape arithmetic
+(`rank_copies`: the dense decoder layout that `sglang_weights.join_shards` undoes) and copies it
+into the parameter, a view of the fused `qkv_proj` / `gate_up_proj` rows where the trainer's
+q/k/v and gate/up go. A name the rules do not place falls back to the model's `load_weights`, so
+the result is sglang's own load for any model; only the time differs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rljob_worker.engines.sglang_weights import DenseLayout, EngineWeightsError
+
+if TYPE_CHECKING:
+    import torch
+
+    from rljob_worker.weight_sync import FlatBucket
+
+log = logging.getLogger(__name__)
+
+# The import path sglang's schedulers call (ServerArgs.custom_weight_loader and load_format).
+DIRECT_LOADER = f"{__name__}.load"
+# A bucket travels as one (name, uint8 buffer) pair; the name carries the bucket's layout.
+PAYLOAD_PREFIX = "rljob-flat-bucket:"
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy into a parameter: `src.narrow(src_dim, src_start, length)` of the trainer's full
+    tensor into `target`'s rows [dst_start, dst_start + rows) (the whole parameter where
+    dst_start is None)."""
+
+    target: str
+    dst_start: int | None
+    src_dim: int
+    src_start: int
+    length: int
+
+
+def payload_name(bucket: FlatBucket) -> str:
+    """The name a flat bucket travels under: its entries (name, shape, dtype, byte range)."""
+    entries = [
+        [e.name, list(e.shape), str(e.dtype).removeprefix("torch."), e.start, e.end]
+        for e in bucket.entries
+    ]
+    return PAYLOAD_PREFIX + json.dumps(entries, separators=(",", ":"))
+
+
+def unpack(name: str, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors again, as views of `buffer` (the inverse of payload_name)."""
+    import torch
+
+    if not name.startswith(PAYLOAD_PREFIX):
+        raise EngineWeightsError(
+            f"the direct loader got {name[:60]!r}, not a bucket the rljob adapter sent"
+        )
+    return [
+        (tensor, buffer[start:end].view(getattr(torch, dtype)).view(shape))
+        for tensor, shape, dtype, start, end in json.loads(name[len(PAYLOAD_PREFIX) :])
+    ]
+
+
+def _kv_head_start(layout: DenseLayout, tp_rank: int) -> int:
+    """The first KV head TP rank `tp_rank` holds (one shared by several ranks where there are
+    fewer KV heads than ranks; DenseLayout.kv_owners)."""
+    if layout.num_kv_heads >= layout.tp_size:
+        return tp_rank * layout.kv_heads_per_rank
+    return tp_rank // (layout.tp_size // layout.num_kv_heads)
+
+
+def rank_copies(
+    name: str,
+    shape: Sequence[int],
+    layout: DenseLayout,
+    tp_rank: int,
+    param_rows: Mapping[str, int],
+) -> list[Copy] | None:
+    """Where TP rank `tp_rank` keeps its part of the trainer's full tensor `name` of `shape`.
+
+    `param_rows` maps each of the engine's parameter names to its first dimension (the vocabulary
+    shard's rows come from it: sglang pads the vocabulary). None: the rules do not place `name`
+    (no such parameter, or a shape that does not divide as the layout says); the caller then
+    lets sglang's own loader take it. A tied LM head that the engine does not hold apart from
+    the embedding needs no copy (an empty list).
+    """
+    tp, r = layout.tp_size, tp_rank
+    for part in ("q_proj", "k_proj", "v_proj"):
+        if f".{part}." in name:
+            target = name.replace(part, "qkv_proj")
+            q_rows = layout.num_heads // tp * layout.head_dim
+            kv_rows = layout.kv_heads_per_rank * layout.head_dim
+            if part == "q_proj":
+                copy = Copy(target, 0, 0, r * q_rows, q_rows)
+            else:
+                start = _kv_head_start(layout, r) * layout.head_dim
+                offset = q_rows if part == "k_proj" else q_rows + kv_rows
+                copy = Copy(target, offset, 0, start, kv_rows)
+            rows = param_rows.get(target)
+            if rows != q_rows + 2 * kv_rows or copy.src_start + copy.length > shape[0]:
+                return None
+            return [copy]
+    for index, part in enumerate(("gate_proj", "up_proj")):
+        if f".{part}." in name:
+            target = name.replace(part, "gate_up_proj")
+            if shape[0] % tp or param_rows.get(target) != 2 * (shape[0] // tp):
+                return None
+            rows = shape[0] // tp
+            return [Copy(target, index * rows, 0, r * rows, rows)]
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name not in param_rows or shape[1] % tp:
+            return None
+        cols = shape[1] // tp
+        return [Copy(name, None, 1, r * cols, cols)]
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        if name not in param_rows:
+            tied = name.endswith("lm_head.weight") and layout.tie_word_embeddings
+            return [] if tied else None
+        per_rank = param_rows[name]
+        rows = min(per_rank, shape[0] - r * per_rank)
+        return [Copy(name, 0, 0, r * per_rank, rows)] if rows > 0 else []
+    if name in param_rows:
+        return [Copy(name, None, 0, 0, shape[0] if shape else 0)]
+    return None
+
+
+def _config_field(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+
+def layout_of(config: Any, tp_size: int) -> DenseLayout:
+    """A DenseLayout from a model config (a Hugging Face config object, or its dict)."""
+    heads = int(_config_field(config, "num_attention_heads"))
+    return DenseLayout(
+        tp_size=tp_size,
+        num_heads=heads,
+        num_kv_heads=int(_config_field(config, "num_key_value_heads") or heads),
+        head_dim=int(
+            _config_field(config, "head_dim") or _config_field(config, "hidden_size") // heads
+        ),
+        vocab_size=int(_config_field(config, "vocab_size")),
+        tie_word_embeddings=bool(_config_field(config, "tie_word_embeddings")),
+    )
+
+
+# Where sglang says a scheduler's TP place (0.5.17 and 0.5.23; the contract test checks both).
+TP_PLACE = (
+    "sglang.srt.distributed.parallel_state",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_world_size",
+)
+
+
+def _tp_rank_and_size() -> tuple[int, int]:
+    """This scheduler's TP rank and size, from sglang's parallel state (TP_PLACE)."""
+    import importlib
+
+    module, rank, size = TP_PLACE
+    state = importlib.import_module(module)
+    return int(getattr(state, rank)()), int(getattr(state, size)())
+
+
+@dataclass
+class _Targets:
+    params: dict[str, torch.Tensor]
+    layout: DenseLayout | None
+    tp_rank: int
+    rows: dict[str, int]
+    plans: dict[tuple[str, tuple[int, ...]], list[Copy] | None]
+
+
+# One entry per model this process loads into (the scheduler holds one; a test several).
+_TARGETS: weakref.WeakKeyDictionary[Any, _Targets] = weakref.WeakKeyDictionary()
+
+
+def _targets(model: Any, tp: tuple[int, int] | None = None) -> _Targets:
+    found = _TARGETS.get(model)
+    if found is not None:
+        return found
+    tp_rank, tp_size = tp or _tp_rank_and_size()
+    params = dict(model.named_parameters())
+    config = getattr(model, "config", None)
+    layout = layout_of(config, tp_size) if config is not None else None
+    rows = {name: int(p.shape[0]) if p.dim() else 0 for name, p in params.items()}
+    targets = _Targets(params, layout, tp_rank, rows, {})
+    _TARGETS[model] = targets
+    return targets
+
+
+def copy_into(
+    model: Any, named: Iterable[tuple[str, torch.Tensor]], tp: tuple[int, int] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """Copy each full tensor's shard for this TP rank into the model's parameters; the tensors
+    the rules do not place are returned (for sglang's own loader). `tp` (rank, size) is this
+    process's TP place unless given (tests)."""
+    targets = _targets(model, tp)
+    rest: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in named:
+        key = (name, tuple(tensor.shape))
+        if key not in targets.plans:
+            targets.plans[key] = (
+                None
+                if targets.layout is None
+                else rank_copies(name, key[1], targets.layout, targets.tp_rank, targets.rows)
+            )
+        plan = targets.plans[key]
+        if plan is None:
+            rest.append((name, tensor))
+            continue
+        for copy in plan:
+            param = targets.params[copy.target].data
+            source = (
+                tensor
+                if tensor.dim() == 0
+                else tensor.narrow(copy.src_dim, copy.src_start, copy.length)
+            )
+            dest = (
+                param
+                if copy.dst_start is None
+                else param.narrow(0, copy.dst_start, source.shape[0])
+            )
+            if dest.shape != source.shape:
+                raise EngineWeightsError(
+                    f"{name} {tuple(tensor.shape)}: TP rank {targets.tp_rank}'s part "
+                    f"{tuple(source.shape)} does not fit {copy.target} {tuple(param.shape)}"
+                )
+            dest.copy_(source)
+    return rest
+
+
+def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """sglang's custom weight loader (see the module's text): each (name, buffer) is one bucket
+    from the adapter. Waits for its copies before returning, so the sender may reuse the buffer
+    once the call is answered."""
+    import torch
+
+    rest: list[tuple[str, torch.Tensor]] = []
+    for name, buffer in named_tensors:
+        rest += copy_into(model, unpack(name, buffer))
+    if rest:
+        log.info("direct weight load: %d tensors through the model's load_weights", len(rest))
+        model.load_weights(rest)
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
