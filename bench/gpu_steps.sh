@@ -50,6 +50,7 @@
 #   train-alone  #33: bench/train_alone.py, the train stage alone at the realistic 3B shape:
 #                64 rows with a profile, then all 1024 with micro-batches packed by length and
 #                not (one card, no SGLang: only the deps call before it; about 5 minutes)
+#   train-alone-7b #33: the same at 7B over two cards (two H200s), micro-batch 4, packed
 #   overlap      #33: 3B one card, staging tax with overlapStaging off then on: small workload,
 #                then realistic (2 iterations; the deadline keeps the call under 10 minutes)
 #   overlap-test #33: tests/gpu/test_overlap_staging_gpu.py (on = off bit for bit, on the card)
@@ -186,12 +187,15 @@ for step in "$@"; do
       # #33 and #30: 7B over two cards (one engine and one FSDP rank per card), the realistic
       # workload, overlapStaging Off, the asynchronous checkpoint at iteration 2 (45 GB a rank:
       # one fits the two-card machine's disk), the weight-sync path SYNC_PATH (default unless
-      # set); ALONE=1 also runs the engine alone after the point. Start it with gpu_bg.sh.
+      # set); ALONE=1 also runs the engine alone after the point; CKPT=0: 3 iterations and no
+      # checkpoint; RLJOB_CHECKPOINT_WRITER_START=after_sync (passed through to the ranks)
+      # starts the writer after the weight sync. Start it with gpu_bg.sh.
       df -h /tmp | tail -1
       alone=(--no-alone); [[ ${ALONE:-0} == 1 ]] && alone=()
+      ckpt=(--iterations 2 --checkpoint-every 2 --checkpoint-dir /tmp/rljob-bench-checkpoints)
+      [[ ${CKPT:-1} == 0 ]] && ckpt=(--iterations 3)  # CKPT=0: 3 iterations, no checkpoint
       colocate --model qwen2.5-7b --ranks 2 --tp 1 --workload realistic --micro-batch-size auto \
-        --modes staged --staged-fractions 0.9 --iterations 2 --overlap-staging off \
-        --checkpoint-every 2 --checkpoint-dir /tmp/rljob-bench-checkpoints \
+        --modes staged --staged-fractions 0.9 --overlap-staging off "${ckpt[@]}" \
         --sync-path "${SYNC_PATH:-default}" "${alone[@]}" --out "$out/run" > "$out/log" 2>&1
       echo "colocate exit $?"; df -h /tmp | tail -1; tail -30 "$out/log" ;;
     realistic)
@@ -235,6 +239,12 @@ for step in "$@"; do
       python3 bench/train_alone.py --model qwen2.5-3b --workload realistic \
         --micro-batch-size "${TRAIN_MICRO:-2}" --pack on,off --deadline-seconds 240 \
         --out "$out/train-alone-3b.json" > "$out/log" 2>&1
+      echo "train_alone exit $?"; grep -v "^{" "$out/log" | tail -4; cut -c1-700 "$out/log" | grep "^{" ;;
+    train-alone-7b)
+      # The 7B realistic point's train stage alone, FSDP over both cards (two H200s), at the
+      # micro-batch its memory plan chose there (4), packed: #33's 1.15x at 7B.
+      python3 bench/train_alone.py --model qwen2.5-7b --ranks 2 --workload realistic \
+        --micro-batch-size "${TRAIN_MICRO:-4}" --pack on --out "$out/train-alone-7b.json" > "$out/log" 2>&1
       echo "train_alone exit $?"; grep -v "^{" "$out/log" | tail -4; cut -c1-700 "$out/log" | grep "^{" ;;
     staging-probe)
       python3 bench/staging_probe.py > "$out/probe.txt" 2>&1

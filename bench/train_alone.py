@@ -11,7 +11,12 @@ the cap, for `realistic`), half of them rewarded. The update does not care what 
 only how many there are and how they fall into micro-batches.
 
   python bench/train_alone.py --workload realistic --micro-batch-size 2 --pack on,off
+  python bench/train_alone.py --model qwen2.5-7b --ranks 2 --pack on   # FSDP over two cards
   python bench/train_alone.py --smoke             # CPU: tiny model, checks the plumbing only
+
+With `--ranks N` each rank is a process on its own card (gloo on the CPU), the rollout's prompts
+dealt out as the colocated loop deals them (rank r takes every N-th), each rank's answers its
+own; the seconds are rank 0's, whose steps end with every rank's (FSDP's collectives).
 
 Per configuration (micro-batch size x packing): one untimed warm-up step on a few rows (AdamW
 allocates its moments at the first step), then `--iterations` timed train steps on the whole
@@ -188,7 +193,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="start no new configuration after this many seconds")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("train-alone.json"))
     parser.add_argument("--smoke", action="store_true", help="CPU, builtin tiny model")
+    parser.add_argument("--ranks", type=int, default=1, help="FSDP ranks, one card each")
     args = parser.parse_args(argv)
+    store = Path(tempfile.mkdtemp(prefix="rljob-train-alone-")) / "store"
+    if args.ranks == 1:
+        return _rank_main(0, args, store)
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(args, store), nprocs=args.ranks, join=True)
+    return 0
+
+
+def _rank_main(rank: int, args: argparse.Namespace, store: Path) -> int:
+    """One rank's steps (rank 0 reports); the whole run where --ranks is 1."""
     started = time.perf_counter()
     workload = WORKLOADS[args.workload]
     if args.smoke:  # a few rows of short answers (of mixed lengths where the workload's vary)
@@ -203,12 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     from rljob_worker.train import Trainer
 
     cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda" if cuda else "cpu")
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
-        torch.cuda.set_device(0)
-    store = Path(tempfile.mkdtemp(prefix="rljob-train-alone-")) / "store"
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
-                            init_method=f"file://{store}", rank=0, world_size=1)  # fmt: skip
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=f"file://{store}",
+                            rank=rank, world_size=args.ranks)  # fmt: skip
     if args.smoke:
         model_path: str = "builtin:tiny-qwen2"
         model_dir = resolve_model_path(model_path)
@@ -220,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     encode = lambda text: tuple(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
     prompts = [list(p.prompt_ids) for p in ArithmeticTask(0, encode=encode).sample(args.prompts, 0)]
     vocab = len(tokenizer) if args.smoke else 151936
-    experience = synthetic_experience(workload, prompts, vocab, seed=0)
+    experience = synthetic_experience(workload, prompts[rank :: args.ranks], vocab, seed=rank)
 
     trainer = Trainer(_spec(args, workload, model_path, micro_sizes[0]), model_dir, device,
                       pad_id=tokenizer.pad_token_id or 0)  # fmt: skip
@@ -232,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": "builtin:tiny-qwen2" if args.smoke else args.model,
         "parameters": n_params,
         "workload": args.workload,
-        "rows": len(experience),
+        "ranks": args.ranks,
+        "rows": len(experience),  # this rank's (rank 0's)
         "gradient_checkpointing": workload.gradient_checkpointing,
         "reference": trainer.reference is not None,
         "configs": [],
@@ -261,11 +278,13 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 row["real_tokens_per_second"] = row["tokens"] / row["seconds"][-1]
             result["configs"].append(row)
-            print(json.dumps(row), flush=True)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
     if args.profile_rows:
         trainer.pack_micro_batches = True
         _profile(trainer, experience, args.profile_rows, args.out.with_suffix(".profile.txt"))
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if rank == 0:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
     dist.destroy_process_group()
     return 0
 

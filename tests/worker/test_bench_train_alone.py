@@ -53,3 +53,16 @@ def test_smoke_run_reports_each_pass_and_packing_pads_less(tmp_path: Path) -> No
         assert sum(row["pass_seconds"].values()) <= row["seconds"][-1]
         assert row["real_tokens_per_second"] > 0
     assert "aten::" in out.with_suffix(".profile.txt").read_text()
+
+
+def test_two_ranks_each_train_their_share_of_the_rollout(tmp_path: Path) -> None:
+    """--ranks 2 (gloo here, one card each on a GPU): each rank's step runs on every other
+    prompt's answers, FSDP over both; rank 0 reports."""
+    out = tmp_path / "train-alone-2.json"
+    code = train_alone.main(["--smoke", "--workload", "realistic", "--micro-batch-size", "2",
+                             "--pack", "on", "--ranks", "2", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert (result["ranks"], result["rows"]) == (2, 8)  # 16 answers, half on rank 0
+    (row,) = result["configs"]
+    assert row["seconds"] and row["seconds"][-1] > 0 and row["real_tokens_per_second"] > 0

@@ -138,6 +138,43 @@ def test_two_checkpoints_completed_before_one_take_are_both_reported(
     assert keeper.take() == ((), None)
 
 
+def test_after_sync_the_writer_waits_for_the_weight_sync_boundary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RLJOB_CHECKPOINT_WRITER_START=after_sync: nothing is written until the boundary after
+    wake_weights (the boundaries before it agree the writer is still running), then the
+    checkpoint completes as before; the default starts it in the stage."""
+    from rljob.report import Stage
+    from rljob_worker.checkpoint import WRITER_START_ENV
+
+    monkeypatch.setenv(WRITER_START_ENV, "after_sync")
+    model, optimizer = _trained()
+    keeper = Keeper(_spec(tmp_path / "ckpt"), model, optimizer, "builtin:tiny-qwen2")
+    keeper.save(1)
+    for stage in (Stage.CHECKPOINT, Stage.OFFLOAD_OPTIMIZER):
+        keeper.poll(stage)
+        time.sleep(0.3)  # a writer started here would have written by now
+        assert keeper.take() == ((), None)
+        assert not list((tmp_path / "ckpt").rglob("*.distcp"))
+    keeper.poll(Stage.WAKE_WEIGHTS)
+    taken: tuple[SavedCheckpoint, ...] = ()
+    deadline = time.monotonic() + 60
+    while not taken and time.monotonic() < deadline:
+        time.sleep(0.05)
+        keeper.poll(Stage.OFFLOAD_TRAIN)
+        taken, _ = keeper.take()
+    assert [c.iteration for c in taken] == [1]
+    assert [i for i, _ in complete_checkpoints(tmp_path / "ckpt")] == [1]
+    # A writer still held back when the job ends (no weight sync after the save) is started by
+    # the wait for it; a bad value is refused when the keeper is made.
+    keeper.save(2)
+    keeper.finish()
+    assert [c.iteration for c in keeper.take()[0]] == [2]
+    monkeypatch.setenv(WRITER_START_ENV, "later")
+    with pytest.raises(ValueError, match="must be one of"):
+        Keeper(_spec(tmp_path / "other"), model, optimizer, "builtin:tiny-qwen2")
+
+
 def test_sync_mode_ends_the_stage_with_the_checkpoint_complete(
     tmp_path: Path, slow_writes: float
 ) -> None:

@@ -8,6 +8,7 @@ the tests below (module fixtures), so the whole file costs five short runs.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,12 @@ from support.model_cache import fresh_model_cache
 
 from rljob.api import RLJobSpec, parse_manifest
 from rljob.report import Stage
-from rljob_worker.checkpoint import MARKER, checkpoint_dir, complete_checkpoints
+from rljob_worker.checkpoint import (
+    MARKER,
+    WRITER_START_ENV,
+    checkpoint_dir,
+    complete_checkpoints,
+)
 from rljob_worker.driver.local import LocalRun, run_local
 from rljob_worker.loop import tensor_digest
 
@@ -78,15 +84,25 @@ def stopped_and_resumed(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Path, LocalRun, LocalRun]:
     root = tmp_path_factory.mktemp("resumed")
-    first = run_local(_spec(root, STOP, keep=10), 2, "cpu")
-    assert first.ok, first.errors
-    shutil.copytree(root / "export", root / "export-at-2")
-    # A save of iteration 3 that died before its marker: resume must not pick it.
-    broken = checkpoint_dir(root / "ckpt", STOP + 1)
-    shutil.copytree(checkpoint_dir(root / "ckpt", STOP), broken)
-    (broken / MARKER).unlink()
-    second = run_local(_spec(root, ITERATIONS, keep=10), 2, "cpu")
-    assert second.ok, second.errors
+    # These runs start each writer after the weight sync (the straight run: in the checkpoint
+    # stage, the default); the ranks inherit the setting. Their result must be the same.
+    before = os.environ.get(WRITER_START_ENV)
+    os.environ[WRITER_START_ENV] = "after_sync"
+    try:
+        first = run_local(_spec(root, STOP, keep=10), 2, "cpu")
+        assert first.ok, first.errors
+        shutil.copytree(root / "export", root / "export-at-2")
+        # A save of iteration 3 that died before its marker: resume must not pick it.
+        broken = checkpoint_dir(root / "ckpt", STOP + 1)
+        shutil.copytree(checkpoint_dir(root / "ckpt", STOP), broken)
+        (broken / MARKER).unlink()
+        second = run_local(_spec(root, ITERATIONS, keep=10), 2, "cpu")
+        assert second.ok, second.errors
+    finally:
+        if before is None:
+            os.environ.pop(WRITER_START_ENV, None)
+        else:
+            os.environ[WRITER_START_ENV] = before
     return root, first, second
 
 

@@ -42,7 +42,8 @@ from rljob.api import (
     ResumePoint,
     RLJobSpec,
 )
-from rljob_worker.checkpoint_writer import FileWriter, HostLookup, host_state_dict, start_thread
+from rljob.report import Stage
+from rljob_worker.checkpoint_writer import FileWriter, HostLookup, deferred_thread, host_state_dict
 from rljob_worker.model import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -311,6 +312,8 @@ class _InFlight:
     started: float
     blocked_seconds: float
     future: Future[_Written]
+    # Starts the writer (idempotent); until then the future stays pending (WRITER_START_ENV).
+    start: Callable[[], None]
 
 
 def check_compatible(meta: dict[str, Any], spec: RLJobSpec, directory: Path) -> None:
@@ -415,6 +418,27 @@ def export(model: torch.nn.Module, spec: RLJobSpec, model_path: Path | str, targ
     return str(target)
 
 
+# When an asynchronous save's writer starts (RLJOB_CHECKPOINT_WRITER_START, the rank's
+# environment): "stage" (the default) in the checkpoint stage, right after the copy to host
+# memory; "after_sync": at the boundary after wake_weights, so that the weight sync does not run
+# beside the writer (at 7B on two H200s it took 3.37 s beside both ranks' writers against
+# 0.14-0.25 s without: docs/checkpoint-figures.md). The host copies the writer reads do not
+# change before the next iteration's offload, which waits for the writer either way. Opt-in
+# until the two have been measured on a GPU against each other.
+WRITER_START_ENV = "RLJOB_CHECKPOINT_WRITER_START"
+WRITER_STARTS = ("stage", "after_sync")
+# The stage after which an "after_sync" writer starts.
+WRITER_STARTS_AFTER = Stage.WAKE_WEIGHTS
+
+
+def writer_start() -> str:
+    """RLJOB_CHECKPOINT_WRITER_START, checked (unset: "stage")."""
+    choice = os.environ.get(WRITER_START_ENV, "").strip().lower() or WRITER_STARTS[0]
+    if choice not in WRITER_STARTS:
+        raise ValueError(f"{WRITER_START_ENV}={choice!r} must be one of {WRITER_STARTS}")
+    return choice
+
+
 class Keeper:
     """What one rank's loop asks of checkpoints: resume at the start, save when due (the
     checkpoint stage), `poll` at every stage boundary while a writer runs, `finish` at the end,
@@ -437,6 +461,7 @@ class Keeper:
         self.resumed: ResumePoint | None = None  # the checkpoint resume() loaded
         self._in_flight: _InFlight | None = None
         self._cpu_meshes: dict[int, Any] = {}
+        self.writer_start = writer_start()
         # The writer's collectives run beside the loop's: on a group of their own (every rank
         # creates it here, in the same order), or the two would interleave.
         self._group: dist.ProcessGroup | None = None
@@ -479,11 +504,13 @@ class Keeper:
         log.debug("checkpoint %d: %d bytes viewed in host copies, %d copied", iteration,
                   host.viewed_bytes, host.copied_bytes)  # fmt: skip
         spec, group = self.spec, self._group
-        future = start_thread(
+        future, start = deferred_thread(
             lambda: _write(host.state, rng, spec, iteration, directory, group),
             f"checkpoint-writer-{iteration}",
         )
-        self._in_flight = _InFlight(iteration, directory, started, 0.0, future)
+        self._in_flight = _InFlight(iteration, directory, started, 0.0, future, start)
+        if self.writer_start == "stage" or self.spec.checkpoint.mode is CheckpointMode.SYNC:
+            start()
         if self.host is not None:
             self.host.hold_host_copies(self._wait_for_writer)
         if self.spec.export is not None and self.spec.export.with_checkpoints:
@@ -492,11 +519,14 @@ class Keeper:
         if self.spec.checkpoint.mode is CheckpointMode.SYNC:
             self._settle()
 
-    def poll(self) -> None:
-        """At a stage boundary (collective while a writer runs): all ranks agree on how far the
-        writers are. Every one done: the checkpoint is complete (take() reports it); any one
-        failed: CheckpointFailed on every rank, here, together."""
+    def poll(self, stage: Stage | None = None) -> None:
+        """At a stage boundary (collective while a writer runs), after `stage`: all ranks agree
+        on how far the writers are. Every one done: the checkpoint is complete (take() reports
+        it); any one failed: CheckpointFailed on every rank, here, together. A writer held back
+        for the weight sync ("after_sync") starts here once `stage` is WRITER_STARTS_AFTER."""
         if self._in_flight is not None:
+            if stage == WRITER_STARTS_AFTER:
+                self._in_flight.start()
             self._agree(self._in_flight)
 
     def finish(self) -> None:
@@ -509,6 +539,7 @@ class Keeper:
         checkpoint. Bounded: a writer whose peer process is gone gives up, not the job."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
+            in_flight.start()  # one held back for a weight sync that the OOM cut short
             done, _ = futures.wait([in_flight.future], timeout=timeout_seconds)
             if not done:
                 log.warning("checkpoint writer of iteration %d still running after %.0f s: "
@@ -519,6 +550,7 @@ class Keeper:
         in_flight = self._in_flight
         if in_flight is None or in_flight.future.done():
             return
+        in_flight.start()  # a writer still held back starts now: something waits for it
         waiting = time.perf_counter()
         futures.wait([in_flight.future])
         in_flight.blocked_seconds += time.perf_counter() - waiting

@@ -93,11 +93,20 @@ def host_state_dict(
 
 
 def start_thread(work: Callable[[], T], name: str) -> Future[T]:
-    """Run `work` on a thread of its own; its result or exception in the returned future.
+    """Run `work` on a thread of its own; its result or exception in the returned future."""
+    future, start = deferred_thread(work, name)
+    start()
+    return future
+
+
+def deferred_thread(work: Callable[[], T], name: str) -> tuple[Future[T], Callable[[], None]]:
+    """`work`'s future, and the call that starts it on a thread of its own (only the first
+    call starts it; the future stays pending until then).
 
     A daemon thread: a process that ends (or is killed) while it writes leaves the checkpoint
     without its marker, which no resume picks; nothing waits for it at interpreter exit."""
     future: Future[T] = Future()
+    started = threading.Event()
 
     def run() -> None:
         try:
@@ -105,8 +114,12 @@ def start_thread(work: Callable[[], T], name: str) -> Future[T]:
         except BaseException as exc:  # handed to whoever waits, re-raised there
             future.set_exception(exc)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
+    def start() -> None:
+        if not started.is_set():
+            started.set()
+            threading.Thread(target=run, name=name, daemon=True).start()
+
+    return future, start
 
 
 def own_storage(tensor: torch.Tensor) -> torch.Tensor:

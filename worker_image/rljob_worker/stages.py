@@ -144,7 +144,7 @@ class StageMachine:
         after_weight_update: Callable[[int, NamedTensors], None] | None = None,
         checkpoint: Callable[[int], None] | None = None,
         checkpoint_every: int = 0,
-        between_stages: Callable[[], None] | None = None,
+        between_stages: Callable[[Stage], None] | None = None,
     ) -> None:
         self.trainer = trainer
         self.engine = engine
@@ -160,8 +160,8 @@ class StageMachine:
         # Saves iteration N's checkpoint (checkpoint.save) on every checkpoint_every-th one.
         self.checkpoint_fn = checkpoint
         self.checkpoint_every = checkpoint_every
-        # Runs after every stage, outside its measurement (checkpoint.Keeper.poll: the ranks
-        # agree on how far an asynchronous checkpoint's writers are).
+        # Runs after every stage, given that stage, outside its measurement (checkpoint.Keeper.
+        # poll: the ranks agree on how far an asynchronous checkpoint's writers are).
         self.between_stages = between_stages
         # The trainer's: its record names our stages, and its overlap picks the overlapped
         # order below (spec.training.overlapStaging; docs/performance.md).
@@ -208,7 +208,7 @@ class StageMachine:
             with self.meter.stage(stage, iteration):
                 self._actions[stage]()
             if self.between_stages is not None:
-                self.between_stages()
+                self.between_stages(stage)
         return IterationOutcome(
             iteration, order, self._train_stats, self.experience, self.staging.take()
         )
