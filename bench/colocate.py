@@ -451,7 +451,8 @@ def make_spec(
             "data": {"source": "builtin:arithmetic", "train_batch_size": args.prompts,
                      "max_response_length": args.response_length},
             "rollout": {"engine": args.engine, "wake_up": mode, "mem_fraction_static": fraction,
-                        "tensor_parallel_size": args.tp},
+                        "tensor_parallel_size": args.tp,
+                        "weight_sync_bucket_megabytes": getattr(args, "bucket_mb", None) or 512},
             "training": {"micro_batch_size": args.micro_batch_size,
                          "gradient_checkpointing": args.gradient_checkpointing,
                          "overlap_staging": overlap},
@@ -1033,6 +1034,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-size", type=_micro_batch_arg, default=None,
                         help="a number, or auto: the workload's halved until the plan's "
                              "training stages fit the card (CUDA only)")  # fmt: skip
+    parser.add_argument("--bucket-mb", type=int, default=512,
+                        help="spec.rollout.weightSyncBucketMegabytes: the weight sync's bucket, "
+                             "MiB (the spec's default 512)")  # fmt: skip
     parser.add_argument("--sync-path", default="default",
                         help=f"comma list of {', '.join(SYNC_PATHS)}: each point runs once per "
                              "weight-sync path (see SYNC_PATHS)")  # fmt: skip

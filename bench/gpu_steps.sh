@@ -41,6 +41,7 @@
 #   tool-runner  #32: bench/tool_runner.py, builtin:python's calls/s spawn against pool (CPU only)
 #   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
 #   sync-direct  #33: the same for the direct hand-off against the per-tensor one (one card)
+#   sync-buckets #33: the direct hand-off with 512 and 2048 MiB buckets (one card)
 #   realistic-7b #33/#30: 7B realistic over two cards with the async checkpoint (gpu_bg.sh;
 #                SYNC_PATH, ALONE=1)
 #   realistic    #33: 3B realistic workload, before and after (one card)
@@ -183,6 +184,15 @@ for step in "$@"; do
       colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
         --sync-path before,direct --no-alone --deadline-seconds 420 --out "$out/run" > "$out/log" 2>&1
       echo "colocate exit $?"; tail -30 "$out/log" ;;
+    sync-buckets)
+      # The direct hand-off's bucket size at 3B, one card: 512 MiB (the spec's default) and 2048
+      # (a quarter of the buckets; the plan's weight-sync stage holds two at a time).
+      for mb in 512 2048; do
+        colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
+          --sync-path direct --bucket-mb $mb --no-alone --deadline-seconds 240 \
+          --out "$out/mb$mb" > "$out/mb$mb.log" 2>&1
+        echo "bucket $mb MiB: colocate exit $?"; grep -E "weight sync within" "$out/mb$mb.log"
+      done ;;
     realistic-7b)
       # #33 and #30: 7B over two cards (one engine and one FSDP rank per card), the realistic
       # workload, overlapStaging Off, the asynchronous checkpoint at iteration 2 (45 GB a rank:
