@@ -124,7 +124,7 @@ def _ready_marker() -> Callable[[], None]:
 
 # RLJOB_WEIGHT_SYNC_OVERLAP=1 issues the next bucket's gather before the previous one is handed
 # over; the default (0) gathers each bucket only after the previous hand-off, the path the GPU
-# tests verified. The overlap is opt-in until it has run on a GPU (docs/performance.md).
+# tests verified. The overlap is opt-in until it has run on a GPU (docs/weight-sync.md).
 OVERLAP_ENV = "RLJOB_WEIGHT_SYNC_OVERLAP"
 
 

@@ -4,7 +4,7 @@ sglang's own processes, without the model's `load_weights`.
 sglang's `update_weights_from_tensor` runs a weight loader on each TP scheduler. Its default,
 the model's `load_weights`, walks every tensor through the stacked-parameter mapping and a
 per-layer `weight_loader` (about 0.1 ms of host time a tensor), which is most of the sync at 3B
-(docs/performance.md). sglang also runs a loader named by import path when that path is in
+(docs/weight-sync.md). sglang also runs a loader named by import path when that path is in
 `ServerArgs.custom_weight_loader` (0.5.17 and 0.5.23 alike: `load_format` equal to the path, the
 loader called as `loader(model, named_tensors)` after each TP rank unwrapped its own tensor).
 `load` below is that loader. The adapter starts the engine with it declared and hands it one

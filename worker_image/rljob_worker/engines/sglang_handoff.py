@@ -52,8 +52,9 @@ class TensorHandoff:
 # tests verified), "auto" (flattened buckets where the installed sglang has them),
 # "flattened_bucket" (required: an error where sglang lacks it), or "direct" (one flat buffer a
 # bucket, copied into sglang's parameters by rljob's loader in the schedulers: sglang_direct.py).
-# The other paths are opt-in until they have run on a GPU (docs/performance.md);
-# bench/colocate.py --sync-path measures each.
+# The other paths are opt-in: the flattened one gained nothing on an H100, and the direct one
+# (2.2x faster on an H200, one GPU's weights test passed) waits for its TP-2 GPU test
+# (docs/weight-sync.md); bench/colocate.py --sync-path measures each.
 WEIGHT_SYNC_ENV = "RLJOB_SGLANG_WEIGHT_SYNC"
 WEIGHT_SYNC_PATHS = ("auto", "tensors", "flattened_bucket", "direct")
 DEFAULT_WEIGHT_SYNC = "tensors"
