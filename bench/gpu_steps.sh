@@ -55,6 +55,7 @@
 #   overlap      #33: 3B one card, staging tax with overlapStaging off then on: small workload,
 #                then realistic (2 iterations; the deadline keeps the call under 10 minutes)
 #   overlap-test #33: tests/gpu/test_overlap_staging_gpu.py (on = off bit for bit, on the card)
+#   writer-stalls #30: bench/writer_stalls.py, the checkpoint writer's stalls (CPU only)
 #   staging-probe #33: bench/staging_probe.py: which host calls make a side-stream copy end early
 #   tp2          #31: 3B, one TP-2 engine over both cards, at Auto's choice on the card (two cards)
 #   tp2-next     #31/#35: the same at Auto's choice + 0.01, the sweep's next point (two cards)
@@ -256,6 +257,12 @@ for step in "$@"; do
       python3 bench/train_alone.py --model qwen2.5-7b --ranks 2 --workload realistic \
         --micro-batch-size "${TRAIN_MICRO:-4}" --pack on --out "$out/train-alone-7b.json" > "$out/log" 2>&1
       echo "train_alone exit $?"; grep -v "^{" "$out/log" | tail -4; cut -c1-700 "$out/log" | grep "^{" ;;
+    writer-stalls)
+      # CPU only: the checkpoint writer's stalls of a round-trip loop, thread against process
+      # (bench/writer_stalls.py), on a host with cores to spare.
+      python3 bench/writer_stalls.py --gigabytes 4 --repeats 2 --out "$out/writer-stalls.json" \
+        > "$out/log" 2>&1
+      echo "writer_stalls exit $?"; grep "^{" "$out/log" | cut -c1-220 ;;
     staging-probe)
       python3 bench/staging_probe.py > "$out/probe.txt" 2>&1
       echo "staging_probe exit $?"; cat "$out/probe.txt" ;;
