@@ -16,7 +16,8 @@ only how many there are and how they fall into micro-batches.
 
 With `--ranks N` each rank is a process on its own card (gloo on the CPU), the rollout's prompts
 dealt out as the colocated loop deals them (rank r takes every N-th), each rank's answers its
-own; the seconds are rank 0's, whose steps end with every rank's (FSDP's collectives).
+own; the seconds are rank 0's, whose steps end with every rank's (FSDP's collectives). An OOM
+on one rank leaves the others waiting in a collective: size the micro-batch by the plan.
 
 Per configuration (micro-batch size x packing): one untimed warm-up step on a few rows (AdamW
 allocates its moments at the first step), then `--iterations` timed train steps on the whole
@@ -196,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=1, help="FSDP ranks, one card each")
     args = parser.parse_args(argv)
     store = Path(tempfile.mkdtemp(prefix="rljob-train-alone-")) / "store"
+    prompts = args.prompts or (4 if args.smoke else WORKLOADS[args.workload].prompts)
+    if prompts % args.ranks:
+        # Unpacked micro-batch counts would differ between ranks, and FSDP's collectives hang.
+        parser.error(f"--ranks {args.ranks} must divide the rollout's {prompts} prompts")
     if args.ranks == 1:
         return _rank_main(0, args, store)
     import torch.multiprocessing as mp
@@ -256,8 +261,12 @@ def _rank_main(rank: int, args: argparse.Namespace, store: Path) -> int:
     }
     for micro in micro_sizes:
         for pack in packs:
-            if args.deadline_seconds and time.perf_counter() - started > args.deadline_seconds:
-                print(f"deadline: micro-batch {micro} pack {pack} not run", flush=True)
+            late = [bool(args.deadline_seconds)
+                    and time.perf_counter() - started > args.deadline_seconds]  # fmt: skip
+            dist.broadcast_object_list(late, src=0)  # rank 0's clock decides for every rank
+            if late[0]:
+                if rank == 0:
+                    print(f"deadline: micro-batch {micro} pack {pack} not run", flush=True)
                 continue
             trainer.spec = _spec(args, workload, model_path, micro)
             trainer.pack_micro_batches = pack

@@ -94,8 +94,10 @@ def run(mode: str, gigabytes: float, baseline_seconds: float) -> dict[str, Any]:
             done = threading.Event()
 
             def write() -> None:
-                dcp.save(state, storage_writer=FileWriter(directory), no_dist=True)
-                done.set()
+                try:
+                    dcp.save(state, storage_writer=FileWriter(directory), no_dist=True)
+                finally:
+                    done.set()  # a failed write ends the measurement too
 
             started = time.perf_counter()
             threading.Thread(target=write, daemon=True).start()

@@ -192,6 +192,9 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
     from rljob_worker.train import Trainer
 
     monkeypatch.setenv(WEIGHT_SYNC_ENV, sync_path)
+    # The direct path must place every tensor itself (its schedulers inherit this): a fallback
+    # to sglang's load_weights would pass the weights check while measuring the wrong path.
+    monkeypatch.setenv("RLJOB_SGLANG_DIRECT_STRICT", "1")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a, b = random_qwen2(tmp_path / "a", seed=1), random_qwen2(tmp_path / "b", seed=2)

@@ -291,6 +291,9 @@ def test_tp2_weights_equal_the_trainers_after_every_update_and_answers_part_only
     # The ranks (spawned) inherit it: one payload or buffer per rank and bucket, or one handle per
     # tensor.
     monkeypatch.setenv(WEIGHT_SYNC_ENV, sync_path)
+    # The direct path must place every tensor itself (its schedulers inherit this): a fallback
+    # to sglang's load_weights would pass the weights check while measuring the wrong path.
+    monkeypatch.setenv("RLJOB_SGLANG_DIRECT_STRICT", "1")
     out = run_ranks(_tp_rank_main, RANKS, [str(d) for d in dirs], timeout_seconds=900)
     for rank in range(RANKS):
         assert "error" not in out[rank], out[rank].get("error")

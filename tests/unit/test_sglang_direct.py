@@ -177,6 +177,32 @@ def test_what_the_rules_do_not_place_goes_to_sglangs_own_loader() -> None:
     assert [n for n, _ in copy_into(bare, full.items(), tp=(0, 1))] == list(full)
 
 
+def test_resized_vocabularies_own_loaders_and_tied_heads_are_not_copied_verbatim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An embedding of another vocabulary size, and a parameter whose own weight_loader does
+    more than copy (a Gemma norm), go to sglang's loader; a tied head sent by name needs no copy
+    (the embedding is the head); with RLJOB_SGLANG_DIRECT_STRICT set, what is not placed is an
+    error instead."""
+    config = {**CONFIG, "tie_word_embeddings": True}
+    full = full_weights(config)
+    model = engine_model(full, config, 0, 1)
+    norm = dict(model.named_parameters())["model.norm.weight"]
+
+    def gemma_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None: ...
+
+    norm.weight_loader = gemma_weight_loader  # type: ignore[attr-defined]
+    resized = ("model.embed_tokens.weight", torch.ones(CONFIG["vocab_size"] + 8, 16).bfloat16())
+    head = ("lm_head.weight", full["model.embed_tokens.weight"])
+    rest = copy_into(model, [resized, head, ("model.norm.weight", full["model.norm.weight"])],
+                     tp=(0, 1))  # fmt: skip
+    assert [n for n, _ in rest] == ["model.embed_tokens.weight", "model.norm.weight"]
+    monkeypatch.setenv(sglang_direct.STRICT_ENV, "1")
+    strict = engine_model(full, config, 0, 1)
+    with pytest.raises(EngineWeightsError, match="does not place it"):
+        copy_into(strict, [resized], tp=(0, 1))
+
+
 def test_a_tensor_that_does_not_fit_its_parameter_is_refused_by_name() -> None:
     config = {**CONFIG, "tie_word_embeddings": False}
     full = full_weights(config)

@@ -84,18 +84,19 @@ def stopped_and_resumed(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Path, LocalRun, LocalRun]:
     root = tmp_path_factory.mktemp("resumed")
-    # These runs start each writer after the weight sync (the straight run: in the checkpoint
-    # stage, the default); the ranks inherit the setting. Their result must be the same.
+    first = run_local(_spec(root, STOP, keep=10), 2, "cpu")
+    assert first.ok, first.errors
+    shutil.copytree(root / "export", root / "export-at-2")
+    # A save of iteration 3 that died before its marker: resume must not pick it.
+    broken = checkpoint_dir(root / "ckpt", STOP + 1)
+    shutil.copytree(checkpoint_dir(root / "ckpt", STOP), broken)
+    (broken / MARKER).unlink()
+    # The resumed run starts each writer after the weight sync (the straight and the stopped
+    # run: in the checkpoint stage, the default); the ranks inherit the setting. The result
+    # must be the same either way.
     before = os.environ.get(WRITER_START_ENV)
     os.environ[WRITER_START_ENV] = "after_sync"
     try:
-        first = run_local(_spec(root, STOP, keep=10), 2, "cpu")
-        assert first.ok, first.errors
-        shutil.copytree(root / "export", root / "export-at-2")
-        # A save of iteration 3 that died before its marker: resume must not pick it.
-        broken = checkpoint_dir(root / "ckpt", STOP + 1)
-        shutil.copytree(checkpoint_dir(root / "ckpt", STOP), broken)
-        (broken / MARKER).unlink()
         second = run_local(_spec(root, ITERATIONS, keep=10), 2, "cpu")
         assert second.ok, second.errors
     finally:
@@ -210,6 +211,25 @@ def test_two_ranks_checkpoint_resumes_resharded_on_one_rank(
     ours = load_file(str(tmp_path / "export" / "model.safetensors"))
     theirs = load_file(str(root / "export-at-2" / "model.safetensors"))
     assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+
+
+def test_a_writer_held_for_the_sync_still_completes_when_a_peer_fails_in_the_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RLJOB_CHECKPOINT_WRITER_START=after_sync, an OOM on rank 1 in iteration 2's wake_weights,
+    right after that iteration's checkpoint stage: rank 1's drain releases its writer, whose
+    collectives need rank 0's; rank 0 is blocked in the sync and never reaches the releasing
+    boundary, so its writer must write on its own (after WRITER_HOLD_SECONDS), or iteration 2's
+    checkpoint is lost and a retry resumes from 1 (seen in review before the hold had a
+    timeout: only [1] complete, after 328 s)."""
+    from rljob_worker.memory import OOMInjection
+
+    monkeypatch.setenv(WRITER_START_ENV, "after_sync")
+    spec = _spec(tmp_path, 3, keep=10)
+    oom = OOMInjection(stage=Stage.WAKE_WEIGHTS, rank=1, iteration=2)
+    run = run_local(spec, 2, "cpu", inject_oom=oom)
+    assert not run.ok
+    assert [i for i, _ in complete_checkpoints(tmp_path / "ckpt")] == [1, 2]
 
 
 def test_oom_retry_resumes_from_the_newest_checkpoint_with_the_new_knobs(tmp_path: Path) -> None:

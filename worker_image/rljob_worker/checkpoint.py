@@ -43,7 +43,13 @@ from rljob.api import (
     RLJobSpec,
 )
 from rljob.report import Stage
-from rljob_worker.checkpoint_writer import FileWriter, HostLookup, deferred_thread, host_state_dict
+from rljob_worker.checkpoint_writer import (
+    FileWriter,
+    HostLookup,
+    held_thread,
+    host_state_dict,
+    start_thread,
+)
 from rljob_worker.model import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -312,8 +318,8 @@ class _InFlight:
     started: float
     blocked_seconds: float
     future: Future[_Written]
-    # Starts the writer (idempotent); until then the future stays pending (WRITER_START_ENV).
-    start: Callable[[], None]
+    # Releases a writer held back for the weight sync (WRITER_START_ENV; idempotent).
+    release: Callable[[], None]
 
 
 def check_compatible(meta: dict[str, Any], spec: RLJobSpec, directory: Path) -> None:
@@ -418,7 +424,7 @@ def export(model: torch.nn.Module, spec: RLJobSpec, model_path: Path | str, targ
     return str(target)
 
 
-# When an asynchronous save's writer starts (RLJOB_CHECKPOINT_WRITER_START, the rank's
+# When an asynchronous save's writer starts writing (RLJOB_CHECKPOINT_WRITER_START, the rank's
 # environment): "stage" (the default) in the checkpoint stage, right after the copy to host
 # memory; "after_sync": at the boundary after wake_weights, so that the weight sync does not run
 # beside the writer (at 7B on two H200s it took 3.37 s beside both ranks' writers against
@@ -427,8 +433,18 @@ def export(model: torch.nn.Module, spec: RLJobSpec, model_path: Path | str, targ
 # until the two have been measured on a GPU against each other.
 WRITER_START_ENV = "RLJOB_CHECKPOINT_WRITER_START"
 WRITER_STARTS = ("stage", "after_sync")
-# The stage after which an "after_sync" writer starts.
+# The stage after which an "after_sync" writer is released.
 WRITER_STARTS_AFTER = Stage.WAKE_WEIGHTS
+# A held-back writer writes anyway after this long: where a rank's loop stops before the
+# boundary (an OOM on another rank, whose drain() needs this rank's writer for the writers'
+# collectives), the checkpoint still completes, well inside the grace a driver gives a blocked
+# rank before ending it (driver/local.py: 10 s). The checkpoint stage's boundary to the end of
+# the sync took under 1 s at 7B on two H200s without a writer beside it.
+WRITER_HOLD_SECONDS = 3.0
+
+
+def _nothing() -> None:
+    """The release of a writer that was never held."""
 
 
 def writer_start() -> str:
@@ -504,13 +520,20 @@ class Keeper:
         log.debug("checkpoint %d: %d bytes viewed in host copies, %d copied", iteration,
                   host.viewed_bytes, host.copied_bytes)  # fmt: skip
         spec, group = self.spec, self._group
-        future, start = deferred_thread(
-            lambda: _write(host.state, rng, spec, iteration, directory, group),
-            f"checkpoint-writer-{iteration}",
+
+        def work() -> _Written:
+            return _write(host.state, rng, spec, iteration, directory, group)
+
+        name = f"checkpoint-writer-{iteration}"
+        held = (
+            self.writer_start == "after_sync"
+            and self.spec.checkpoint.mode is not CheckpointMode.SYNC
         )
-        self._in_flight = _InFlight(iteration, directory, started, 0.0, future, start)
-        if self.writer_start == "stage" or self.spec.checkpoint.mode is CheckpointMode.SYNC:
-            start()
+        if held:
+            future, release = held_thread(work, name, WRITER_HOLD_SECONDS)
+        else:
+            future, release = start_thread(work, name), _nothing
+        self._in_flight = _InFlight(iteration, directory, started, 0.0, future, release)
         if self.host is not None:
             self.host.hold_host_copies(self._wait_for_writer)
         if self.spec.export is not None and self.spec.export.with_checkpoints:
@@ -523,10 +546,11 @@ class Keeper:
         """At a stage boundary (collective while a writer runs), after `stage`: all ranks agree
         on how far the writers are. Every one done: the checkpoint is complete (take() reports
         it); any one failed: CheckpointFailed on every rank, here, together. A writer held back
-        for the weight sync ("after_sync") starts here once `stage` is WRITER_STARTS_AFTER."""
+        for the weight sync ("after_sync") is released here once `stage` is
+        WRITER_STARTS_AFTER."""
         if self._in_flight is not None:
             if stage == WRITER_STARTS_AFTER:
-                self._in_flight.start()
+                self._in_flight.release()
             self._agree(self._in_flight)
 
     def finish(self) -> None:
@@ -539,7 +563,7 @@ class Keeper:
         checkpoint. Bounded: a writer whose peer process is gone gives up, not the job."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
-            in_flight.start()  # one held back for a weight sync that the OOM cut short
+            in_flight.release()  # one held back for a weight sync that the OOM cut short
             done, _ = futures.wait([in_flight.future], timeout=timeout_seconds)
             if not done:
                 log.warning("checkpoint writer of iteration %d still running after %.0f s: "
@@ -550,7 +574,7 @@ class Keeper:
         in_flight = self._in_flight
         if in_flight is None or in_flight.future.done():
             return
-        in_flight.start()  # a writer still held back starts now: something waits for it
+        in_flight.release()  # a writer still held back writes now: something waits for it
         waiting = time.perf_counter()
         futures.wait([in_flight.future])
         in_flight.blocked_seconds += time.perf_counter() - waiting

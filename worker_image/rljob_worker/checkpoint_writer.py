@@ -93,33 +93,35 @@ def host_state_dict(
 
 
 def start_thread(work: Callable[[], T], name: str) -> Future[T]:
-    """Run `work` on a thread of its own; its result or exception in the returned future."""
-    future, start = deferred_thread(work, name)
-    start()
-    return future
-
-
-def deferred_thread(work: Callable[[], T], name: str) -> tuple[Future[T], Callable[[], None]]:
-    """`work`'s future, and the call that starts it on a thread of its own (only the first
-    call starts it; the future stays pending until then).
+    """Run `work` on a thread of its own; its result or exception in the returned future.
 
     A daemon thread: a process that ends (or is killed) while it writes leaves the checkpoint
     without its marker, which no resume picks; nothing waits for it at interpreter exit."""
+    future, release = held_thread(work, name, hold_seconds=0.0)
+    release()
+    return future
+
+
+def held_thread(
+    work: Callable[[], T], name: str, hold_seconds: float
+) -> tuple[Future[T], Callable[[], None]]:
+    """Start a thread that runs `work` once released (the returned call), or after
+    `hold_seconds` without a release, whichever comes first; its result or exception in the
+    returned future. The timeout makes sure it runs even where the release never comes (a peer
+    rank's OOM stops the loop before the boundary that releases it, while the writer's own
+    collectives wait for this rank's writer)."""
     future: Future[T] = Future()
-    started = threading.Event()
+    go = threading.Event()
 
     def run() -> None:
+        go.wait(timeout=hold_seconds)
         try:
             future.set_result(work())
         except BaseException as exc:  # handed to whoever waits, re-raised there
             future.set_exception(exc)
 
-    def start() -> None:
-        if not started.is_set():
-            started.set()
-            threading.Thread(target=run, name=name, daemon=True).start()
-
-    return future, start
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future, go.set
 
 
 def own_storage(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -90,13 +91,16 @@ def rank_copies(
     layout: DenseLayout,
     tp_rank: int,
     param_rows: Mapping[str, int],
+    transformed: frozenset[str] = frozenset(),
 ) -> list[Copy] | None:
     """Where TP rank `tp_rank` keeps its part of the trainer's full tensor `name` of `shape`.
 
     `param_rows` maps each of the engine's parameter names to its first dimension (the vocabulary
-    shard's rows come from it: sglang pads the vocabulary). None: the rules do not place `name`
-    (no such parameter, or a shape that does not divide as the layout says); the caller then
-    lets sglang's own loader take it. A tied LM head that the engine does not hold apart from
+    shard's rows come from it: sglang pads the vocabulary). `transformed`: parameters whose own
+    weight_loader does more than copy (a Gemma norm keeps `weight + 1` beside it), which no
+    rule copies verbatim. None: the rules do not place `name` (no such parameter, a shape that
+    does not divide as the layout says, a resized vocabulary); the caller then lets sglang's
+    own loader take it. A tied LM head that the engine does not hold apart from
     the embedding needs no copy (an empty list).
     """
     tp, r = layout.tp_size, tp_rank
@@ -131,10 +135,12 @@ def rank_copies(
         if name not in param_rows:
             tied = name.endswith("lm_head.weight") and layout.tie_word_embeddings
             return [] if tied else None
+        if shape[0] != layout.vocab_size:
+            return None  # a resized vocabulary: sglang's own loader refuses it by name
         per_rank = param_rows[name]
         rows = min(per_rank, shape[0] - r * per_rank)
         return [Copy(name, 0, 0, r * per_rank, rows)] if rows > 0 else []
-    if name in param_rows:
+    if name in param_rows and name not in transformed:
         return [Copy(name, None, 0, 0, shape[0] if shape else 0)]
     return None
 
@@ -181,7 +187,27 @@ class _Targets:
     layout: DenseLayout | None
     tp_rank: int
     rows: dict[str, int]
+    transformed: frozenset[str]
     plans: dict[tuple[str, tuple[int, ...]], list[Copy] | None]
+    fallbacks: set[str]
+
+
+# RLJOB_SGLANG_DIRECT_STRICT=1 (the schedulers inherit the rank's environment): a tensor the rules
+# do not place is an error instead of a slow load through the model's load_weights (the GPU
+# tests set it, so the direct path they check is the direct path).
+STRICT_ENV = "RLJOB_SGLANG_DIRECT_STRICT"
+
+
+def _transformed(params: Mapping[str, Any]) -> frozenset[str]:
+    """Parameters of layers not otherwise placed whose weight_loader is their own: copying
+    them verbatim would skip what it does. sglang's plain parameters have none, or its
+    default_weight_loader."""
+    names = set()
+    for name, param in params.items():
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None and getattr(loader, "__name__", "") != "default_weight_loader":
+            names.add(name)
+    return frozenset(names)
 
 
 # One entry per model this process loads into (the scheduler holds one; a test several).
@@ -195,9 +221,12 @@ def _targets(model: Any, tp: tuple[int, int] | None = None) -> _Targets:
     tp_rank, tp_size = tp or _tp_rank_and_size()
     params = dict(model.named_parameters())
     config = getattr(model, "config", None)
-    layout = layout_of(config, tp_size) if config is not None else None
+    try:
+        layout = layout_of(config, tp_size) if config is not None else None
+    except (TypeError, ValueError, KeyError):
+        layout = None  # not a dense decoder's config (a nested text_config, ...): all to sglang
     rows = {name: int(p.shape[0]) if p.dim() else 0 for name, p in params.items()}
-    targets = _Targets(params, layout, tp_rank, rows, {})
+    targets = _Targets(params, layout, tp_rank, rows, _transformed(params), {}, set())
     _TARGETS[model] = targets
     return targets
 
@@ -216,10 +245,25 @@ def copy_into(
             targets.plans[key] = (
                 None
                 if targets.layout is None
-                else rank_copies(name, key[1], targets.layout, targets.tp_rank, targets.rows)
+                else rank_copies(
+                    name,
+                    key[1],
+                    targets.layout,
+                    targets.tp_rank,
+                    targets.rows,
+                    targets.transformed,
+                )
             )
         plan = targets.plans[key]
         if plan is None:
+            if os.environ.get(STRICT_ENV, "").strip() not in ("", "0"):
+                raise EngineWeightsError(
+                    f"{name} {tuple(tensor.shape)}: the direct loader does not place it "
+                    f"({STRICT_ENV} is set; unset it to let sglang's own loader take it)"
+                )
+            if name not in targets.fallbacks:
+                targets.fallbacks.add(name)
+                log.warning("direct weight load: %s goes through the model's load_weights", name)
             rest.append((name, tensor))
             continue
         for copy in plan:
@@ -253,7 +297,6 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     for name, buffer in named_tensors:
         rest += copy_into(model, unpack(name, buffer))
     if rest:
-        log.info("direct weight load: %d tensors through the model's load_weights", len(rest))
         model.load_weights(rest)
     if torch.cuda.is_available():
         torch.cuda.current_stream().synchronize()
