@@ -1175,6 +1175,9 @@ def main(argv: list[str] | None = None) -> int:
         (m, f, path, str(overlap))
         for m, fs in plan.items() for f in fs for path in sync_paths for overlap in overlaps
     ]  # fmt: skip
+    # This run's points append their stages here: a run into a folder used before starts it
+    # anew (two 7B runs in one step folder on 2026-11-27 shared one file).
+    (args.out / "stages.jsonl").unlink(missing_ok=True)
     failed_modes: set[str] = set()
     for mode, fraction, sync_path, overlap in points_to_run:
         tag = f"[{sync_path}, overlap {overlap}]"
