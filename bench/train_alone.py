@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=1, help="FSDP ranks, one card each")
     args = parser.parse_args(argv)
     store = Path(tempfile.mkdtemp(prefix="rljob-train-alone-")) / "store"
-    prompts = args.prompts or (4 if args.smoke else WORKLOADS[args.workload].prompts)
+    prompts = args.prompts or _workload(args).prompts
     if prompts % args.ranks:
         # Unpacked micro-batch counts would differ between ranks, and FSDP's collectives hang.
         parser.error(f"--ranks {args.ranks} must divide the rollout's {prompts} prompts")
@@ -209,13 +209,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _workload(args: argparse.Namespace) -> Workload:
+    """--workload's shape; with --smoke, a few rows of short answers (of mixed lengths where
+    the workload's vary)."""
+    workload = WORKLOADS[args.workload]
+    if args.smoke:
+        hazard = 0.1 if workload.eos_hazard else None
+        workload = Workload(4, 4, 32, 2, workload.gradient_checkpointing, hazard)
+    return workload
+
+
 def _rank_main(rank: int, args: argparse.Namespace, store: Path) -> int:
     """One rank's steps (rank 0 reports); the whole run where --ranks is 1."""
     started = time.perf_counter()
-    workload = WORKLOADS[args.workload]
-    if args.smoke:  # a few rows of short answers (of mixed lengths where the workload's vary)
-        hazard = 0.1 if workload.eos_hazard else None
-        workload = Workload(4, 4, 32, 2, workload.gradient_checkpointing, hazard)
+    workload = _workload(args)
     args.prompts = args.prompts or workload.prompts
     micro_sizes = [int(m) for m in args.micro_batch_size.split(",")]
     packs = [{"on": True, "off": False}[p] for p in args.pack.split(",")]

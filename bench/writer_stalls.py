@@ -49,17 +49,20 @@ def _state(gigabytes: float) -> dict[str, Any]:
     return {f"t{i}": torch.randn(TENSOR_BYTES // 4) for i in range(count)}
 
 
-def _write(directory: str, gigabytes: float, ready: Any = None) -> float:
+def _save(state: dict[str, Any], directory: str) -> None:
+    """What the Keeper's writer does with the state: dcp.save through rljob's FileWriter."""
     import torch.distributed.checkpoint as dcp
 
     from rljob_worker.checkpoint_writer import FileWriter
 
-    state = _state(gigabytes)
-    if ready is not None:
-        ready.set()  # built: the write starts now
-    started = time.perf_counter()
     dcp.save(state, storage_writer=FileWriter(directory), no_dist=True)
-    return time.perf_counter() - started
+
+
+def _write(directory: str, gigabytes: float, ready: Any) -> None:
+    """The writer process: build the state, say so, write it."""
+    state = _state(gigabytes)
+    ready.set()  # built: the write starts now
+    _save(state, directory)
 
 
 def _round_trips(alive: Callable[[], bool]) -> list[float]:
@@ -87,15 +90,11 @@ def run(mode: str, gigabytes: float, baseline_seconds: float) -> dict[str, Any]:
             trips = _round_trips(lambda: time.perf_counter() - started < baseline_seconds)
         elif mode == "thread":
             state = _state(gigabytes)  # built before the clock, as the stage builds it
-            import torch.distributed.checkpoint as dcp
-
-            from rljob_worker.checkpoint_writer import FileWriter
-
             done = threading.Event()
 
             def write() -> None:
                 try:
-                    dcp.save(state, storage_writer=FileWriter(directory), no_dist=True)
+                    _save(state, directory)
                 finally:
                     done.set()  # a failed write ends the measurement too
 

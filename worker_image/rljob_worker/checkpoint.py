@@ -48,7 +48,6 @@ from rljob_worker.checkpoint_writer import (
     HostLookup,
     held_thread,
     host_state_dict,
-    start_thread,
 )
 from rljob_worker.model import torch_dtype
 
@@ -443,10 +442,6 @@ WRITER_STARTS_AFTER = Stage.WAKE_WEIGHTS
 WRITER_HOLD_SECONDS = 3.0
 
 
-def _nothing() -> None:
-    """The release of a writer that was never held."""
-
-
 def writer_start() -> str:
     """RLJOB_CHECKPOINT_WRITER_START, checked (unset: "stage")."""
     choice = os.environ.get(WRITER_START_ENV, "").strip().lower() or WRITER_STARTS[0]
@@ -529,10 +524,9 @@ class Keeper:
             self.writer_start == "after_sync"
             and self.spec.checkpoint.mode is not CheckpointMode.SYNC
         )
-        if held:
-            future, release = held_thread(work, name, WRITER_HOLD_SECONDS)
-        else:
-            future, release = start_thread(work, name), _nothing
+        future, release = held_thread(work, name, WRITER_HOLD_SECONDS)
+        if not held:
+            release()
         self._in_flight = _InFlight(iteration, directory, started, 0.0, future, release)
         if self.host is not None:
             self.host.hold_host_copies(self._wait_for_writer)

@@ -145,25 +145,6 @@ def rank_copies(
     return None
 
 
-def _config_field(config: Any, key: str) -> Any:
-    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
-
-
-def layout_of(config: Any, tp_size: int) -> DenseLayout:
-    """A DenseLayout from a model config (a Hugging Face config object, or its dict)."""
-    heads = int(_config_field(config, "num_attention_heads"))
-    return DenseLayout(
-        tp_size=tp_size,
-        num_heads=heads,
-        num_kv_heads=int(_config_field(config, "num_key_value_heads") or heads),
-        head_dim=int(
-            _config_field(config, "head_dim") or _config_field(config, "hidden_size") // heads
-        ),
-        vocab_size=int(_config_field(config, "vocab_size")),
-        tie_word_embeddings=bool(_config_field(config, "tie_word_embeddings")),
-    )
-
-
 # Where sglang says a scheduler's TP place (0.5.17 and 0.5.23; the contract test checks both).
 TP_PLACE = (
     "sglang.srt.distributed.parallel_state",
@@ -222,7 +203,7 @@ def _targets(model: Any, tp: tuple[int, int] | None = None) -> _Targets:
     params = dict(model.named_parameters())
     config = getattr(model, "config", None)
     try:
-        layout = layout_of(config, tp_size) if config is not None else None
+        layout = DenseLayout.from_config(config, tp_size) if config is not None else None
     except (TypeError, ValueError, KeyError):
         layout = None  # not a dense decoder's config (a nested text_config, ...): all to sglang
     rows = {name: int(p.shape[0]) if p.dim() else 0 for name, p in params.items()}

@@ -20,7 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -46,15 +46,27 @@ class DenseLayout:
 
     @classmethod
     def from_model(cls, model_path: str | Path, tp_size: int) -> DenseLayout:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        heads = int(config["num_attention_heads"])
+        return cls.from_config(json.loads((Path(model_path) / "config.json").read_text()), tp_size)
+
+    @classmethod
+    def from_config(cls, config: Any, tp_size: int) -> DenseLayout:
+        """From a model config: config.json's dict, or a Hugging Face config object (what
+        sglang's model holds). A required field it lacks is a KeyError."""
+
+        def get(key: str, required: bool = False) -> Any:
+            value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+            if value is None and required:
+                raise KeyError(key)
+            return value
+
+        heads = int(get("num_attention_heads", required=True))
         return cls(
             tp_size=tp_size,
             num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            vocab_size=int(config["vocab_size"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            num_kv_heads=int(get("num_key_value_heads") or heads),
+            head_dim=int(get("head_dim") or get("hidden_size", required=True) // heads),
+            vocab_size=int(get("vocab_size", required=True)),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
         )
 
     @property

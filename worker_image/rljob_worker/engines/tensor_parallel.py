@@ -266,8 +266,9 @@ class TensorParallelEngine(ColocatedEngine):
         On the direct path each rank sends its bucket's buffer (one handle) and the bucket's
         layout as its name, which must be every rank's; where sglang has the flattened-bucket
         path, each rank sends one payload for the whole bucket (its buffer's IPC handle and the
-        tensors' places in it), else one handle per tensor. This rank's tensors stay referenced (`named`, `flat`) until the leader reports
-        the bucket loaded: an IPC handle is only good while its tensor lives.
+        tensors' places in it), else one handle per tensor. This rank's tensors stay referenced
+        (`named`, `flat`) until the leader reports the bucket loaded: an IPC handle is only good
+        while its tensor lives.
         """
         named = [(name, tensor.detach()) for name, tensor in bucket]
         names = [name for name, _ in named]
