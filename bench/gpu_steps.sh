@@ -38,10 +38,12 @@
 #                0.3: log-normal, median 0.3 s, as a code runner or a search API), 2-4 turns
 #                (builtin:python's pool of runners); mt-tools-spawn: the same with the interpreter
 #                spawned per call it replaced (--python-runner spawn), to compare on one machine
+#   mt-long      #32: mt-tools at 3 turns with turns of up to 256 x 1/4..4 tokens (agentic lengths)
 #   tool-runner  #32: bench/tool_runner.py, builtin:python's calls/s spawn against pool (CPU only)
 #   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
 #   sync-direct  #33: the same for the direct hand-off against the per-tensor one (one card)
-#   sync-buckets #33: the direct hand-off with 512 and 2048 MiB buckets (one card)
+#   sync-buckets #33: the direct hand-off with 512, 2048 and 8192 MiB buckets (one card;
+#                BUCKETS_MB), the loader's own seconds beside each hand-off
 #   realistic-7b #33/#30: 7B realistic over two cards with the async checkpoint (gpu_bg.sh;
 #                SYNC_PATH, ALONE=1)
 #   realistic    #33: 3B realistic workload, before and after (one card)
@@ -157,6 +159,13 @@ for step in "$@"; do
         --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 256 --turns 2 3 4 --spread \
         --tool-seconds 0.3 --python-runner $runner --out "$out/tools" > "$out/log" 2>&1
       tail -12 "$out/log" ;;
+    mt-long)
+      # mt-tools at agentic turn lengths: a turn samples up to 256 x 1/4..4 tokens (--spread:
+      # 64-1024, long-tailed) instead of 24 x that, 3 turns, the same slow tools.
+      model qwen2.5-0.5b && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
+        --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 256 --turns 3 --turn-tokens 256 \
+        --spread --tool-seconds 0.3 --out "$out/long" > "$out/log" 2>&1
+      tail -12 "$out/log" ;;
     tool-runner)
       python3 bench/tool_runner.py --calls 64 256 --repeats 5 --out "$out/tool_runner" > "$out/log" 2>&1
       tail -9 "$out/log" ;;
@@ -186,13 +195,21 @@ for step in "$@"; do
         --sync-path before,direct --no-alone --deadline-seconds 420 --out "$out/run" > "$out/log" 2>&1
       echo "colocate exit $?"; tail -30 "$out/log" ;;
     sync-buckets)
-      # The direct hand-off's bucket size at 3B, one card: 512 MiB (the spec's default) and 2048
-      # (a quarter of the buckets; the plan's weight-sync stage holds two at a time).
-      for mb in 512 2048; do
-        colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
-          --sync-path direct --bucket-mb $mb --no-alone --deadline-seconds 240 \
+      # The direct hand-off's bucket size at 3B, one card: 512 MiB (the spec's default), 2048
+      # (a quarter of the buckets; the plan's weight-sync stage holds two at a time) and 8192
+      # (the whole 6.2 GB model in one). The loader's own seconds per call go to
+      # mbN-loader.jsonl (RLJOB_SGLANG_DIRECT_TIMINGS): the hand-off less those is the
+      # request's trip through sglang's processes.
+      for mb in ${BUCKETS_MB:-512 2048 8192}; do
+        RLJOB_SGLANG_DIRECT_TIMINGS=$out/mb$mb-loader.jsonl \
+          colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
+          --sync-path direct --bucket-mb "$mb" --no-alone --deadline-seconds 240 \
           --out "$out/mb$mb" > "$out/mb$mb.log" 2>&1
-        echo "bucket $mb MiB: colocate exit $?"; grep -E "weight sync within" "$out/mb$mb.log"
+        echo "bucket $mb MiB: colocate exit $?"; grep -E "weight sync within|hand-off" "$out/mb$mb.log" | tail -3
+        python3 -c "import json, statistics as s, sys; r = [json.loads(l) for l in open(sys.argv[1])]; \
+print(f'loader calls {len(r)}, bytes/call {s.median(x[\"bytes\"] for x in r) / 2**20:.0f} MiB, seconds/call median \
+{s.median(x[\"seconds\"] for x in r) * 1e3:.2f} ms (launch {s.median(x[\"launch_seconds\"] for x in r) * 1e3:.2f} ms), \
+fallback tensors {sum(x[\"fallback_tensors\"] for x in r)}')" "$out/mb$mb-loader.jsonl"
       done ;;
     realistic-7b)
       # #33 and #30: 7B over two cards (one engine and one FSDP rank per card), the realistic
@@ -276,6 +293,7 @@ for step in "$@"; do
       tail -30 "$out/log" ;;
     two-gpu | two-gpu-1 | two-gpu-2)
       case $step in two-gpu) select="" ;; two-gpu-1) select="tp2" ;; *) select="not tp2" ;; esac
+      [[ -n ${PYTEST_K:-} ]] && select="${select:+$select and }($PYTEST_K)"
       python3 -m pytest -v -s tests/gpu/test_two_gpu_sglang.py -k "$select" > "$out/pytest.log" 2>&1
       echo "pytest exit $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/pytest.log" | tail -12 ;;
     auto-7b)

@@ -11,6 +11,8 @@ its load_weights, as in a scheduler. The adapter's side runs against SGLangEngin
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +35,7 @@ from rljob_worker.engines.sglang_engine import (
     flattened_bucket_metadata,
     weight_sync_choice,
 )
+from rljob_worker.engines.sglang_handoff import direct_chosen
 from rljob_worker.engines.sglang_weights import EngineWeightsError
 from rljob_worker.weight_sync import flatten
 
@@ -147,11 +150,17 @@ def test_a_second_sync_overwrites_the_first_and_touches_only_this_ranks_rows() -
     assert_holds(model, expected_shards(second, config, 1, 2))
 
 
-def test_the_loader_takes_the_adapters_flat_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """load() as the schedulers call it: (payload name, uint8 buffer) pairs, one per bucket."""
+def test_the_loader_takes_the_adapters_flat_buckets(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """load() as the schedulers call it: (payload name, uint8 buffer) pairs, one per bucket;
+    with RLJOB_SGLANG_DIRECT_TIMINGS set, each call appends what it took (the bench's split of
+    a hand-off into the loader's part and the request's)."""
     config = {**CONFIG, "tie_word_embeddings": False}
     full = full_weights(config)
     monkeypatch.setattr(sglang_direct, "_tp_rank_and_size", lambda: (1, 2))
+    timings = tmp_path / "loader.jsonl"
+    monkeypatch.setenv(sglang_direct.TIMINGS_ENV, str(timings))
     model = engine_model(full, config, 1, 2)
     names = list(full)
     buckets = [names[: len(names) // 2], names[len(names) // 2 :]]
@@ -159,9 +168,16 @@ def test_the_loader_takes_the_adapters_flat_buckets(monkeypatch: pytest.MonkeyPa
     for bucket in buckets:
         flat = flatten([(n, full[n]) for n in bucket])
         payloads.append((payload_name(flat), flat.buffer))
-    load(model, payloads)
+    load(model, payloads[:1])
+    load(model, payloads[1:])
     assert_holds(model, expected_shards(full, config, 1, 2))
     assert model.given == []
+    lines = [json.loads(line) for line in timings.read_text().splitlines()]
+    assert [line["buckets"] for line in lines] == [1, 1]
+    assert [line["bytes"] for line in lines] == [int(b.numel()) for _, b in payloads]
+    assert sum(line["bytes"] for line in lines) == sum(t.numel() * 2 for t in full.values())
+    assert all(0 <= line["launch_seconds"] <= line["seconds"] for line in lines)
+    assert all(line["fallback_tensors"] == 0 for line in lines)
 
 
 def test_what_the_rules_do_not_place_goes_to_sglangs_own_loader() -> None:
@@ -263,3 +279,22 @@ def test_a_release_without_custom_loaders_refuses_the_direct_path_at_start() -> 
             contract=sglang_direct_less,
             handoff=HANDOFF_DIRECT_STAND_IN,
         )
+
+
+def test_the_direct_path_is_the_default_and_falls_back_where_sglang_has_no_custom_loader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset, RLJOB_SGLANG_WEIGHT_SYNC means the direct path where the release runs custom
+    loaders and one tensor per parameter where it does not; asked for by name on such a release
+    it is an error, not a silent fallback."""
+    contract = CONTRACTS[SUPPORTED_SGLANG_VERSIONS[-1]]
+    direct_less = dataclasses.replace(contract, direct_loader=None)
+    monkeypatch.delenv(WEIGHT_SYNC_ENV, raising=False)
+    assert weight_sync_choice() == "direct"
+    assert direct_chosen(contract) is True
+    assert direct_chosen(direct_less) is False
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, "direct")
+    with pytest.raises(SGLangVersionError, match="runs no custom weight loader"):
+        direct_chosen(direct_less)
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, "tensors")
+    assert direct_chosen(contract) is False

@@ -199,7 +199,7 @@ def test_the_flattened_path_is_found_by_import_and_missing_means_the_fallback(
     tensor_bucket: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     contract = CONTRACTS[SUPPORTED_SGLANG_VERSIONS[-1]]
-    monkeypatch.delenv(WEIGHT_SYNC_ENV, raising=False)  # the default: the verified path
+    monkeypatch.delenv(WEIGHT_SYNC_ENV, raising=False)  # the default: the direct path
     assert flattened_bucket_metadata(contract) is None
     monkeypatch.setenv(WEIGHT_SYNC_ENV, "auto")
     assert flattened_bucket_metadata(contract) is tensor_bucket.FlattenedTensorMetadata

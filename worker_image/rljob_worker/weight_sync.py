@@ -122,14 +122,14 @@ def _ready_marker() -> Callable[[], None]:
     return event.synchronize
 
 
-# RLJOB_WEIGHT_SYNC_OVERLAP=1 issues the next bucket's gather before the previous one is handed
-# over; the default (0) gathers each bucket only after the previous hand-off, the path the GPU
-# tests verified. The overlap is opt-in until it has run on a GPU (docs/weight-sync.md).
+# The next bucket's gather is issued before the previous one is handed over (the default, the
+# direct hand-off's measured setting: docs/weight-sync.md); RLJOB_WEIGHT_SYNC_OVERLAP=0 gathers
+# each bucket only after the previous hand-off.
 OVERLAP_ENV = "RLJOB_WEIGHT_SYNC_OVERLAP"
 
 
 def overlap_enabled() -> bool:
-    return os.environ.get(OVERLAP_ENV, "0").strip() not in ("", "0")
+    return os.environ.get(OVERLAP_ENV, "1").strip() not in ("", "0")
 
 
 def prefetched(gathers: Iterable[Callable[[], T]], ahead: bool = True) -> Iterator[T]:

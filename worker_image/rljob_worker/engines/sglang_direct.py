@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -218,8 +219,14 @@ def copy_into(
     """Copy each full tensor's shard for this TP rank into the model's parameters; the tensors
     the rules do not place are returned (for sglang's own loader). `tp` (rank, size) is this
     process's TP place unless given (tests)."""
+    import torch
+
     targets = _targets(model, tp)
     rest: list[tuple[str, torch.Tensor]] = []
+    # Every copy checked first, then all launched as one torch._foreach_copy_: a bucket holds
+    # hundreds of copies, and one launch each was host time the sync paid (docs/weight-sync.md).
+    dests: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
     for name, tensor in named:
         key = (name, tuple(tensor.shape))
         if key not in targets.plans:
@@ -264,7 +271,10 @@ def copy_into(
                     f"{name} {tuple(tensor.shape)}: TP rank {targets.tp_rank}'s part "
                     f"{tuple(source.shape)} does not fit {copy.target} {tuple(param.shape)}"
                 )
-            dest.copy_(source)
+            dests.append(dest)
+            sources.append(source)
+    if dests:
+        torch._foreach_copy_(dests, sources)
     return rest
 
 
@@ -274,10 +284,42 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     once the call is answered."""
     import torch
 
+    started = time.perf_counter()
     rest: list[tuple[str, torch.Tensor]] = []
     for name, buffer in named_tensors:
         rest += copy_into(model, unpack(name, buffer))
+    launched = time.perf_counter()
     if rest:
         model.load_weights(rest)
     if torch.cuda.is_available():
         torch.cuda.current_stream().synchronize()
+    record_timing(named_tensors, started, launched, time.perf_counter(), len(rest))
+
+
+# RLJOB_SGLANG_DIRECT_TIMINGS=<file> (the schedulers inherit the rank's environment): each load
+# appends one JSON line, what the loader's own part of a hand-off took, so a benchmark can tell
+# it from the request's trip through sglang's processes (bench/gpu_steps.sh sync-buckets).
+TIMINGS_ENV = "RLJOB_SGLANG_DIRECT_TIMINGS"
+
+
+def record_timing(
+    named_tensors: Sequence[tuple[str, Any]],
+    started: float,
+    launched: float,
+    done: float,
+    fallbacks: int,
+) -> None:
+    path = os.environ.get(TIMINGS_ENV, "").strip()
+    if not path:
+        return
+    line = {
+        "pid": os.getpid(),
+        "wall": time.time(),
+        "buckets": len(named_tensors),
+        "bytes": sum(int(b.numel()) * b.element_size() for _, b in named_tensors),
+        "launch_seconds": launched - started,
+        "seconds": done - started,
+        "fallback_tensors": fallbacks,
+    }
+    with open(path, "a") as out:  # one short line per write: appends from several TP ranks
+        out.write(json.dumps(line) + "\n")

@@ -54,6 +54,7 @@ from rljob_worker.engines.sglang_handoff import (
     WEIGHT_SYNC_PATHS,
     TensorHandoff,
     _patch_tensor_reductions,
+    direct_chosen,
     flattened_bucket_metadata,
     load_tensor_handoff,
     weight_sync_choice,
@@ -263,12 +264,12 @@ class SGLangEngine(ColocatedEngine):
         self._direct = (
             handoff.direct
             if handoff is not None
-            else (engine_class is None and weight_sync_choice() == "direct")
+            else (engine_class is None and direct_chosen(contract))
         )
         if self._direct and contract.direct_loader is None:
             raise SGLangVersionError(
-                f"{WEIGHT_SYNC_ENV}=direct, but sglang {contract.release} runs no custom weight "
-                "loader; unset it to hand over one tensor per parameter"
+                f"the direct weight hand-off, but sglang {contract.release} runs no custom weight "
+                f"loader; set {WEIGHT_SYNC_ENV}=tensors"
             )
         loaders = (
             {contract.direct_loader[0]: [DIRECT_LOADER]}

@@ -48,16 +48,15 @@ class TensorHandoff:
     direct: bool = False
 
 
-# RLJOB_SGLANG_WEIGHT_SYNC: "tensors" (the default: one tensor per parameter, the path the GPU
-# tests verified), "auto" (flattened buckets where the installed sglang has them),
-# "flattened_bucket" (required: an error where sglang lacks it), or "direct" (one flat buffer a
-# bucket, copied into sglang's parameters by rljob's loader in the schedulers: sglang_direct.py).
-# The other paths are opt-in: the flattened one gained nothing on an H100, and the direct one
-# (2.2x faster on an H200, one GPU's weights test passed) waits for its TP-2 GPU test
+# RLJOB_SGLANG_WEIGHT_SYNC: "direct" (the default: one flat buffer a bucket, copied into sglang's
+# parameters by rljob's loader in the schedulers, sglang_direct.py; 2.2x faster than one tensor
+# per parameter on an H200), "tensors" (one tensor per parameter, sglang's own load_weights),
+# "auto" (flattened buckets where the installed sglang has them), or "flattened_bucket"
+# (required: an error where sglang lacks it). The flattened path gained nothing on an H100
 # (docs/weight-sync.md); bench/colocate.py --sync-path measures each.
 WEIGHT_SYNC_ENV = "RLJOB_SGLANG_WEIGHT_SYNC"
 WEIGHT_SYNC_PATHS = ("auto", "tensors", "flattened_bucket", "direct")
-DEFAULT_WEIGHT_SYNC = "tensors"
+DEFAULT_WEIGHT_SYNC = "direct"
 
 
 def weight_sync_choice() -> str:
@@ -67,6 +66,22 @@ def weight_sync_choice() -> str:
     if choice not in WEIGHT_SYNC_PATHS:
         raise ValueError(f"{WEIGHT_SYNC_ENV}={choice!r} must be one of {WEIGHT_SYNC_PATHS}")
     return choice
+
+
+def direct_chosen(contract: SGLangContract) -> bool:
+    """Whether buckets go to rljob's loader in the schedulers: RLJOB_SGLANG_WEIGHT_SYNC is
+    "direct" (the default). Where the installed sglang runs no custom weight loader, the default
+    falls back to one tensor per parameter, and an explicit "direct" is an error."""
+    if weight_sync_choice() != "direct":
+        return False
+    if contract.direct_loader is not None:
+        return True
+    if os.environ.get(WEIGHT_SYNC_ENV, "").strip():
+        raise SGLangVersionError(
+            f"{WEIGHT_SYNC_ENV}=direct, but sglang {contract.release} runs no custom weight "
+            "loader; unset it to hand over one tensor per parameter"
+        )
+    return False
 
 
 def flattened_bucket_metadata(contract: SGLangContract) -> Callable[..., Any] | None:
@@ -106,5 +121,5 @@ def load_tensor_handoff() -> TensorHandoff:
         serialize=getattr(serializer, method),
         local_tensor=getattr(importlib.import_module(module), cls),
         flattened_metadata=flattened_bucket_metadata(contract),
-        direct=weight_sync_choice() == "direct",
+        direct=direct_chosen(contract),
     )
