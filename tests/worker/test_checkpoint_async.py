@@ -143,10 +143,15 @@ def test_after_sync_the_writer_waits_for_the_weight_sync_boundary(
 ) -> None:
     """RLJOB_CHECKPOINT_WRITER_START=after_sync: nothing is written until the boundary after
     wake_weights (the boundaries before it agree the writer is still running), then the
-    checkpoint completes as before; the default starts it in the stage."""
+    checkpoint completes as before. It is the default; "stage" starts the writer in the
+    checkpoint stage."""
     from rljob.report import Stage
-    from rljob_worker.checkpoint import WRITER_START_ENV
+    from rljob_worker.checkpoint import WRITER_START_ENV, writer_start
 
+    monkeypatch.delenv(WRITER_START_ENV, raising=False)
+    assert writer_start() == "after_sync"
+    monkeypatch.setenv(WRITER_START_ENV, "stage")
+    assert writer_start() == "stage"
     monkeypatch.setenv(WRITER_START_ENV, "after_sync")
     model, optimizer = _trained()
     keeper = Keeper(_spec(tmp_path / "ckpt"), model, optimizer, "builtin:tiny-qwen2")

@@ -91,11 +91,11 @@ def stopped_and_resumed(
     broken = checkpoint_dir(root / "ckpt", STOP + 1)
     shutil.copytree(checkpoint_dir(root / "ckpt", STOP), broken)
     (broken / MARKER).unlink()
-    # The resumed run starts each writer after the weight sync (the straight and the stopped
-    # run: in the checkpoint stage, the default); the ranks inherit the setting. The result
+    # The resumed run starts each writer in the checkpoint stage (the straight and the stopped
+    # run: after the weight sync, the default); the ranks inherit the setting. The result
     # must be the same either way.
     before = os.environ.get(WRITER_START_ENV)
-    os.environ[WRITER_START_ENV] = "after_sync"
+    os.environ[WRITER_START_ENV] = "stage"
     try:
         second = run_local(_spec(root, ITERATIONS, keep=10), 2, "cpu")
         assert second.ok, second.errors
