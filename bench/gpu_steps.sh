@@ -201,6 +201,7 @@ for step in "$@"; do
       # mbN-loader.jsonl (RLJOB_SGLANG_DIRECT_TIMINGS): the hand-off less those is the
       # request's trip through sglang's processes.
       for mb in ${BUCKETS_MB:-512 2048 8192}; do
+        rm -f "$out/mb$mb-loader.jsonl"  # a rerun on a warm machine starts it anew
         RLJOB_SGLANG_DIRECT_TIMINGS=$out/mb$mb-loader.jsonl \
           colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
           --sync-path direct --bucket-mb "$mb" --no-alone --deadline-seconds 240 \

@@ -275,3 +275,13 @@ def test_without_overlap_each_gather_waits_for_the_previous_hand_off() -> None:
     for index in prefetched((gather(i) for i in range(3)), ahead=False):
         log.append(f"hand {index}")
     assert log == ["gather 0", "hand 0", "gather 1", "hand 1", "gather 2", "hand 2"]
+
+
+def test_the_overlapped_gather_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rljob_worker.weight_sync import OVERLAP_ENV, overlap_enabled
+
+    monkeypatch.delenv(OVERLAP_ENV, raising=False)
+    assert overlap_enabled()
+    for value, expected in (("", True), (" ", True), ("1", True), ("0", False), (" 0 ", False)):
+        monkeypatch.setenv(OVERLAP_ENV, value)
+        assert overlap_enabled() is expected, repr(value)

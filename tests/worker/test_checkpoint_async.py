@@ -72,6 +72,18 @@ def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
+@pytest.fixture(autouse=True)
+def writer_starts_in_the_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the writer once it runs: they start it in the checkpoint stage
+    (RLJOB_CHECKPOINT_WRITER_START=stage). The default, held back to after the weight sync,
+    has its own test (which sets the variable itself); without this, a writer here would start
+    only when its 3 s hold lapsed, and "the loop went on while the writer wrote" would hold
+    with no writer running."""
+    from rljob_worker.checkpoint import WRITER_START_ENV
+
+    monkeypatch.setenv(WRITER_START_ENV, "stage")
+
+
 @pytest.fixture
 def slow_writes(monkeypatch: pytest.MonkeyPatch) -> float:
     """dcp.save takes at least this long (the writer's files, then a wait)."""

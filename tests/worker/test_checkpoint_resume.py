@@ -232,6 +232,37 @@ def test_a_writer_held_for_the_sync_still_completes_when_a_peer_fails_in_the_syn
     assert [i for i, _ in complete_checkpoints(tmp_path / "ckpt")] == [1, 2]
 
 
+def _failing_sync_rank(rank: int, init_method: str, root: str, results: Any) -> None:
+    """One rank whose weight sync fails (not an OOM: an engine that died) in iteration 2,
+    right after that iteration's checkpoint stage, whose writer is held back for the sync."""
+    from support.ranks import gloo_rank
+
+    from rljob_worker import stages
+    from rljob_worker.loop import RankConfig, run_rank
+
+    real = stages.StageMachine.wake_weights
+
+    def wake_weights(self: stages.StageMachine) -> None:
+        if self._iteration == 2:
+            raise RuntimeError("the engine died in the weight sync (injected)")
+        real(self)
+
+    stages.StageMachine.wake_weights = wake_weights  # type: ignore[method-assign]
+    with gloo_rank(rank, 1, init_method, results):
+        run_rank(_spec(Path(root), 3, keep=10), RankConfig(rank=rank, world_size=1))
+
+
+def test_a_checkpoint_staged_before_a_failed_sync_is_still_written(tmp_path: Path) -> None:
+    """Any failure, not only an OOM, lets a checkpoint staged in the same iteration complete
+    before the process ends: its writer waits for the weight sync by default, and as a daemon
+    thread it would die with the process, leaving a re-run one checkpoint further back."""
+    from support.ranks import run_ranks
+
+    out = run_ranks(_failing_sync_rank, 1, str(tmp_path))[0]
+    assert "injected" in out.get("error", ""), out
+    assert [i for i, _ in complete_checkpoints(tmp_path / "ckpt")] == [1, 2]
+
+
 def test_oom_retry_resumes_from_the_newest_checkpoint_with_the_new_knobs(tmp_path: Path) -> None:
     import json
 

@@ -86,11 +86,9 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     handoff = {"flattened": HANDOFF_FLAT_STAND_IN, "direct": HANDOFF_DIRECT_STAND_IN}.get(
         scenario, HANDOFF_STAND_IN
     )
-    # The environment chooses as in a worker (the default is the direct path): it must agree
-    # with the stand-in hand-off each scenario takes.
-    os.environ[sglang_engine.WEIGHT_SYNC_ENV] = {"flattened": "auto", "direct": "direct"}.get(
-        scenario, "tensors"
-    )
+    # The hand-off each scenario takes is the one decision: the group's and its engine's (the
+    # environment is left as it is, the default direct path, and must not matter).
+    os.environ.pop(sglang_engine.WEIGHT_SYNC_ENV, None)
     sglang_engine.load_tensor_handoff = lambda: handoff  # type: ignore[assignment]
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)

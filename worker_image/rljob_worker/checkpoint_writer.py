@@ -7,6 +7,7 @@ docs/checkpoints.md ("Asynchronous save") says what blocks the loop and what run
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,6 +21,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -114,7 +117,8 @@ def held_thread(
     go = threading.Event()
 
     def run() -> None:
-        go.wait(timeout=hold_seconds)
+        if not go.wait(timeout=hold_seconds):
+            log.warning("%s: not released within %.1f s, writing anyway", name, hold_seconds)
         try:
             future.set_result(work())
         except BaseException as exc:  # handed to whoever waits, re-raised there

@@ -531,6 +531,13 @@ def run_rank(
             send(part)
         send(failed.failure)
         raise
+    except Exception:
+        # Any other failure (an engine that died in the weight sync, ...): as after an OOM, a
+        # checkpoint staged this iteration is written before the process ends (its writer is
+        # held back for the weight sync by default, and a daemon thread dies with the process),
+        # so a re-run resumes from it.
+        keeper.drain()
+        raise
     finally:
         engine.shutdown()
         scorer.close()

@@ -129,7 +129,7 @@ OVERLAP_ENV = "RLJOB_WEIGHT_SYNC_OVERLAP"
 
 
 def overlap_enabled() -> bool:
-    return os.environ.get(OVERLAP_ENV, "1").strip() not in ("", "0")
+    return os.environ.get(OVERLAP_ENV, "").strip() != "0"  # unset or empty: the default
 
 
 def prefetched(gathers: Iterable[Callable[[], T]], ahead: bool = True) -> Iterator[T]:

@@ -51,7 +51,9 @@ def make_engine(
     if rollout.engine is EngineName.SGLANG:
         from rljob_worker.engines import sglang_engine, tensor_parallel
 
-        def build(tp_size: int, base_gpu_id: int) -> sglang_engine.SGLangEngine:
+        def build(
+            tp_size: int, base_gpu_id: int, handoff: sglang_engine.TensorHandoff | None = None
+        ) -> sglang_engine.SGLangEngine:
             return sglang_engine.SGLangEngine(
                 model_path=model_path,
                 dtype=spec.model.dtype,
@@ -59,17 +61,20 @@ def make_engine(
                 tp_size=tp_size,
                 base_gpu_id=base_gpu_id,
                 seed=spec.algorithm.seed,
+                handoff=handoff,
             )
 
         if rollout.tensor_parallel_size == 1:
             return build(1, cuda_index(device))
+        # One decision of how buckets travel (direct or not) for the group and its engine.
+        handoff = sglang_engine.load_tensor_handoff()
         return tensor_parallel.make_tensor_parallel_engine(
             tp_size=rollout.tensor_parallel_size,
             device=device,
             node=node,
             # The leader sees the group's GPUs in rank order: its engine starts at the first.
-            build=lambda tp_size: build(tp_size, 0),
-            handoff=sglang_engine.load_tensor_handoff(),
+            build=lambda tp_size: build(tp_size, 0, handoff),
+            handoff=handoff,
         )
     if rollout.engine is EngineName.TORCH:
         if rollout.tensor_parallel_size != 1:

@@ -223,8 +223,10 @@ def copy_into(
 
     targets = _targets(model, tp)
     rest: list[tuple[str, torch.Tensor]] = []
-    # Every copy checked first, then all launched as one torch._foreach_copy_: a bucket holds
-    # hundreds of copies, and one launch each was host time the sync paid (docs/weight-sync.md).
+    # Every copy checked first, then the contiguous ones launched as one torch._foreach_copy_: a
+    # bucket holds hundreds of copies, and one launch each was host time the sync paid
+    # (docs/weight-sync.md). The rules' targets never overlap (q/k/v and gate/up take disjoint
+    # rows of their fused parameter; a tied head is not copied).
     dests: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
     for name, tensor in named:
@@ -271,11 +273,21 @@ def copy_into(
                     f"{name} {tuple(tensor.shape)}: TP rank {targets.tp_rank}'s part "
                     f"{tuple(source.shape)} does not fit {copy.target} {tuple(param.shape)}"
                 )
-            dests.append(dest)
-            sources.append(source)
+            if _same_layout(dest, source):
+                dests.append(dest)
+                sources.append(source)
+            else:  # a column slice (o_proj, down_proj at TP > 1): foreach would go per tensor
+                dest.copy_(source)
     if dests:
         torch._foreach_copy_(dests, sources)
     return rest
+
+
+def _same_layout(dest: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether a copy can join the one foreach launch: torch takes its fast path only when
+    every pair has one dtype and the same sizes and strides; a single pair without them sends
+    the whole list down a copy_ per tensor."""
+    return dest.dtype == source.dtype and dest.stride() == source.stride()
 
 
 def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
