@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -178,10 +179,19 @@ def test_killing_one_actor_mid_stage_ends_the_job_naming_rank_node_and_stage_wit
     assert ended_after < 30, f"the job took {ended_after:.1f}s to end after the kill"
     assert not run.ok
     assert run.reason is not None
-    assert run.reason.startswith(f"rank 1 (node {run.nodes[1]}) died in stage train of iteration 2")
+    # Timed for iteration 2's train; on a loaded machine the kill can land a few stages later in
+    # the same iteration (a cold `make test` beside two other suites: "in stage sleep"), so the
+    # stage is read from the reason, and must be one of iteration 2's.
+    named = re.match(
+        rf"rank 1 \(node {re.escape(run.nodes[1])}\) died in stage (\w+) of iteration 2: ",
+        run.reason,
+    )
+    assert named is not None, run.reason
+    killed_in = Stage(named.group(1))
+    assert killed_in in stage_order(WakeUp.STAGED, 2)
     assert run.reason.endswith("killed by `ray.kill`.")  # Ray's own account of the death
     # Killed mid-stage: no sample of that stage from rank 1, and nothing it sent before is lost.
-    assert (1, 2, Stage.TRAIN) not in {(s.rank, s.iteration, s.stage) for s in run.samples}
+    assert (1, 2, killed_in) not in {(s.rank, s.iteration, s.stage) for s in run.samples}
     for rank in range(RANKS):
         for iteration in (0, 1):
             assert _stages(run, rank, iteration) == list(stage_order(WakeUp.STAGED, iteration))
