@@ -86,8 +86,8 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     handoff = {"flattened": HANDOFF_FLAT_STAND_IN, "direct": HANDOFF_DIRECT_STAND_IN}.get(
         scenario, HANDOFF_STAND_IN
     )
-    # The hand-off each scenario takes is the one decision: the group's and its engine's (the
-    # environment is left as it is, the default direct path, and must not matter).
+    # The hand-off each scenario takes is the one decision: the group's and its engine's. The
+    # variable is unset (the default, direct) and must not matter.
     os.environ.pop(sglang_engine.WEIGHT_SYNC_ENV, None)
     sglang_engine.load_tensor_handoff = lambda: handoff  # type: ignore[assignment]
     dist.init_process_group(
