@@ -18,8 +18,10 @@
 #                carried pieces: the install calls also run the steps that need only torch
 #   models       the bench's random 1.5B, 3B and 7B models under /tmp/rljob-bench-models (once;
 #                MODELS="qwen2.5-3b qwen2.5-7b" builds only those)
-#   ckpt-1.5b    #30: ckpt-bench's 1.5B half (torch only); ckpt-3b: its 3B half
-#                (CKPT_REPEATS=N: saves each way, 2 unless set)
+#   ckpt-1.5b    #30: ckpt-bench's 1.5B half (torch only); ckpt-3b: its 3B half; ckpt-7b: the
+#                7B shape (91 GB a save: a two-card machine's disk; one H200; pinned only)
+#                (CKPT_REPEATS=N: saves each way, 2 unless set, 1 at 7B; CKPT_MODES: a list
+#                of checkpoint_gpu.py's modes, sync,async,pinned unless set, pinned at 7B)
 #   load-7b      #30: `rljob run bench/plans/load-7b-two-gpu.yaml`, the sharded loader's start-up
 #                peak against the plan's load row, 7B over two cards (two H200s)
 #   tp2-3x3      #35: 3B TP 2 at Auto's choice, 3 runs of 3 iterations, then Auto + 0.01 and
@@ -38,7 +40,9 @@
 #                0.3: log-normal, median 0.3 s, as a code runner or a search API), 2-4 turns
 #                (builtin:python's pool of runners); mt-tools-spawn: the same with the interpreter
 #                spawned per call it replaced (--python-runner spawn), to compare on one machine
-#   mt-long      #32: mt-tools at 3 turns with turns of up to 256 x 1/4..4 tokens (agentic lengths)
+#   mt-long      #32: mt-tools at 3 turns with turns of up to 256 x 1/4..4 tokens (agentic lengths);
+#                MT_MODEL (qwen2.5-0.5b), MT_CONVERSATIONS (256), MT_MEM_FRACTION (0.6) and
+#                MT_TOOL_SECONDS (0.3, the tools' median wait) change the regime
 #   tool-runner  #32: bench/tool_runner.py, builtin:python's calls/s spawn against pool (CPU only)
 #   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
 #   sync-direct  #33: the same for the direct hand-off against the per-tensor one (one card)
@@ -110,12 +114,18 @@ for step in "$@"; do
     models)
       for m in ${MODELS:-qwen2.5-1.5b qwen2.5-3b qwen2.5-7b}; do model "$m"; done
       du -sh /tmp/rljob-bench-models/* ;;
-    ckpt-bench | ckpt-1.5b | ckpt-3b)
+    ckpt-bench | ckpt-1.5b | ckpt-3b | ckpt-7b)
       sizes=$([[ $step == ckpt-bench ]] && echo "1.5b 3b" || echo "${step#ckpt-}")
       for size in $sizes; do
         m=qwen2.5-$size
+        df -h /tmp | tail -1
+        # 7B: one pinned save after the first unless told (dcp.save beside the 91 GB of pinned
+        # buffers was killed by the host's OOM killer on a 251 GiB machine).
+        modes=sync,async,pinned repeats=2
+        [[ $size == 7b ]] && modes=pinned repeats=1
         model "$m" && python3 bench/checkpoint_gpu.py --model-dir "/tmp/rljob-bench-models/$m" \
-          --repeats "${CKPT_REPEATS:-2}" --modes sync,async,pinned --out "$out/ckpt-gpu-$m.json" > "$out/ckpt-gpu-$m.log" 2>&1
+          --repeats "${CKPT_REPEATS:-$repeats}" --modes "${CKPT_MODES:-$modes}" \
+          --out "$out/ckpt-gpu-$m.json" > "$out/ckpt-gpu-$m.log" 2>&1
         echo "checkpoint_gpu exit $?"; tail -15 "$out/ckpt-gpu-$m.log"
       done ;;
     load-7b)
@@ -162,9 +172,11 @@ for step in "$@"; do
     mt-long)
       # mt-tools at agentic turn lengths: a turn samples up to 256 x 1/4..4 tokens (--spread:
       # 64-1024, long-tailed) instead of 24 x that, 3 turns, the same slow tools.
-      model qwen2.5-0.5b && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
-        --model /tmp/rljob-bench-models/qwen2.5-0.5b --conversations 256 --turns 3 --turn-tokens 256 \
-        --spread --tool-seconds 0.3 --out "$out/long" > "$out/log" 2>&1
+      m=${MT_MODEL:-qwen2.5-0.5b}
+      model "$m" && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
+        --model "/tmp/rljob-bench-models/$m" --conversations "${MT_CONVERSATIONS:-256}" --turns 3 \
+        --turn-tokens 256 --spread --tool-seconds "${MT_TOOL_SECONDS:-0.3}" \
+        --mem-fraction "${MT_MEM_FRACTION:-0.6}" --out "$out/long" > "$out/log" 2>&1
       tail -12 "$out/log" ;;
     tool-runner)
       python3 bench/tool_runner.py --calls 64 256 --repeats 5 --out "$out/tool_runner" > "$out/log" 2>&1
@@ -217,11 +229,12 @@ fallback tensors {sum(x[\"fallback_tensors\"] for x in r)}')" "$out/mb$mb-loader
       # workload, overlapStaging Off, the asynchronous checkpoint at iteration 2 (45 GB a rank:
       # one fits the two-card machine's disk), the weight-sync path SYNC_PATH (default unless
       # set); ALONE=1 also runs the engine alone after the point; CKPT=0: 3 iterations and no
-      # checkpoint; RLJOB_CHECKPOINT_WRITER_START=after_sync (passed through to the ranks)
-      # starts the writer after the weight sync. Start it with gpu_bg.sh.
+      # checkpoint; ITERS=3: the save at iteration 2 and one iteration after it (does the
+      # writer slow the next train?); RLJOB_CHECKPOINT_WRITER_START=after_sync (passed through
+      # to the ranks) starts the writer after the weight sync. Start it with gpu_bg.sh.
       df -h /tmp | tail -1
       alone=(--no-alone); [[ ${ALONE:-0} == 1 ]] && alone=()
-      ckpt=(--iterations 2 --checkpoint-every 2 --checkpoint-dir /tmp/rljob-bench-checkpoints)
+      ckpt=(--iterations "${ITERS:-2}" --checkpoint-every 2 --checkpoint-dir /tmp/rljob-bench-checkpoints)
       [[ ${CKPT:-1} == 0 ]] && ckpt=(--iterations 3)  # CKPT=0: 3 iterations, no checkpoint
       colocate --model qwen2.5-7b --ranks 2 --tp 1 --workload realistic --micro-batch-size auto \
         --modes staged --staged-fractions 0.9 --overlap-staging off "${ckpt[@]}" \

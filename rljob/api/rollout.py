@@ -129,6 +129,13 @@ class RolloutMode(StrEnum):
     MULTI_TURN = "multiTurn"
 
 
+class MultiTurnSchedule(StrEnum):
+    """How the multi-turn rollout sends its turns (docs/multi-turn.md, "Which schedule")."""
+
+    ASYNC = "async"
+    TURN_BY_TURN = "turnByTurn"
+
+
 # Tools the worker has itself (rljob_worker.agentic.tools); anything else is MODULE:callable.
 BUILTIN_TOOL_CALCULATOR = "builtin:calculator"
 BUILTIN_TOOL_PYTHON = "builtin:python"
@@ -202,6 +209,15 @@ class MultiTurnSpec(_Spec):
         le=65536,
         description="Conversations one rank drives at once; the memory plan reserves KV for "
         "this many full-length trajectories per engine.",
+    )
+    schedule: MultiTurnSchedule = Field(
+        default=MultiTurnSchedule.ASYNC,
+        description="async: every conversation at its own pace, each turn sent as soon as "
+        "its tools answered. turnByTurn: turn k of the open conversations as one batch "
+        "(maxConcurrentConversations at a time, each group's tools before the next group), "
+        "then turn k+1. Both send the same requests with the same per-turn seeds; the "
+        "engine's batching can still change what is sampled. Which is faster depends on the "
+        "model, the conversations and the tools' latency: docs/multi-turn.md#which-schedule.",
     )
     tools: list[ToolName] = Field(
         default=[BUILTIN_TOOL_CALCULATOR],

@@ -337,4 +337,9 @@ MALFORMED: list[Malformed] = [
         "spec.rollout.mode",
     ),
     Malformed("rollout-mode-unknown", {"rollout": {"mode": "agentic"}}, "spec.rollout.mode"),
+    Malformed(
+        "multi-turn-schedule-unknown",
+        {"rollout": {"mode": "multiTurn", "multiTurn": {"schedule": "sync"}}},
+        "spec.rollout.multiTurn.schedule",
+    ),
 ]

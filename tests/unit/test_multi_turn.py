@@ -452,10 +452,9 @@ def test_turn_by_turn_gives_the_same_trajectories_as_async(tokenizer: Any) -> No
         engine = ScriptedEngine(_encode(tokenizer), scripts, tokenizer.eos_token_id)
         rollout = _rollout(tokenizer, [engine], LIMITS)
         run = rollout.run_turn_by_turn if turn_by_turn else rollout.run
-        return [
-            (t.response_ids, t.loss_mask)
-            for t in asyncio.run(run([list(p) for p in prompts], SAMPLING))
-        ]
+        ended = asyncio.run(run([list(p) for p in prompts], SAMPLING))
+        assert rollout.router.conversations == 0  # every ended conversation forgotten
+        return [(t.response_ids, t.loss_mask) for t in ended]
 
     assert trajectories(True) == trajectories(False)
 

@@ -39,11 +39,13 @@ from rljob_worker.engines.base import (
 )
 from rljob_worker.engines.sglang_engine import (
     CONTRACTS,
+    ENGINE_ARGS_ENV,
     SUPPORTED_SGLANG_VERSIONS,
     SGLangContract,
     SGLangEngine,
     SGLangEngineError,
     SGLangVersionError,
+    extra_engine_args,
     installed_contract,
 )
 from rljob_worker.engines.sglang_weights import SHARD_PATTERN, EngineWeightsError
@@ -184,6 +186,54 @@ def test_single_wake_up_resumes_weights_and_kv_cache_in_one_call(release: str) -
         engine.release(ALL_TAGS)
     resumes = [kw for n, kw in sgl.calls[start:] if n == "resume_memory_occupation"]
     assert resumes == [{"tags": list(ALL_TAGS)}] * 2
+
+
+def test_engine_args_from_the_environment_reach_sglangs_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    given: list[dict[str, Any]] = []
+
+    def engine_class(**kwargs: Any) -> SGLangEngineStandIn:
+        given.append(kwargs)
+        # The stand-in, like sglang's ServerArgs, takes only fields it knows: not this one.
+        return SGLangEngineStandIn(
+            contract=NEWEST, **{k: v for k, v in kwargs.items() if k != "enable_mixed_chunk"}
+        )
+
+    monkeypatch.setenv(ENGINE_ARGS_ENV, '{"enable_mixed_chunk": true}')
+    SGLangEngine(model_path="/m", dtype="bfloat16", mem_fraction_static=0.5,
+                 engine_class=engine_class, contract=NEWEST)  # fmt: skip
+    assert given[0]["enable_mixed_chunk"] is True and given[0]["dtype"] == "bfloat16"
+    # A field sglang does not take fails the start, and the error names it.
+    monkeypatch.setenv(ENGINE_ARGS_ENV, '{"no_such_field": 1}')
+    with pytest.raises(SGLangEngineError, match="no_such_field"):
+        make_adapter()
+    monkeypatch.setenv(ENGINE_ARGS_ENV, " ")
+    assert extra_engine_args() == {}
+    # A malformed value is the variable's own error, before sglang is asked to start.
+    monkeypatch.setenv(ENGINE_ARGS_ENV, '{"context_length": 4096}')
+    given.clear()
+    with pytest.raises(ValueError, match="sets context_length") as raised:
+        SGLangEngine(model_path="/m", dtype="bfloat16", mem_fraction_static=0.5,
+                     engine_class=engine_class, contract=NEWEST)  # fmt: skip
+    assert not isinstance(raised.value, SGLangEngineError) and given == []
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("[1]", "must be a JSON object"),
+        ("{nope", "is not JSON"),
+        ('{"mem_fraction_static": 0.5, "dtype": "float16"}', "sets dtype, mem_fraction_static"),
+        ('{"enable_memory_saver": false}', "sets enable_memory_saver: rljob sets these"),
+        ('{"dp_size": 2, "max_running_requests": 8}', "sets dp_size: "),
+    ],
+)
+def test_engine_args_that_are_not_an_object_or_set_rljobs_own_fields_are_refused(
+    value: str, error: str
+) -> None:
+    with pytest.raises(ValueError, match=error):
+        extra_engine_args({ENGINE_ARGS_ENV: value})
 
 
 def test_release_and_resume_send_only_tags_that_change_state() -> None:

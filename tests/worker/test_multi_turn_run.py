@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rljob.api import MultiTurnSpec
+from rljob.api import MultiTurnSchedule, MultiTurnSpec
 from rljob.report import Stage
 from rljob_worker.agentic.chat import ChatFormat
 from rljob_worker.agentic.driver import Limits, MultiTurnRollout
@@ -110,3 +110,63 @@ def test_torch_engine_trajectories_train_exactly_the_sampled_ids() -> None:
     # Conversations that asked together were generated together (the batcher's batches).
     assert engine._batcher is not None and engine._batcher.batches < len(spy.answers)
     engine.shutdown()
+
+
+def _example(schedule: str | None) -> Any:
+    import yaml
+
+    from rljob.api import parse_manifest
+
+    doc = yaml.safe_load((REPO / "examples" / "multi-turn-tools.yaml").read_text())
+    if schedule is not None:
+        doc["spec"]["rollout"]["multiTurn"]["schedule"] = schedule
+    return parse_manifest(doc)[1]
+
+
+def test_the_spec_schedule_picks_how_the_rollout_stage_sends_its_turns(monkeypatch: Any) -> None:
+    """spec.rollout.multiTurn.schedule: async (the default) drives the conversations with
+    MultiTurnRollout.run, turnByTurn with run_turn_by_turn; the rollout stage of the example's
+    job (its real tiny model, torch engine, tools and reward) gets the same experience from
+    both (the same turns with the same seeds)."""
+    from rljob_worker.loop import RankConfig, _MultiTurnRollout
+    from rljob_worker.model import stop_token_ids
+    from rljob_worker.reward import Scorer
+
+    called: list[str] = []
+    for name in ("run", "run_turn_by_turn"):
+        original = getattr(MultiTurnRollout, name)
+
+        def spy(self: Any, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            called.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(MultiTurnRollout, name, spy)
+    assert _example(None).rollout.multi_turn.schedule is MultiTurnSchedule.ASYNC  # the default
+    experiences = {}
+    for schedule in (None, "turnByTurn"):
+        spec = _example(schedule)
+        path = resolve_model_path(spec.model.path)
+        tokenizer = load_tokenizer(path)
+        eos = stop_token_ids(tokenizer, path)
+        settings = spec.rollout.multi_turn_settings
+        tools = make_tools(settings)
+        task = make_task(spec.data, spec.algorithm.seed, tokenizer, tools.schemas)
+        engine = TorchEngine(path, dtype="float32", kv_capacity_tokens=8192, eos_token_ids=eos)
+        scorer = Scorer(spec.reward)
+        try:
+            stage = _MultiTurnRollout(spec, RankConfig(0, 1), engine, tokenizer, task, scorer,
+                                      tools, eos, 256)  # fmt: skip
+            called.clear()
+            experience = stage(1)
+            assert called == ["run_turn_by_turn" if schedule == "turnByTurn" else "run"]
+            experiences[schedule] = experience
+        finally:
+            scorer.close()
+            tools.close()
+            engine.shutdown()
+    first = experiences[None]
+    assert sum(len(r) for r in first.response_ids) > 0
+    for experience in experiences.values():
+        assert experience.response_ids == first.response_ids
+        assert experience.loss_masks == first.loss_masks
+        assert experience.rewards == first.rewards

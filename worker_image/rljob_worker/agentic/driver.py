@@ -255,7 +255,9 @@ class MultiTurnRollout:
     async def run_turn_by_turn(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[Trajectory]:
-        """The baseline: turn k of every open conversation together, then all their tools."""
+        """spec.rollout.multiTurn.schedule turnByTurn (and the bench's baseline): turn k of the
+        open conversations, maxConcurrentConversations at a time, each group's answers and then
+        its tools before the next group; turn k+1 once every group has had turn k."""
         trajectories = self._start(prompts)
         start = time.perf_counter()
         size = self.limits.max_concurrent_conversations
@@ -274,6 +276,7 @@ class MultiTurnRollout:
                 for t in batch:
                     if t.ending is not None and not t.seconds:
                         t.seconds = t.finished_seconds = now - start
+                        self.router.forget(t.conversation)
         self._check_idle()
         return trajectories
 

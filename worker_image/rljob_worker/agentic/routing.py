@@ -64,5 +64,10 @@ class EngineRouter(Generic[EngineT]):
         self._home.pop(conversation, None)
 
     @property
+    def conversations(self) -> int:
+        """Conversations with a home engine: begun and not yet forgotten."""
+        return len(self._home)
+
+    @property
     def requests_in_flight(self) -> int:
         return sum(self.in_flight)

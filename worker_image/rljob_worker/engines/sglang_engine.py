@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib
+import json
 import os
 import signal
 import tempfile
@@ -198,6 +199,41 @@ def _reclaim_sigquit(engine: Any) -> None:
     signal.signal(signal.SIGQUIT, _on_sglang_child_failure)
 
 
+ENGINE_ARGS_ENV = "RLJOB_SGLANG_ENGINE_ARGS"
+# ServerArgs fields the pass-through refuses: those SGLangEngine sets itself (staged awake,
+# token ids in and out, the weight hand-off and the failure handling depend on them), the
+# context the loop sizes every request by (the model's max_position_embeddings), and the
+# layouts an engine of one rank or one TP group cannot take (data/pipeline parallel, nodes).
+OWN_ENGINE_ARGS = frozenset({
+    "model_path", "dtype", "tp_size", "base_gpu_id", "mem_fraction_static", "enable_memory_saver",
+    "random_seed", "skip_tokenizer_init", "disable_cuda_graph", "custom_sigquit_handler",
+    "custom_weight_loader", "load_format", "context_length", "dp_size", "pp_size", "nnodes",
+    "node_rank", "dist_init_addr",
+})  # fmt: skip
+
+
+def extra_engine_args(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """More sglang ServerArgs for every engine this process starts: RLJOB_SGLANG_ENGINE_ARGS, a
+    JSON object (e.g. '{"enable_mixed_chunk": true}'). A name sglang does not know fails the
+    engine's start with sglang's own message; the fields rljob sets itself are refused here."""
+    raw = (os.environ if environ is None else environ).get(ENGINE_ARGS_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        extra = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{ENGINE_ARGS_ENV} is not JSON ({error}): {raw!r}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"{ENGINE_ARGS_ENV} must be a JSON object of ServerArgs fields: {raw!r}")
+    own = sorted(OWN_ENGINE_ARGS & extra.keys())
+    if own:
+        raise ValueError(
+            f"{ENGINE_ARGS_ENV} sets {', '.join(own)}: rljob sets these itself or cannot run "
+            "with them (docs/volumes-and-env.md)"
+        )
+    return extra
+
+
 def _load_engine_class() -> Callable[..., Any]:
     """Import sglang only when an engine is built: the module must import where sglang cannot."""
     contract = installed_contract()
@@ -253,6 +289,9 @@ class SGLangEngine(ColocatedEngine):
         handoff: TensorHandoff | None = None,
         event_loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        # RLJOB_SGLANG_ENGINE_ARGS, checked before anything starts (a bad value is the
+        # variable's error, not a failed engine start).
+        extra = extra_engine_args()
         self._contract = contract = contract or installed_contract()
         # How buckets travel: flattened (one IPC handle per bucket) where sglang has that path,
         # else one tensor per parameter; found at the first update (load_tensor_handoff). With
@@ -308,6 +347,7 @@ class SGLangEngine(ColocatedEngine):
                     disable_cuda_graph=disable_cuda_graph,
                     custom_sigquit_handler=_on_sglang_child_failure,
                     **loaders,
+                    **extra,
                 )
         except Exception as error:
             # sglang reports a failed start (a scheduler that could not fit weights and a KV
