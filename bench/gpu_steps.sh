@@ -52,7 +52,8 @@
 #                SYNC_PATH, ALONE=1)
 #   realistic    #33: 3B realistic workload, before and after (one card)
 #   realistic-ckpt #33/#30: 3B realistic, overlapStaging Off, the async checkpoint at iteration 2
-#                (its share of the iteration); realistic-on: overlapStaging On. Each runs
+#                (its share of the iteration; CKPT_EVERY=1 ITERS=3 ALONE=0: a save every
+#                iteration, on a 128 GiB disk); realistic-on: overlapStaging On. Each runs
 #                longer than a call: start them with bench/gpu_bg.sh
 #   train-alone  #33: bench/train_alone.py, the train stage alone at the realistic 3B shape:
 #                64 rows with a profile, then all 1024 with micro-batches packed by length and
@@ -262,13 +263,16 @@ fallback tensors {sum(x[\"fallback_tensors\"] for x in r)}')" "$out/mb$mb-loader
       # iteration 1's offload pinned: the steady save; a second 38 GB checkpoint would not fit
       # a 64 GiB disk beside the first); realistic-on: overlapStaging On, no checkpoint.
       df -h /tmp | tail -1
+      # CKPT_EVERY=1 ITERS=3: a save every iteration in one run (two 38 GB checkpoints on the
+      # disk at once at 3B, keep 1: a two-card machine's 128 GiB disk; ALONE=0 skips the
+      # engine alone).
       extra=(--overlap-staging on)
-      [[ $step == realistic-ckpt ]] && extra=(--overlap-staging off --checkpoint-every 2
-        --checkpoint-dir /tmp/rljob-bench-checkpoints)
+      [[ $step == realistic-ckpt ]] && extra=(--overlap-staging off --checkpoint-every
+        "${CKPT_EVERY:-2}" --checkpoint-dir /tmp/rljob-bench-checkpoints)
       # realistic-ckpt also runs the engine alone after the point (the rollout's floor).
-      [[ $step == realistic-on ]] && extra+=(--no-alone)
+      [[ $step == realistic-on || ${ALONE:-1} == 0 ]] && extra+=(--no-alone)
       colocate --model qwen2.5-3b --workload realistic --micro-batch-size auto --modes staged \
-        --staged-fractions 0.9 --iterations 2 "${extra[@]}" --out "$out/run" \
+        --staged-fractions 0.9 --iterations "${ITERS:-2}" "${extra[@]}" --out "$out/run" \
         > "$out/log" 2>&1
       echo "colocate exit $?"; df -h /tmp | tail -1; tail -30 "$out/log" ;;
     train-alone)
