@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,9 @@ def _example(schedule: str | None) -> Any:
     return parse_manifest(doc)[1]
 
 
-def test_the_spec_schedule_picks_how_the_rollout_stage_sends_its_turns(monkeypatch: Any) -> None:
+def test_the_spec_schedule_picks_how_the_rollout_stage_sends_its_turns(
+    monkeypatch: Any, caplog: Any
+) -> None:
     """spec.rollout.multiTurn.schedule: async (the default) drives the conversations with
     MultiTurnRollout.run, turnByTurn with run_turn_by_turn; the rollout stage of the example's
     job (its real tiny model, torch engine, tools and reward) gets the same experience from
@@ -154,8 +157,19 @@ def test_the_spec_schedule_picks_how_the_rollout_stage_sends_its_turns(monkeypat
         engine = TorchEngine(path, dtype="float32", kv_capacity_tokens=8192, eos_token_ids=eos)
         scorer = Scorer(spec.reward)
         try:
-            stage = _MultiTurnRollout(spec, RankConfig(0, 1), engine, tokenizer, task, scorer,
-                                      tools, eos, 256)  # fmt: skip
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="rljob_worker.loop"):
+                stage = _MultiTurnRollout(spec, RankConfig(0, 1), engine, tokenizer, task,
+                                          scorer, tools, eos, 256)  # fmt: skip
+            # One rank drives all 4 prompts x groupSize 4 = 16 conversations, 8 at a time:
+            # turnByTurn runs each turn in 2 groups, one after the other, and says so.
+            warned = [
+                r.getMessage() for r in caplog.records if "groups one after" in r.getMessage()
+            ]
+            assert bool(warned) == (schedule == "turnByTurn")
+            assert all(
+                "this rank's 16 conversations: each turn runs in 2 groups" in w for w in warned
+            )
             called.clear()
             experience = stage(1)
             assert called == ["run_turn_by_turn" if schedule == "turnByTurn" else "run"]

@@ -339,6 +339,19 @@ class _MultiTurnRollout(_Rollout):
             if settings.schedule is MultiTurnSchedule.ASYNC
             else self.multi_turn.run_turn_by_turn
         )
+        conversations = self.prompts * spec.algorithm.group_size
+        if (
+            settings.schedule is MultiTurnSchedule.TURN_BY_TURN
+            and settings.max_concurrent_conversations < conversations
+        ):
+            log.warning(
+                "spec.rollout.multiTurn.schedule turnByTurn with maxConcurrentConversations %d "
+                "below this rank's %d conversations: each turn runs in %d groups one after "
+                "another, each waiting for its slowest member (docs/multi-turn.md#which-schedule)",
+                settings.max_concurrent_conversations,
+                conversations,
+                -(-conversations // settings.max_concurrent_conversations),
+            )
 
     def __call__(self, iteration: int) -> Experience:
         problems = self._problems(iteration)
