@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +29,7 @@ from rljob.report import LoadSample, OOMRecord, StageSample
 from rljob_worker import allocator_report
 from rljob_worker import checkpoint as checkpoints
 from rljob_worker.agentic.chat import ChatFormat
-from rljob_worker.agentic.driver import (
-    Limits,
-    MultiTurnRollout,
-    RolloutCounts,
-    Trajectory,
-    run_on,
-)
+from rljob_worker.agentic.driver import Limits, MultiTurnRollout, RolloutCounts, run_on
 from rljob_worker.agentic.routing import EngineRouter
 from rljob_worker.agentic.tools import ToolSet, make_tools
 from rljob_worker.engines import make_engine
@@ -292,9 +286,6 @@ class _MultiTurnRollout(_Rollout):
     context_length: int | None
     multi_turn: MultiTurnRollout = field(init=False)
     counts: RolloutCounts = field(init=False)
-    schedule: Callable[
-        [Sequence[Sequence[int]], SamplingParams], Coroutine[Any, Any, list[Trajectory]]
-    ] = field(init=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -332,13 +323,6 @@ class _MultiTurnRollout(_Rollout):
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
         )
         self.counts = RolloutCounts()  # of the latest rollout
-        # spec.rollout.multiTurn.schedule: every conversation at its own pace, or turn k of all
-        # of them as one batch (the same turns and seeds; docs/multi-turn.md).
-        self.schedule = (
-            self.multi_turn.run
-            if settings.schedule is MultiTurnSchedule.ASYNC
-            else self.multi_turn.run_turn_by_turn
-        )
         conversations = self.prompts * spec.algorithm.group_size
         if (
             settings.schedule is MultiTurnSchedule.TURN_BY_TURN
@@ -360,7 +344,16 @@ class _MultiTurnRollout(_Rollout):
         prompts = [list(p.prompt_ids) for p in asked]
         # max_new_tokens: each turn asks for what is left of the trajectory's budget.
         sampling = self._sampling(iteration, max_new_tokens=1)
-        trajectories = run_on(self.engine, self.schedule(prompts, sampling))
+        # spec.rollout.multiTurn.schedule: every conversation at its own pace, or turn k of all
+        # of them as one batch (the same requests and seeds; docs/multi-turn.md).
+        settings = self.spec.rollout.multi_turn_settings
+        assert settings is not None
+        run = (
+            self.multi_turn.run
+            if settings.schedule is MultiTurnSchedule.ASYNC
+            else self.multi_turn.run_turn_by_turn
+        )
+        trajectories = run_on(self.engine, run(prompts, sampling))
         self.counts = RolloutCounts.of(trajectories, [str(p.answer) for p in asked])
         scored = self.scorer(asked, [t.last_turn_text for t in trajectories])
         self.reward_errors = scored.errors
