@@ -47,7 +47,8 @@
 #   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
 #   sync-direct  #33: the same for the direct hand-off against the per-tensor one (one card)
 #   sync-buckets #33: the direct hand-off with 512, 2048 and 8192 MiB buckets (one card;
-#                BUCKETS_MB), the loader's own seconds beside each hand-off
+#                BUCKETS_MB), the loader's own seconds beside each hand-off; SYNC_BEFORE_TREE
+#                (an older tree's worker_image, carried) runs each size with it first
 #   realistic-7b #33/#30: 7B realistic over two cards with the async checkpoint (gpu_bg.sh;
 #                SYNC_PATH, ALONE=1)
 #   realistic    #33: 3B realistic workload, before and after (one card)
@@ -212,18 +213,24 @@ for step in "$@"; do
       # (a quarter of the buckets; the plan's weight-sync stage holds two at a time) and 8192
       # (the whole 6.2 GB model in one). The loader's own seconds per call go to
       # mbN-loader.jsonl (RLJOB_SGLANG_DIRECT_TIMINGS): the hand-off less those is the
-      # request's trip through sglang's processes.
-      for mb in ${BUCKETS_MB:-512 2048 8192}; do
-        rm -f "$out/mb$mb-loader.jsonl"  # a rerun on a warm machine starts it anew
-        RLJOB_SGLANG_DIRECT_TIMINGS=$out/mb$mb-loader.jsonl \
-          colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
-          --sync-path direct --bucket-mb "$mb" --no-alone --deadline-seconds 240 \
-          --out "$out/mb$mb" > "$out/mb$mb.log" 2>&1
-        echo "bucket $mb MiB: colocate exit $?"; grep -E "weight sync within|hand-off" "$out/mb$mb.log" | tail -3
-        python3 -c "import json, statistics as s, sys; r = [json.loads(l) for l in open(sys.argv[1])]; \
+      # request's trip through sglang's processes. SYNC_BEFORE_TREE=<a worker_image folder of
+      # an older tree> runs each size with that tree's worker first (mbN-before), so a change
+      # to the hand-off is measured before and after on one card.
+      for tree in ${SYNC_BEFORE_TREE:+before} after; do
+        for mb in ${BUCKETS_MB:-512 2048 8192}; do
+          tag=mb$mb path=$PYTHONPATH
+          [[ $tree == before ]] && tag=mb$mb-before path=$SYNC_BEFORE_TREE:$PYTHONPATH
+          rm -f "$out/$tag-loader.jsonl"  # a rerun on a warm machine starts it anew
+          PYTHONPATH=$path RLJOB_SGLANG_DIRECT_TIMINGS=$out/$tag-loader.jsonl \
+            colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
+            --sync-path direct --bucket-mb "$mb" --no-alone --deadline-seconds 240 \
+            --out "$out/$tag" > "$out/$tag.log" 2>&1
+          echo "$tag: colocate exit $?"; grep -E "weight sync within|hand-off" "$out/$tag.log" | tail -3
+          python3 -c "import json, statistics as s, sys; r = [json.loads(l) for l in open(sys.argv[1])]; \
 print(f'loader calls {len(r)}, bytes/call {s.median(x[\"bytes\"] for x in r) / 2**20:.0f} MiB, seconds/call median \
 {s.median(x[\"seconds\"] for x in r) * 1e3:.2f} ms (launch {s.median(x[\"launch_seconds\"] for x in r) * 1e3:.2f} ms), \
-fallback tensors {sum(x[\"fallback_tensors\"] for x in r)}')" "$out/mb$mb-loader.jsonl"
+fallback tensors {sum(x[\"fallback_tensors\"] for x in r)}')" "$out/$tag-loader.jsonl"
+        done
       done ;;
     realistic-7b)
       # #33 and #30: 7B over two cards (one engine and one FSDP rank per card), the realistic

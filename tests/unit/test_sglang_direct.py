@@ -180,6 +180,127 @@ def test_the_loader_takes_the_adapters_flat_buckets(
     assert all(line["fallback_tensors"] == 0 for line in lines)
 
 
+def _payloads(full: dict[str, torch.Tensor], buckets: int) -> list[tuple[str, torch.Tensor]]:
+    """The adapter's (payload name, buffer) pairs for `full` in `buckets` buckets."""
+    names = list(full)
+    step = -(-len(names) // buckets)
+    pairs = []
+    for begin in range(0, len(names), step):
+        flat = flatten([(n, full[n]) for n in names[begin : begin + step]])
+        pairs.append((payload_name(flat), flat.buffer))
+    return pairs
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_bucket_layout_is_planned_once_and_every_later_sync_lands_where_the_first_did(
+    tp: int, tied: bool
+) -> None:
+    """copy_bucket works a layout out at its first sync (one plan per bucket) and then only
+    splits the buffer: the second and third syncs, with other values, leave each rank holding
+    exactly their shards, through the rules alone."""
+    config = {**CONFIG, "tie_word_embeddings": tied}
+    syncs = [full_weights(config, seed=s) for s in (1, 2, 3)]
+    for rank in range(tp):
+        model = engine_model(syncs[0], config, rank, tp)
+        for full in syncs:
+            for name, buffer in _payloads(full, buckets=3):
+                assert sglang_direct.copy_bucket(model, name, buffer, tp=(rank, tp)) == []
+            assert_holds(model, expected_shards(full, config, rank, tp))
+        assert len(sglang_direct._TARGETS[model].buckets) == 3
+        assert model.given == []
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_plan_takes_every_contiguous_copy_flat_and_only_column_slices_per_tensor(
+    tp: int,
+) -> None:
+    """At TP 1 every copy of a dense decoder is one byte range on both sides: the plan sends
+    none down the per-tensor path. At TP 2 the column slices of o_proj and down_proj go there,
+    and nothing else does."""
+    config = {**CONFIG, "tie_word_embeddings": False}
+    full = full_weights(config)
+    model = engine_model(full, config, 0, tp)
+    ((name, buffer),) = _payloads(full, buckets=1)
+    sglang_direct.copy_bucket(model, name, buffer, tp=(0, tp))
+    (plan,) = sglang_direct._TARGETS[model].buckets.values()
+    slow = sorted(entry[0] for entry in plan.slow)
+    columns = sorted(n for n in full if n.endswith(("o_proj.weight", "down_proj.weight")))
+    assert slow == ([] if tp == 1 else columns)
+    assert len(plan.dests) == len(full) - len(slow)
+    assert_holds(model, expected_shards(full, config, 0, tp))
+
+
+def test_a_buffer_shorter_than_its_layout_is_refused_before_any_copy() -> None:
+    config = {**CONFIG, "tie_word_embeddings": False}
+    full = full_weights(config)
+    model = engine_model(full, config, 0, 1)
+    ((name, buffer),) = _payloads(full, buckets=1)
+    with pytest.raises(EngineWeightsError, match="its layout needs"):
+        sglang_direct.copy_bucket(model, name, buffer[:-2], tp=(0, 1))
+    assert all(not p.data.any() for p in model.parameters())  # still the zeros it started with
+
+
+def test_tensors_that_share_bytes_in_the_buffer_are_each_copied_whole() -> None:
+    """Views of one storage that overlap travel as one buffer whose entries share bytes; such
+    sources cannot be pieces of one split, so they take the per-tensor path, and each
+    parameter still gets its whole tensor."""
+    config = {**CONFIG, "tie_word_embeddings": False}
+    full = full_weights(config)
+    model = engine_model(full, config, 0, 1)
+    base = torch.arange(24, dtype=torch.float32).bfloat16()
+    pair = [
+        ("model.layers.0.input_layernorm.weight", base[0:16]),
+        ("model.layers.1.input_layernorm.weight", base[8:24]),
+        ("model.norm.weight", base[4:20]),
+    ]
+    flat = flatten(pair)
+    assert not flat.packed  # one storage: the entries are where the views lie, overlapping
+    for _ in range(2):
+        assert sglang_direct.copy_bucket(model, payload_name(flat), flat.buffer, tp=(0, 1)) == []
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n].data, t) for n, t in pair)
+
+
+def test_a_parameter_given_new_storage_is_planned_again() -> None:
+    """A plan keeps views of the parameters: one whose storage was replaced since (a
+    loader that reassigns .data) must get the next sync, not its old storage."""
+    config = {**CONFIG, "tie_word_embeddings": False}
+    first, second = full_weights(config, seed=1), full_weights(config, seed=2)
+    model = engine_model(first, config, 0, 1)
+    ((name, buffer),) = _payloads(first, buckets=1)
+    sglang_direct.copy_bucket(model, name, buffer, tp=(0, 1))
+    norm = dict(model.named_parameters())["model.norm.weight"]
+    old = norm.data
+    norm.data = torch.zeros_like(old)
+    ((name, buffer),) = _payloads(second, buckets=1)
+    sglang_direct.copy_bucket(model, name, buffer, tp=(0, 1))
+    assert torch.equal(norm.data, second["model.norm.weight"])
+    assert torch.equal(old, first["model.norm.weight"])  # the old storage was left alone
+
+
+def test_a_bucket_of_several_dtypes_and_a_cast_is_copied_exactly() -> None:
+    """A bucket whose tensors are not all of one dtype is split by bytes, and a copy that
+    casts (an fp32 parameter) takes the per-tensor path; both land exactly."""
+    config = {**CONFIG, "tie_word_embeddings": False}
+    full = full_weights(config)
+    full["model.norm.weight"] = full["model.norm.weight"].float()  # an fp32 tensor in bf16's bucket
+    model = engine_model(full, config, 0, 1)
+    params = dict(model.named_parameters())
+    norm = params["model.norm.weight"]
+    norm.data = torch.zeros(norm.shape, dtype=torch.float32)
+    head = params["lm_head.weight"]
+    head.data = torch.zeros(head.shape, dtype=torch.float32)  # bf16 sent, fp32 held: a cast
+    for _ in range(2):
+        for name, buffer in _payloads(full, buckets=2):
+            assert sglang_direct.copy_bucket(model, name, buffer, tp=(0, 1)) == []
+    assert torch.equal(norm.data, full["model.norm.weight"])
+    expected = expected_shards(full, config, 0, 1)  # the head's rows padded as sglang pads
+    assert torch.equal(head.data, expected.pop("lm_head.weight").float())
+    expected.pop("model.norm.weight")
+    assert all(torch.equal(params[n].data, t) for n, t in expected.items())
+
+
 def test_what_the_rules_do_not_place_goes_to_sglangs_own_loader() -> None:
     config = {**CONFIG, "tie_word_embeddings": False}
     full = full_weights(config)

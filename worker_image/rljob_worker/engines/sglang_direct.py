@@ -24,7 +24,7 @@ import os
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rljob_worker.engines.sglang_weights import DenseLayout, EngineWeightsError
@@ -64,18 +64,29 @@ def payload_name(bucket: FlatBucket) -> str:
     return PAYLOAD_PREFIX + json.dumps(entries, separators=(",", ":"))
 
 
-def unpack(name: str, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The bucket's tensors again, as views of `buffer` (the inverse of payload_name)."""
-    import torch
-
+def _entries(name: str) -> list[tuple[str, list[int], str, int, int]]:
+    """A payload name's entries: (tensor name, shape, dtype name, byte start, byte end)."""
     if not name.startswith(PAYLOAD_PREFIX):
         raise EngineWeightsError(
             f"the direct loader got {name[:60]!r}, not a bucket the rljob adapter sent"
         )
+    return [tuple(e) for e in json.loads(name[len(PAYLOAD_PREFIX) :])]  # type: ignore[misc]
+
+
+def _views(
+    entries: Iterable[tuple[str, list[int], str, int, int]], buffer: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
+    import torch
+
     return [
         (tensor, buffer[start:end].view(getattr(torch, dtype)).view(shape))
-        for tensor, shape, dtype, start, end in json.loads(name[len(PAYLOAD_PREFIX) :])
+        for tensor, shape, dtype, start, end in entries
     ]
+
+
+def unpack(name: str, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors again, as views of `buffer` (the inverse of payload_name)."""
+    return _views(_entries(name), buffer)
 
 
 def _kv_head_start(layout: DenseLayout, tp_rank: int) -> int:
@@ -172,6 +183,30 @@ class _Targets:
     transformed: frozenset[str]
     plans: dict[tuple[str, tuple[int, ...]], list[Copy] | None]
     fallbacks: set[str]
+    # One _BucketPlan per bucket layout (its payload name): the same buckets come every sync.
+    buckets: dict[str, _BucketPlan] = field(default_factory=dict)
+
+
+@dataclass
+class _BucketPlan:
+    """One bucket layout on this TP rank, worked out at its first sync and kept (copy_bucket).
+
+    `dests` are flat views of the parameters' rows; the buffer, split once by `sizes` (in
+    `dtype`'s elements, or bytes where `dtype` is None), gives each one's source at `picks`:
+    a sync then builds no per-tensor view in Python, only one split and one foreach launch.
+    `slow` are the entries that take copy_into's per-tensor views (a column slice at TP > 1, a
+    cast, a tensor the rules do not place, sources that alias); `guards` hold the address of
+    each parameter the flat copies write when planned, so one given new storage since makes a
+    new plan."""
+
+    dtype: torch.dtype | None
+    sizes: list[int]
+    covered: int
+    picks: list[int]
+    piece_dtypes: list[torch.dtype]
+    dests: list[torch.Tensor]
+    guards: list[tuple[torch.Tensor, int]]
+    slow: list[tuple[str, list[int], str, int, int]]
 
 
 # RLJOB_SGLANG_DIRECT_STRICT=1 (the schedulers inherit the rank's environment): a tensor the rules
@@ -213,6 +248,44 @@ def _targets(model: Any, tp: tuple[int, int] | None = None) -> _Targets:
     return targets
 
 
+def _rule(targets: _Targets, name: str, shape: tuple[int, ...]) -> list[Copy] | None:
+    """rank_copies for this rank, once per (name, shape); None raises under STRICT_ENV."""
+    key = (name, shape)
+    if key not in targets.plans:
+        targets.plans[key] = (
+            None
+            if targets.layout is None
+            else rank_copies(
+                name, shape, targets.layout, targets.tp_rank, targets.rows, targets.transformed
+            )
+        )
+    plan = targets.plans[key]
+    if plan is None and os.environ.get(STRICT_ENV, "").strip() not in ("", "0"):
+        raise EngineWeightsError(
+            f"{name} {shape}: the direct loader does not place it "
+            f"({STRICT_ENV} is set; unset it to let sglang's own loader take it)"
+        )
+    return plan
+
+
+def _pair(
+    targets: _Targets, name: str, tensor: torch.Tensor, copy: Copy
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination, source) of one copy: views of the parameter and of `tensor` (a meta
+    tensor of the same shape gives the source's layout without its data)."""
+    param = targets.params[copy.target].data
+    source = (
+        tensor if tensor.dim() == 0 else tensor.narrow(copy.src_dim, copy.src_start, copy.length)
+    )
+    dest = param if copy.dst_start is None else param.narrow(0, copy.dst_start, source.shape[0])
+    if dest.shape != source.shape:
+        raise EngineWeightsError(
+            f"{name} {tuple(tensor.shape)}: TP rank {targets.tp_rank}'s part "
+            f"{tuple(source.shape)} does not fit {copy.target} {tuple(param.shape)}"
+        )
+    return dest, source
+
+
 def copy_into(
     model: Any, named: Iterable[tuple[str, torch.Tensor]], tp: tuple[int, int] | None = None
 ) -> list[tuple[str, torch.Tensor]]:
@@ -230,49 +303,15 @@ def copy_into(
     dests: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
     for name, tensor in named:
-        key = (name, tuple(tensor.shape))
-        if key not in targets.plans:
-            targets.plans[key] = (
-                None
-                if targets.layout is None
-                else rank_copies(
-                    name,
-                    key[1],
-                    targets.layout,
-                    targets.tp_rank,
-                    targets.rows,
-                    targets.transformed,
-                )
-            )
-        plan = targets.plans[key]
+        plan = _rule(targets, name, tuple(tensor.shape))
         if plan is None:
-            if os.environ.get(STRICT_ENV, "").strip() not in ("", "0"):
-                raise EngineWeightsError(
-                    f"{name} {tuple(tensor.shape)}: the direct loader does not place it "
-                    f"({STRICT_ENV} is set; unset it to let sglang's own loader take it)"
-                )
             if name not in targets.fallbacks:
                 targets.fallbacks.add(name)
                 log.warning("direct weight load: %s goes through the model's load_weights", name)
             rest.append((name, tensor))
             continue
         for copy in plan:
-            param = targets.params[copy.target].data
-            source = (
-                tensor
-                if tensor.dim() == 0
-                else tensor.narrow(copy.src_dim, copy.src_start, copy.length)
-            )
-            dest = (
-                param
-                if copy.dst_start is None
-                else param.narrow(0, copy.dst_start, source.shape[0])
-            )
-            if dest.shape != source.shape:
-                raise EngineWeightsError(
-                    f"{name} {tuple(tensor.shape)}: TP rank {targets.tp_rank}'s part "
-                    f"{tuple(source.shape)} does not fit {copy.target} {tuple(param.shape)}"
-                )
+            dest, source = _pair(targets, name, tensor, copy)
             if _same_layout(dest, source):
                 dests.append(dest)
                 sources.append(source)
@@ -290,6 +329,136 @@ def _same_layout(dest: torch.Tensor, source: torch.Tensor) -> bool:
     return dest.dtype == source.dtype and dest.stride() == source.stride()
 
 
+def _plan_bucket(targets: _Targets, name: str) -> _BucketPlan:
+    """The plan of one bucket layout (see _BucketPlan): each copy whose source is one byte
+    range of the buffer and whose destination is contiguous, of the same dtype, is a flat
+    pair; every other entry is slow. Raises as copy_into would (a part that does not fit, an
+    unplaced tensor under STRICT_ENV)."""
+    import torch
+
+    # (byte start, byte end, dtype, destination's flat view, its parameter, the entry)
+    fast: list[tuple[int, int, torch.dtype, torch.Tensor, torch.Tensor, int]] = []
+    entries = _entries(name)
+    slow: list[int] = []
+    for index, (tensor_name, shape, dtype_name, start, _) in enumerate(entries):
+        dtype = getattr(torch, dtype_name)
+        plan = _rule(targets, tensor_name, tuple(shape))
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+        pairs = [] if plan is None else [_pair(targets, tensor_name, meta, c) for c in plan]
+        flat = plan is not None and all(
+            dest.is_contiguous() and source.is_contiguous() and dest.dtype == dtype
+            for dest, source in pairs
+        )
+        if not flat:
+            slow.append(index)
+            continue
+        size = meta.element_size()
+        for copy, (dest, source) in zip(plan or [], pairs, strict=True):
+            if source.numel():
+                begin = start + int(source.storage_offset()) * size
+                param = targets.params[copy.target]
+                fast.append(
+                    (begin, begin + source.numel() * size, dtype, dest.view(-1), param, index)
+                )
+    fast.sort(key=lambda f: f[0])
+    # Sources that share bytes (views of one storage that alias) cannot both be pieces of one
+    # split: both entries take the per-tensor path, as before the plan. Sorted by start, a
+    # source overlaps an earlier one exactly when it starts before the furthest end so far.
+    aliased: set[int] = set()
+    furthest: tuple[int, int] = (0, -1)  # (end, entry) of the source reaching furthest so far
+    for begin, end, *_, index in fast:
+        if begin < furthest[0]:
+            aliased.update((index, furthest[1]))
+        furthest = max(furthest, (end, index))
+    if aliased:
+        fast = [f for f in fast if f[5] not in aliased]
+        slow = sorted({*slow, *aliased})
+    dtypes = {f[2] for f in fast}
+    one = next(iter(dtypes)) if len(dtypes) == 1 else None
+    unit = 1 if one is None else torch.empty(0, dtype=one).element_size()
+    if any(f[0] % unit or f[1] % unit for f in fast):
+        one, unit = None, 1
+    sizes: list[int] = []
+    picks: list[int] = []
+    at = 0
+    for begin, end, *_ in fast:
+        if begin > at:
+            sizes.append((begin - at) // unit)  # the gap between two sources
+        picks.append(len(sizes))
+        sizes.append((end - begin) // unit)
+        at = end
+    written = {id(f[4]): f[4] for f in fast}
+    return _BucketPlan(
+        dtype=one,
+        sizes=sizes,
+        covered=at // unit,
+        picks=picks,
+        piece_dtypes=[f[2] for f in fast],
+        dests=[f[3] for f in fast],
+        guards=[(p, p.data_ptr()) for p in written.values()],
+        slow=[entries[i] for i in slow],
+    )
+
+
+def copy_bucket(
+    model: Any, name: str, buffer: torch.Tensor, tp: tuple[int, int] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """copy_into for one bucket as the adapter sends it (its payload name and uint8 buffer),
+    through the bucket's plan (_BucketPlan): one split of the buffer and one foreach launch
+    for the flat copies. Returns what the rules do not place, as copy_into does."""
+    import torch
+
+    targets = _targets(model, tp)
+    plan = targets.buckets.get(name)
+    if plan is None or any(p.data_ptr() != address for p, address in plan.guards):
+        plan = targets.buckets[name] = _plan_bucket(targets, name)
+    if plan.dests:
+        whole = _typed(buffer, plan.dtype)
+        if whole is None:  # this buffer cannot be viewed in the plan's dtype: split its bytes
+            sources = _sources(buffer, plan, bytewise=True)
+        else:
+            sources = _sources(whole, plan, bytewise=False)
+        torch._foreach_copy_(plan.dests, sources)
+    if not plan.slow:
+        return []
+    return copy_into(model, _views(plan.slow, buffer), tp)
+
+
+def _typed(buffer: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
+    if dtype is None:
+        return None
+    size = _itemsize(dtype)
+    if buffer.numel() % size or buffer.storage_offset() % size:
+        return None
+    return buffer.view(dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    import torch
+
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _sources(whole: torch.Tensor, plan: _BucketPlan, bytewise: bool) -> list[torch.Tensor]:
+    import torch
+
+    if bytewise and plan.dtype is not None:  # the plan's sizes are elements: back to bytes
+        unit = _itemsize(plan.dtype)
+        sizes = [s * unit for s in plan.sizes]
+        covered = plan.covered * unit
+    else:
+        sizes, covered = plan.sizes, plan.covered
+    if whole.numel() < covered:
+        raise EngineWeightsError(
+            f"a bucket's buffer holds {whole.numel()} {'bytes' if bytewise else 'elements'}, "
+            f"its layout needs {covered}"
+        )
+    pieces = torch.split(whole, [*sizes, whole.numel() - covered])
+    if not bytewise:
+        return [pieces[i] for i in plan.picks]
+    return [pieces[i].view(d) for i, d in zip(plan.picks, plan.piece_dtypes, strict=True)]
+
+
 def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """sglang's custom weight loader (see the module's text): each (name, buffer) is one bucket
     from the adapter. Waits for its copies before returning, so the sender may reuse the buffer
@@ -299,7 +468,7 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     started = time.perf_counter()
     rest: list[tuple[str, torch.Tensor]] = []
     for name, buffer in named_tensors:
-        rest += copy_into(model, unpack(name, buffer))
+        rest += copy_bucket(model, name, buffer)
     launched = time.perf_counter()
     if rest:
         model.load_weights(rest)
