@@ -10,6 +10,11 @@ shapes; sglang's model classes need CUDA). Each way loads the same one-bucket pa
 --repeats times after one untimed call (the plan's first build), and reports the median
 milliseconds a call; both must leave the model holding the same parameters. On a GPU the
 loader's own seconds come from `bench/gpu_steps.sh sync-buckets` instead.
+
+Beside it, the sender's host work for the same tensors (`sender`): one rank's
+`train.gather_full` of FSDP2-style Shard(0) DTensors (a one-rank gloo group; the cast into one
+flat buffer) and the hand-off's `flatten` and `payload_name`, the parts of a weight sync outside
+the engine that a GPU run counts in the sync less the hand-off, or inside the hand-off.
 """
 
 from __future__ import annotations
@@ -66,6 +71,55 @@ def measure(layers: int, tp_size: int, repeats: int) -> dict[str, object]:
     return result
 
 
+def sender(layers: int, repeats: int) -> dict[str, float]:
+    """Median milliseconds of gather_full, and of flatten + payload_name on its output, for the
+    same decoder's tensors as one rank's Shard(0) DTensors. Needs no process group of its own
+    (one is made here, world 1, gloo)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from rljob_worker.train import gather_full
+
+    config = {**CONFIG, "num_hidden_layers": layers, "tie_word_embeddings": True}
+    full = full_weights(config)
+    made = not dist.is_initialized()
+    if made:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        params = [(n, distribute_tensor(t.float(), mesh, [Shard(0)])) for n, t in full.items()]
+        gather, hand = [], []
+        for index in range(repeats + 1):
+            started = time.perf_counter()
+            out = gather_full(params, torch.bfloat16)
+            gathered = time.perf_counter()
+            sglang_direct.payload_name(flatten(out))
+            done = time.perf_counter()
+            if index:  # the first is untimed
+                gather.append(gathered - started)
+                hand.append(done - gathered)
+            if [n for n, _ in out] != list(full) or any(
+                not torch.equal(t, full[n]) for n, t in out
+            ):
+                raise RuntimeError("gather_full did not give the full tensors back")
+    finally:
+        if made:
+            dist.destroy_process_group()
+    return {
+        "gather_full": statistics.median(gather) * 1e3,
+        "flatten and payload_name": statistics.median(hand) * 1e3,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=36)
@@ -74,10 +128,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     result = measure(args.layers, args.tp, args.repeats)
+    sent = sender(args.layers, args.repeats)
+    result["sender"] = sent
     print(
         f"{result['tensors']} tensors, TP rank 0 of {args.tp}: per-tensor views "
         f"{result['per-tensor views']:.2f} ms a call, bucket plan {result['bucket plan']:.2f} ms "
-        f"(median of {args.repeats}; torch {torch.__version__})"
+        f"(median of {args.repeats}; torch {torch.__version__}); the sender: gather_full "
+        f"{sent['gather_full']:.2f} ms, flatten and payload_name "
+        f"{sent['flatten and payload_name']:.2f} ms"
     )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -28,3 +28,9 @@ def test_a_plan_that_lands_elsewhere_fails_the_run(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(bench.sglang_direct, "copy_bucket", shifted)
     with pytest.raises(RuntimeError, match="different parameters"):
         bench.measure(layers=2, tp_size=1, repeats=1)
+
+
+def test_the_senders_host_work_is_timed_on_a_gather_that_gives_the_tensors_back() -> None:
+    bench = bench_module("direct_loader.py", "bench_direct_loader")
+    result = bench.sender(layers=2, repeats=2)
+    assert result["gather_full"] > 0 and result["flatten and payload_name"] > 0
