@@ -93,6 +93,20 @@ class BenchRollout(MultiTurnRollout):
         return []
 
 
+def with_context(model: Path, positions: int) -> Path:
+    """A copy of the model folder `model` (in a temporary folder kept for the process's life)
+    whose config.json says `positions` for max_position_embeddings; nothing else changes."""
+    import shutil
+    import tempfile
+
+    copy = Path(tempfile.mkdtemp(prefix="rljob-bench-context-")) / model.name
+    shutil.copytree(model, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    (copy / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return copy
+
+
 def _machine(device: str) -> str:
     if device.startswith("cuda"):
         return f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs"
@@ -210,10 +224,16 @@ def main() -> None:
                         "an interpreter spawned per call (bench/tool_runner.py)")  # fmt: skip
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="measure from the first rollout (default: one untimed pass first)")  # fmt: skip
+    parser.add_argument("--context", type=int, default=None,
+                        help="a copy of --model whose config.json says this many positions "
+                        "(max_position_embeddings): the builtin tiny model's 256 hold too few "
+                        "turns; its weights are random, so a longer context changes no quality")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "multi_turn")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_path = str(resolve_model_path(args.model))
+    if args.context is not None:
+        model_path = str(with_context(Path(model_path), args.context))
     tokenizer = load_tokenizer(model_path)
     eos = [tokenizer.eos_token_id]
     engines = _engines(args, model_path, eos)

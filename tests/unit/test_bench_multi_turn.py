@@ -3,7 +3,9 @@ conversation and turn, so the async and turn-by-turn runs of one bench wait the 
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 from typing import Any
 
 from support.scripts import bench_module
@@ -75,3 +77,18 @@ def test_engines_are_dealt_round_the_gpus_each_with_its_cards_share(monkeypatch:
         assert len(bench._engines(args, "/m", [0])) == engines
         assert [(m["base_gpu_id"], m["mem_fraction_static"]) for m in made] == expected
     assert bench.engines_per_gpu(4, 2) == 2 and bench.engines_per_gpu(1, 2) == 1
+
+
+def test_a_longer_context_is_a_copy_whose_config_alone_differs(tmp_path: Path) -> None:
+    bench = _bench()
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 256, "a": 1}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    copy = bench.with_context(model, 4096)
+    assert json.loads((copy / "config.json").read_text()) == {
+        "max_position_embeddings": 4096,
+        "a": 1,
+    }
+    assert (copy / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((model / "config.json").read_text())["max_position_embeddings"] == 256
