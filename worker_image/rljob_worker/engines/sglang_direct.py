@@ -375,7 +375,7 @@ def _plan_bucket(targets: _Targets, name: str) -> _BucketPlan:
         slow = sorted({*slow, *aliased})
     dtypes = {f[2] for f in fast}
     one = next(iter(dtypes)) if len(dtypes) == 1 else None
-    unit = 1 if one is None else torch.empty(0, dtype=one).element_size()
+    unit = 1 if one is None else one.itemsize
     if any(f[0] % unit or f[1] % unit for f in fast):
         one, unit = None, 1
     sizes: list[int] = []
@@ -427,23 +427,17 @@ def copy_bucket(
 def _typed(buffer: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
     if dtype is None:
         return None
-    size = _itemsize(dtype)
+    size = dtype.itemsize
     if buffer.numel() % size or buffer.storage_offset() % size:
         return None
     return buffer.view(dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    import torch
-
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _sources(whole: torch.Tensor, plan: _BucketPlan, bytewise: bool) -> list[torch.Tensor]:
     import torch
 
     if bytewise and plan.dtype is not None:  # the plan's sizes are elements: back to bytes
-        unit = _itemsize(plan.dtype)
+        unit = plan.dtype.itemsize
         sizes = [s * unit for s in plan.sizes]
         covered = plan.covered * unit
     else:
