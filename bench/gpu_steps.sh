@@ -42,13 +42,15 @@
 #                spawned per call it replaced (--python-runner spawn), to compare on one machine
 #   mt-long      #32: mt-tools at 3 turns with turns of up to 256 x 1/4..4 tokens (agentic lengths);
 #                MT_MODEL (qwen2.5-0.5b), MT_CONVERSATIONS (256), MT_MEM_FRACTION (0.6) and
-#                MT_TOOL_SECONDS (0.3, the tools' median wait) change the regime
+#                MT_TOOL_SECONDS (0.3, the tools' median wait) change the regime; MT_TURNS="2 3 4"
+#                runs each of those numbers of turns (3 unless set)
 #   tool-runner  #32: bench/tool_runner.py, builtin:python's calls/s spawn against pool (CPU only)
 #   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
 #   sync-direct  #33: the same for the direct hand-off against the per-tensor one (one card)
 #   sync-buckets #33: the direct hand-off with 512, 2048 and 8192 MiB buckets (one card;
 #                BUCKETS_MB), the loader's own seconds beside each hand-off; SYNC_BEFORE_TREE
-#                (an older tree's worker_image, carried) runs each size with it first
+#                (an older tree's worker_image, carried) runs each size with it first; each
+#                size's sync is split into its parts (bench/sync_trip.py: mbN-trip.md)
 #   realistic-7b #33/#30: 7B realistic over two cards with the async checkpoint (gpu_bg.sh;
 #                SYNC_PATH, ALONE=1)
 #   realistic    #33: 3B realistic workload, before and after (one card)
@@ -176,7 +178,7 @@ for step in "$@"; do
       # 64-1024, long-tailed) instead of 24 x that, 3 turns, the same slow tools.
       m=${MT_MODEL:-qwen2.5-0.5b}
       model "$m" && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
-        --model "/tmp/rljob-bench-models/$m" --conversations "${MT_CONVERSATIONS:-256}" --turns 3 \
+        --model "/tmp/rljob-bench-models/$m" --conversations "${MT_CONVERSATIONS:-256}" --turns ${MT_TURNS:-3} \
         --turn-tokens 256 --spread --tool-seconds "${MT_TOOL_SECONDS:-0.3}" \
         --mem-fraction "${MT_MEM_FRACTION:-0.6}" --out "$out/long" > "$out/log" 2>&1
       tail -12 "$out/log" ;;
@@ -227,9 +229,13 @@ for step in "$@"; do
             --out "$out/$tag" > "$out/$tag.log" 2>&1
           echo "$tag: colocate exit $?"; grep -E "weight sync within|hand-off" "$out/$tag.log" | tail -3
           python3 -c "import json, statistics as s, sys; r = [json.loads(l) for l in open(sys.argv[1])]; \
+r = [x for x in r if x.get('call', 'loader') == 'loader']; \
 print(f'loader calls {len(r)}, bytes/call {s.median(x[\"bytes\"] for x in r) / 2**20:.0f} MiB, seconds/call median \
 {s.median(x[\"seconds\"] for x in r) * 1e3:.2f} ms (launch {s.median(x[\"launch_seconds\"] for x in r) * 1e3:.2f} ms), \
 fallback tensors {sum(x[\"fallback_tensors\"] for x in r)}')" "$out/$tag-loader.jsonl"
+          # This tree's stage and adapter also write their spans there: the sync split in parts.
+          [[ $tree == after ]] && python3 bench/sync_trip.py "$out/$tag-loader.jsonl" \
+            --json "$out/$tag-trip.json" | tee "$out/$tag-trip.md"
         done
       done ;;
     realistic-7b)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,8 @@ def test_the_loader_takes_the_adapters_flat_buckets(
     assert sum(line["bytes"] for line in lines) == sum(t.numel() * 2 for t in full.values())
     assert all(0 <= line["launch_seconds"] <= line["seconds"] for line in lines)
     assert all(line["fallback_tensors"] == 0 for line in lines)
+    assert [line["call"] for line in lines] == ["loader", "loader"]
+    assert lines[0]["start"] <= lines[0]["end"] <= lines[1]["start"] <= lines[1]["end"]
 
 
 def _payloads(full: dict[str, torch.Tensor], buckets: int) -> list[tuple[str, torch.Tensor]]:
@@ -375,6 +378,24 @@ def test_on_the_direct_path_each_bucket_is_one_buffer_for_rljobs_declared_loader
     for name, tensor in full.items():
         (loaded,) = sgl.loaded[name]
         assert torch.equal(loaded, tensor) and loaded.dtype == tensor.dtype
+
+
+def test_the_adapter_writes_each_request_it_sends_to_the_timings_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """bench/sync_trip.py's other half: each update request and the flush, sent to answered."""
+    timings = tmp_path / "sync.jsonl"
+    engine, _ = _adapter(HANDOFF_DIRECT_STAND_IN, SUPPORTED_SGLANG_VERSIONS[-1])
+    full = full_weights({**CONFIG, "tie_word_embeddings": False})
+    names = list(full)
+    engine.update_weights([(n, full[n]) for n in names[:5]])  # before the variable: no line
+    monkeypatch.setenv(sglang_direct.TIMINGS_ENV, str(timings))
+    engine.update_weights([(n, full[n]) for n in names[5:]])
+    engine.flush_cache()
+    lines = [json.loads(line) for line in timings.read_text().splitlines()]
+    assert [line["call"] for line in lines] == ["update", "flush"]
+    assert lines[0]["start"] <= lines[0]["end"] <= lines[1]["start"] <= lines[1]["end"]
+    assert {line["pid"] for line in lines} == {os.getpid()}
 
 
 def test_the_direct_path_is_chosen_by_the_environment_and_takes_no_flattened_metadata(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +31,13 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
                "--iterations", str(ITERATIONS), "--prompts", "2", "--group-size", "2",
                "--response-length", "8", "--modes", "staged,single", "--fractions", "0.5",
                "--out", str(out)]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # The weight sync's spans (bench/sync_trip.py's input), written by the ranks' stages.
+    env = {**os.environ, "RLJOB_SGLANG_DIRECT_TIMINGS": str(out / "sync-timings.jsonl")}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((out / "colocate.json").read_text())
     data["_markdown"] = (out / "colocate.md").read_text()
+    data["_timings"] = out / "sync-timings.jsonl"
     return data
 
 
@@ -56,6 +60,22 @@ def test_every_point_completes_its_iterations_with_a_staging_tax(result: dict) -
         # The weight sync's hand-off to the engine is a part of it, and shown beside it.
         assert 0 < point["weight_handoff_seconds"] <= point["weight_sync_seconds"]
         assert f"{point['weight_handoff_seconds']:.3f})" in result["_markdown"]
+
+
+def test_every_weight_sync_leaves_its_spans_for_the_split(result: dict) -> None:
+    """With RLJOB_SGLANG_DIRECT_TIMINGS set, each rank's stage writes its syncs' spans (the
+    torch engine sends no sglang requests: no update spans), which bench/sync_trip.py splits."""
+    trip = bench_module("sync_trip.py", "bench_sync_trip")
+    lines = trip.read(result["_timings"])
+    pids = {x["pid"] for x in lines}
+    assert len(pids) == len(result["points"])  # one rank a point here, a process each
+    syncs = trip.split(lines)
+    # Iteration 0's weights and each iteration's update: ITERATIONS + 1 syncs a point.
+    assert len(syncs) == len(pids) * (ITERATIONS + 1)
+    for sync in syncs:
+        assert sync["buckets"] == 0 and sync["next_bucket"] > 0
+        assert sync["other"] >= 0
+        assert sum(sync[p] for p in trip.PARTS) == pytest.approx(sync["sync"])
 
 
 def test_the_engine_alone_runs_the_same_rollouts_and_is_compared(result: dict) -> None:

@@ -20,6 +20,7 @@ from rljob_worker.engines.base import TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS,
 from rljob_worker.memory import MemoryMeter
 from rljob_worker.staging import Staging
 from rljob_worker.train import Experience, NamedTensors, TrainStats
+from rljob_worker.weight_sync import record_span
 
 # Staged awake (docs/design.md, "The stage machine"): the engine's weights come back while the
 # training params are still resident (they are the source of the update), but the KV cache only
@@ -261,14 +262,20 @@ class StageMachine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.engine.resume(tags)
-        started = time.perf_counter()
+        started, started_wall = time.perf_counter(), time.time()
         handoff = 0.0
         # In place, bucket by bucket: addresses stay valid (CUDA graphs) and at most two
         # buckets of full tensors exist at a time on top of the sharded params and engine
         # weights: the one handed over and the next, whose gather runs meanwhile
         # (Trainer.weight_buckets). No device synchronize here: a bucket arrives with its own
         # kernels done, and waiting for the next one's would serialize the two again.
-        for bucket in self.trainer.weight_buckets(self.bucket_bytes, self.engine_dtype):
+        buckets = iter(self.trainer.weight_buckets(self.bucket_bytes, self.engine_dtype))
+        while True:
+            waited = time.time()  # the spans are for bench/sync_trip.py (TIMINGS_ENV)
+            bucket = next(buckets, None)
+            record_span("next_bucket", waited, time.time())
+            if bucket is None:
+                break
             handing = time.perf_counter()
             self.engine.update_weights(bucket)
             handoff += time.perf_counter() - handing
@@ -278,10 +285,13 @@ class StageMachine:
         # Prefix caches computed with the old weights are wrong now.
         self.engine.flush_cache()
         if torch.cuda.is_available():
+            synchronizing = time.time()
             torch.cuda.synchronize()
+            record_span("synchronize", synchronizing, time.time())
         # The update alone (the stage also holds the resume): what benchmarks compare with HBM.
         self.weight_sync_seconds = time.perf_counter() - started
         self.weight_handoff_seconds = handoff
+        record_span("sync", started_wall, time.time())
 
     def offload_train(self) -> None:
         self.trainer.finish_offloads()  # the moments whose copies ran behind the weight sync

@@ -10,8 +10,9 @@ costs no copy; tensors that do not share one buffer are packed into a new one (o
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -167,3 +168,24 @@ def prefetched(gathers: Iterable[Callable[[], T]], ahead: bool = True) -> Iterat
         pending = None
         wait()
         yield previous
+
+
+# RLJOB_SGLANG_DIRECT_TIMINGS=<file> (sglang's schedulers inherit the rank's environment): the
+# weight sync's parts as JSON lines on one host's wall clock: the stage's spans (record_span:
+# the whole sync, each wait for the next bucket, the device synchronize), the adapter's requests
+# to sglang (`update`, `flush`) and the direct loader's own part of each update
+# (sglang_direct.record_timing), so bench/sync_trip.py can split a hand-off into the request's
+# way in, the loader and the way back. Unset (the default), nothing is written.
+TIMINGS_ENV = "RLJOB_SGLANG_DIRECT_TIMINGS"
+
+
+def record_timing_line(line: Mapping[str, Any]) -> None:
+    path = os.environ.get(TIMINGS_ENV, "").strip()
+    if path:
+        with open(path, "a") as out:  # one short line a write: appends from several processes
+            out.write(json.dumps({"pid": os.getpid(), **line}) + "\n")
+
+
+def record_span(call: str, start_wall: float, end_wall: float) -> None:
+    """One span of the weight sync (see TIMINGS_ENV), in time.time() seconds."""
+    record_timing_line({"call": call, "start": start_wall, "end": end_wall})

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rljob_worker.engines.sglang_weights import DenseLayout, EngineWeightsError
+from rljob_worker.weight_sync import TIMINGS_ENV, record_timing_line
 
 if TYPE_CHECKING:
     import torch
@@ -459,7 +460,7 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     once the call is answered."""
     import torch
 
-    started = time.perf_counter()
+    started, entered = time.perf_counter(), time.time()
     rest: list[tuple[str, torch.Tensor]] = []
     for name, buffer in named_tensors:
         rest += copy_bucket(model, name, buffer)
@@ -468,13 +469,7 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         model.load_weights(rest)
     if torch.cuda.is_available():
         torch.cuda.current_stream().synchronize()
-    record_timing(named_tensors, started, launched, time.perf_counter(), len(rest))
-
-
-# RLJOB_SGLANG_DIRECT_TIMINGS=<file> (the schedulers inherit the rank's environment): each load
-# appends one JSON line, what the loader's own part of a hand-off took, so a benchmark can tell
-# it from the request's trip through sglang's processes (bench/gpu_steps.sh sync-buckets).
-TIMINGS_ENV = "RLJOB_SGLANG_DIRECT_TIMINGS"
+    record_timing(named_tensors, started, launched, time.perf_counter(), len(rest), entered)
 
 
 def record_timing(
@@ -483,18 +478,20 @@ def record_timing(
     launched: float,
     done: float,
     fallbacks: int,
+    entered: float,
 ) -> None:
-    path = os.environ.get(TIMINGS_ENV, "").strip()
-    if not path:
+    """The loader's line of the weight sync's timings (weight_sync.TIMINGS_ENV): `entered` is
+    the wall time the call began, the rest perf_counter() readings."""
+    if not os.environ.get(TIMINGS_ENV, "").strip():
         return
     line = {
-        "pid": os.getpid(),
-        "wall": time.time(),
+        "call": "loader",
+        "start": entered,
+        "end": entered + (done - started),
         "buckets": len(named_tensors),
         "bytes": sum(int(b.numel()) * b.element_size() for _, b in named_tensors),
         "launch_seconds": launched - started,
         "seconds": done - started,
         "fallback_tensors": fallbacks,
     }
-    with open(path, "a") as out:  # one short line per write: appends from several TP ranks
-        out.write(json.dumps(line) + "\n")
+    record_timing_line(line)

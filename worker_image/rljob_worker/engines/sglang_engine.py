@@ -25,6 +25,7 @@ import os
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -81,7 +82,7 @@ from rljob_worker.engines.sglang_weights import (
     WeightShards,
     read_weights,
 )
-from rljob_worker.weight_sync import flatten, sglang_flattened_bucket
+from rljob_worker.weight_sync import flatten, record_span, sglang_flattened_bucket
 
 # Every name this module offered before its contract, process and hand-off parts moved out
 # (sglang_contract.py, sglang_process.py, sglang_handoff.py): importable from here as before.
@@ -601,12 +602,14 @@ class SGLangEngine(ColocatedEngine):
                 result = self._engine.begin_weight_update()
                 self._check_success_message("begin_weight_update", result)
             self._update_open = True
+        sent = time.time()
         result = self._engine.update_weights_from_tensor(
             named_tensors=named_tensors,
             load_format=load_format,
             # One flush after the last bucket (flush_cache below), not one per bucket.
             flush_cache=False,
         )
+        record_span("update", sent, time.time())
         self._check_success_message("update_weights_from_tensor", result)
 
     def flush_cache(self) -> None:
@@ -618,7 +621,9 @@ class SGLangEngine(ColocatedEngine):
             self._update_open = False
             if self._contract.opens_weight_update_session:
                 self._check_success_message("end_weight_update", self._engine.end_weight_update())
+        sent = time.time()
         result = self._engine.flush_cache()
+        record_span("flush", sent, time.time())
         if not getattr(result, "success", False):
             message = getattr(result, "message", "")
             raise SGLangEngineError(f"sglang flush_cache failed: {message or result!r}")
