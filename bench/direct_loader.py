@@ -96,28 +96,31 @@ def sender(layers: int, repeats: int) -> dict[str, float]:
         dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        params = [(n, distribute_tensor(t.float(), mesh, [Shard(0)])) for n, t in full.items()]
-        gather, hand = [], []
-        for index in range(repeats + 1):
-            started = time.perf_counter()
-            out = gather_full(params, torch.bfloat16)
-            gathered = time.perf_counter()
-            sglang_direct.payload_name(flatten(out))
-            done = time.perf_counter()
-            if index:  # the first is untimed
-                gather.append(gathered - started)
-                hand.append(done - gathered)
-            if [n for n, _ in out] != list(full) or any(
-                not torch.equal(t, full[n]) for n, t in out
-            ):
-                raise RuntimeError("gather_full did not give the full tensors back")
+        # Parameters, as FSDP2 registers its shards (to_local on one costs more than on a bare
+        # DTensor).
+        params = [
+            (n, torch.nn.Parameter(distribute_tensor(t.float(), mesh, [Shard(0)])))
+            for n, t in full.items()
+        ]
+        times: dict[str, list[float]] = {}
+        for label, plans in (("", None), (" planned", {})):
+            for index in range(repeats + 1):
+                started = time.perf_counter()
+                out = gather_full(params, torch.bfloat16, plans)
+                gathered = time.perf_counter()
+                sglang_direct.payload_name(flatten(out))
+                done = time.perf_counter()
+                if index:  # the first is untimed (and makes the plan)
+                    times.setdefault("gather_full" + label, []).append(gathered - started)
+                    times.setdefault("flatten and payload_name" + label, []).append(done - gathered)
+                if [n for n, _ in out] != list(full) or any(
+                    not torch.equal(t, full[n]) for n, t in out
+                ):
+                    raise RuntimeError("gather_full did not give the full tensors back")
     finally:
         if made:
             dist.destroy_process_group()
-    return {
-        "gather_full": statistics.median(gather) * 1e3,
-        "flatten and payload_name": statistics.median(hand) * 1e3,
-    }
+    return {key: statistics.median(values) * 1e3 for key, values in times.items()}
 
 
 def main() -> None:
@@ -134,8 +137,9 @@ def main() -> None:
         f"{result['tensors']} tensors, TP rank 0 of {args.tp}: per-tensor views "
         f"{result['per-tensor views']:.2f} ms a call, bucket plan {result['bucket plan']:.2f} ms "
         f"(median of {args.repeats}; torch {torch.__version__}); the sender: gather_full "
-        f"{sent['gather_full']:.2f} ms, flatten and payload_name "
-        f"{sent['flatten and payload_name']:.2f} ms"
+        f"{sent['gather_full']:.2f} ms (planned {sent['gather_full planned']:.2f}), flatten and "
+        f"payload_name {sent['flatten and payload_name']:.2f} ms (planned "
+        f"{sent['flatten and payload_name planned']:.2f})"
     )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -34,3 +34,5 @@ def test_the_senders_host_work_is_timed_on_a_gather_that_gives_the_tensors_back(
     bench = bench_module("direct_loader.py", "bench_direct_loader")
     result = bench.sender(layers=2, repeats=2)
     assert result["gather_full"] > 0 and result["flatten and payload_name"] > 0
+    # The planned gather too (the bench checks its tensors against the full ones).
+    assert result["gather_full planned"] > 0 and result["flatten and payload_name planned"] > 0

@@ -38,7 +38,7 @@ from rljob_worker.engines.sglang_engine import (
 )
 from rljob_worker.engines.sglang_handoff import direct_chosen
 from rljob_worker.engines.sglang_weights import EngineWeightsError
-from rljob_worker.weight_sync import flatten
+from rljob_worker.weight_sync import GatheredBucket, flatten
 
 # A small dense decoder: 4 query heads of 4, 2 KV heads (fewer than 4 TP ranks: shared), a
 # vocabulary that is not a multiple of 64 (sglang pads it), two layers.
@@ -378,6 +378,26 @@ def test_on_the_direct_path_each_bucket_is_one_buffer_for_rljobs_declared_loader
     for name, tensor in full.items():
         (loaded,) = sgl.loaded[name]
         assert torch.equal(loaded, tensor) and loaded.dtype == tensor.dtype
+
+
+def test_a_gathered_bucket_goes_as_its_worked_out_buffer_without_a_view_per_tensor() -> None:
+    """train.gather_full's planned buckets carry their layout (GatheredBucket): the direct
+    hand-off sends that buffer and name as they are and never makes the per-tensor views."""
+    engine, sgl = _adapter(HANDOFF_DIRECT_STAND_IN, SUPPORTED_SGLANG_VERSIONS[-1])
+    full = full_weights({**CONFIG, "tie_word_embeddings": False})
+    flat = flatten(list(full.items()))
+
+    def no_views() -> list[torch.Tensor]:
+        raise AssertionError("the hand-off made the bucket's per-tensor views")
+
+    engine.update_weights(GatheredBucket(list(full), no_views, flat))
+    engine.flush_cache()
+    (update,) = [kw for name, kw in sgl.calls if name == "update_weights_from_tensor"]
+    ((name, buffer),) = update["named_tensors"]
+    assert name == payload_name(flat) and buffer is flat.buffer
+    for tensor_name, tensor in full.items():
+        (loaded,) = sgl.loaded[tensor_name]
+        assert torch.equal(loaded, tensor)
 
 
 def test_the_adapter_writes_each_request_it_sends_to_the_timings_file(

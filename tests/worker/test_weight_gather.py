@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from support.ranks import gloo_rank, run_ranks
-from support.weight_gather import gather_and_describe
+from support.weight_gather import counted_all_gathers, gather_and_describe
 
 pytestmark = pytest.mark.worker
 
@@ -135,3 +135,78 @@ def test_overlapped_gather_hands_on_the_same_buckets_in_order_bit_for_bit(world:
         assert out["names_equal"] and out["bytes_equal"], out
         # Every bucket gather_full gave lies in one buffer: the flattened hand-off copies none.
         assert out["views"] == [True] * out["buckets"]
+
+
+def _planned_rank_main(rank: int, init_method: str, world: int, results: Any) -> None:
+    """gather_full with the trainer's plans against without, over syncs where the shards'
+    storages are emptied and refilled (the params' offload) and one shard gets a new storage."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from rljob_worker.train import gather_full
+    from rljob_worker.weight_sync import GatheredBucket, flatten
+
+    def raw(bucket: Any) -> list[tuple[str, bytes]]:
+        return [(n, t.contiguous().view(torch.uint8).numpy().tobytes()) for n, t in bucket]
+
+    with gloo_rank(rank, world, init_method, results) as out:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        params: list[tuple[str, Any]] = [
+            (f"t{i}", torch.nn.Parameter(distribute_tensor(torch.randn(s), mesh, [Shard(0)])))
+            for i, s in enumerate(SHAPES)
+        ]
+        plans: dict[Any, Any] = {}
+        rounds: list[dict[str, Any]] = []
+        for round_ in range(4):
+            if round_ == 1:  # the offload: every shard's storage emptied, refilled, rewritten
+                for _, p in params:
+                    local = p.to_local()
+                    local.untyped_storage().resize_(0)
+                    local.untyped_storage().resize_(local.numel() * local.element_size())
+                    with torch.no_grad():
+                        local.copy_(torch.full_like(local, float(round_ + rank)))
+            if round_ == 2:  # one shard given another storage (the DTensor's own shard: a
+                local = params[0][1]._local_tensor  # Parameter's to_local() is an alias of it)
+                local.data = torch.full_like(local, 7.0)
+            before = dict(plans)
+            with counted_all_gathers() as gathers:
+                planned = gather_full(params, torch.bfloat16, plans)
+            plain = gather_full(params, torch.bfloat16)
+            assert isinstance(planned, GatheredBucket)
+            laid = flatten(list(planned))  # measured again, as the hand-off did before
+            rounds.append(
+                {
+                    "equal": raw(planned) == raw(plain),
+                    "layout": planned.flat.entries == laid.entries,
+                    "buffer": torch.equal(planned.flat.buffer, laid.buffer),
+                    "plans": len(plans),
+                    "same_plan": bool(before) and all(plans[k] is before[k] for k in before),
+                    "gathers": len(gathers),
+                }
+            )
+        # A bucket with a replicated tensor is not planned: the general path, same answer.
+        mixed = [*params[:2], ("r", distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))]
+        other: dict[Any, Any] = {}
+        got = gather_full(mixed, torch.bfloat16, other)
+        out["mixed"] = (not other, not isinstance(got, GatheredBucket),
+                        raw(got) == raw(gather_full(mixed, torch.bfloat16)))  # fmt: skip
+        out["rounds"] = rounds
+
+
+@pytest.mark.parametrize("world", [1, WORLD])
+def test_a_planned_gather_gives_the_unplanned_bytes_and_layout_across_offloads(
+    world: int,
+) -> None:
+    collected = run_ranks(_planned_rank_main, world, world)
+    for rank in range(world):
+        out = collected[rank]
+        assert "error" not in out, out
+        rounds = out["rounds"]
+        assert [r["equal"] and r["layout"] and r["buffer"] for r in rounds] == [True] * 4
+        assert all(r["plans"] == 1 for r in rounds)
+        # Planned once, kept across the offload, planned again for the new storage, then kept.
+        assert [r["same_plan"] for r in rounds] == [False, True, False, True]
+        assert [r["gathers"] for r in rounds] == [1 if world > 1 else 0] * 4
+        assert list(out["mixed"]) == [True, True, True]

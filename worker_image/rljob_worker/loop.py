@@ -40,7 +40,7 @@ from rljob_worker.reward import Scorer
 from rljob_worker.stages import StageMachine
 from rljob_worker.staging import Staging, overlap_staging
 from rljob_worker.task import Problem, Task, make_task
-from rljob_worker.train import Experience, NamedTensors, Trainer, TrainStats
+from rljob_worker.train import Bucket, Experience, Trainer, TrainStats
 
 log = logging.getLogger(__name__)
 
@@ -459,7 +459,7 @@ def run_rank(
         trainer = Trainer(spec, model_path, device, pad_id=tokenizer.pad_token_id, staging=staging)
     checks: dict[str, tuple[str, str]] = {}
 
-    def check_weights(_iteration: int, bucket: NamedTensors) -> None:
+    def check_weights(_iteration: int, bucket: Bucket) -> None:
         held = dict(engine.named_weights())  # type: ignore[attr-defined]
         for name, tensor in bucket:
             checks[name] = (tensor_digest(tensor), tensor_digest(held[name]))

@@ -19,7 +19,7 @@ from rljob_worker import allocator_report
 from rljob_worker.engines.base import TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS, RolloutEngine
 from rljob_worker.memory import MemoryMeter
 from rljob_worker.staging import Staging
-from rljob_worker.train import Experience, NamedTensors, TrainStats
+from rljob_worker.train import Bucket, Experience, TrainStats
 from rljob_worker.weight_sync import record_span
 
 # Staged awake (docs/design.md, "The stage machine"): the engine's weights come back while the
@@ -99,7 +99,7 @@ class TrainerLike(Protocol):
     def load_optimizer(self) -> None: ...
     def offload_params(self) -> None: ...
     def load_params(self) -> None: ...
-    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[NamedTensors]: ...
+    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[Bucket]: ...
 
 
 @dataclass
@@ -142,7 +142,7 @@ class StageMachine:
         engine_dtype: torch.dtype,
         offload_optimizer: bool = True,
         offload_params: bool = True,
-        after_weight_update: Callable[[int, NamedTensors], None] | None = None,
+        after_weight_update: Callable[[int, Bucket], None] | None = None,
         checkpoint: Callable[[int], None] | None = None,
         checkpoint_every: int = 0,
         between_stages: Callable[[Stage], None] | None = None,

@@ -7,7 +7,9 @@ and CPU on the stage machine's request, and gathers full tensors bucket by bucke
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,9 +36,18 @@ from rljob_worker.staging import (
     PARAMS_TO_HOST,
     Staging,
 )
-from rljob_worker.weight_sync import overlap_enabled, prefetched
+from rljob_worker.weight_sync import (
+    FlatBucket,
+    FlatEntry,
+    GatheredBucket,
+    byte_view,
+    overlap_enabled,
+    prefetched,
+)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+# A weight-sync bucket as gather_full gives it: a list, or a GatheredBucket with its layout.
+Bucket = Sequence[tuple[str, torch.Tensor]]
 
 
 def flat_chunk_elements(shape: torch.Size, world: int) -> int:
@@ -63,7 +74,11 @@ def flat_all_gather(
     getattr(dist, FLAT_ALL_GATHER)(output, input, group=group)
 
 
-def gather_full(params: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype) -> NamedTensors:
+def gather_full(
+    params: Sequence[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    plans: dict[tuple[str, ...], SendPlan] | None = None,
+) -> Bucket:
     """Full tensors in `dtype` of FSDP2-sharded params, with one all-gather for all of them.
 
     Gathering per tensor (DTensor.full_tensor) costs a collective and its dispatch per tensor,
@@ -76,12 +91,19 @@ def gather_full(params: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype) 
 
     Per-tensor host work is kept small, since a bucket holds hundreds of tensors: no autograd
     (a DTensor's detach, or to_local with grad on, costs ~15-30 us each on a CPU core), views
-    cut by one split, and each group of copies is one torch._foreach_copy_. On one H100 this
-    path plus the engine's copy took 12.9 ms for a 3B model, against 10.3 ms of HBM traffic
-    (bench/results/colocate.md, --profile-sync).
+    cut by one split, and each group of copies is one torch._foreach_copy_. With `plans` (the
+    trainer's, kept across syncs) a bucket of Shard(0) DTensors is worked out once (SendPlan):
+    its shards' flat views, the send buffer's split and the output's layout, which comes back
+    as a GatheredBucket (weight_sync.flatten measures nothing again). On one H200 the host
+    work before the cast's one launch was most of a 3B sync's wait for its bucket (13.9 of
+    27.7 ms, docs/weight-sync.md).
     Collective: every rank calls it with the same names in the same order.
     """
     with torch.no_grad():
+        if plans is not None and params:
+            planned = _gather_planned(params, dtype, plans)
+            if planned is not None:
+                return planned
         full: dict[str, torch.Tensor] = {}
         sharded: list[tuple[str, DTensor]] = []
         for name, tensor in params:
@@ -112,13 +134,7 @@ def _gather_flat(
     shapes = [tensor.shape for _, tensor in sharded]
     locals_ = [tensor.to_local() for _, tensor in sharded]
     chunks = [flat_chunk_elements(shape, world) for shape in shapes]
-    for name, shape, local in zip(names, shapes, locals_, strict=True):
-        rows = row_chunk(shape[0], world, rank)[1]
-        if local.shape[0] != rows:
-            raise RuntimeError(
-                f"{name}: local shard has {local.shape[0]} rows, FSDP2's dim-0 chunking gives "
-                f"{rows} of {shape[0]} on rank {rank} of {world}"
-            )
+    _check_rows(names, shapes, locals_, world, rank)
     device = locals_[0].device
     send = torch.empty(sum(chunks), dtype=dtype, device=device)
     slots = send.split(chunks)
@@ -131,17 +147,157 @@ def _gather_flat(
             (n, slot.view(shape)) for n, slot, shape in zip(names, slots, shapes, strict=True)
         )
         return
-    received = torch.empty(world * send.numel(), dtype=dtype, device=device)
+    yield from zip(names, _all_gather_blocks(send, chunks, shapes, world, group), strict=True)
+
+
+def _check_rows(
+    names: Sequence[str],
+    shapes: Sequence[torch.Size],
+    locals_: Sequence[torch.Tensor],
+    world: int,
+    rank: int,
+) -> None:
+    for name, shape, local in zip(names, shapes, locals_, strict=True):
+        rows = row_chunk(shape[0], world, rank)[1]
+        if local.shape[0] != rows:
+            raise RuntimeError(
+                f"{name}: local shard has {local.shape[0]} rows, FSDP2's dim-0 chunking gives "
+                f"{rows} of {shape[0]} on rank {rank} of {world}"
+            )
+
+
+def _all_gather_blocks(
+    send: torch.Tensor,
+    chunks: Sequence[int],
+    shapes: Sequence[torch.Size],
+    world: int,
+    group: dist.ProcessGroup,
+) -> list[torch.Tensor]:
+    """Every rank's `send` all-gathered, then each tensor's chunks (one a rank) copied into its
+    own block of one output buffer, laid out as the padded full tensor [world * chunk rows]."""
+    received = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
     flat_all_gather(received, send, group=group)
-    # received is [world, send]: tensor i is column block i of every rank's row. Copy each into
-    # its own block of one output buffer, laid out as the padded full tensor [world * chunk rows].
-    by_rank = received.view(world, send.numel()).split(chunks, dim=1)
+    # received is [world, send]: tensor i is column block i of every rank's row.
+    by_rank = received.view(world, send.numel()).split(list(chunks), dim=1)
     out = torch.empty_like(received).split([world * chunk for chunk in chunks])
     torch._foreach_copy_(
         [o.view(world, c) for o, c in zip(out, chunks, strict=True)], list(by_rank)
     )
-    for name, shape, block in zip(names, shapes, out, strict=True):
-        yield name, block[: shape.numel()].view(shape)
+    return [block[: shape.numel()].view(shape) for shape, block in zip(shapes, out, strict=True)]
+
+
+@dataclass(frozen=True)
+class SendPlan:
+    """One bucket's gather, worked out once per trainer (gather_full's `plans`).
+
+    `sources` are the local shards viewed flat: views share their shard's storage, so they
+    follow the offload's resize of that storage to 0 and back (_HostCopies). `split` cuts the
+    send buffer into each shard and, where a shard is short of its chunk (the last ranks'), the
+    padding after it; `picks` are the shards' pieces. `entries` is where each full tensor lies
+    in the output buffer, in bytes (the send buffer itself on one rank).
+    A plan holds while the params are the same objects over the same local shards, each still
+    at its flat view's address (a shard given a new storage gets a new plan)."""
+
+    params: tuple[DTensor, ...]
+    locals_: tuple[torch.Tensor, ...]
+    sources: tuple[torch.Tensor, ...]
+    shapes: tuple[torch.Size, ...]
+    chunks: tuple[int, ...]
+    split: tuple[int, ...]
+    picks: tuple[int, ...]
+    world: int
+    group: dist.ProcessGroup
+    entries: tuple[FlatEntry, ...]
+
+    def holds(self, params: Sequence[torch.Tensor]) -> bool:
+        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
+            return False
+        locals_ = [_local_shard(p) for p in params]  # DTensors: the same objects as planned
+        return all(map(operator.is_, locals_, self.locals_)) and list(
+            map(torch.Tensor.data_ptr, locals_)
+        ) == list(map(torch.Tensor.data_ptr, self.sources))
+
+
+def _local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    # What DTensor.to_local() returns without autograd (torch 2.11 and 2.14 alike), read
+    # directly: to_local's dispatch costs ~1.3 us a tensor, most of a planned gather's host time.
+    local: torch.Tensor = tensor._local_tensor  # type: ignore[attr-defined]
+    return local
+
+
+def _gather_planned(
+    params: Sequence[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    plans: dict[tuple[str, ...], SendPlan],
+) -> GatheredBucket | None:
+    """gather_full through the bucket's SendPlan (made on first use); None where the bucket is
+    not all Shard(0) DTensors with contiguous shards (gather_full's general path then)."""
+    key = tuple(name for name, _ in params)
+    tensors = [tensor for _, tensor in params]
+    plan = plans.get(key)
+    if plan is None or plan.entries[0].dtype != dtype or not plan.holds(tensors):
+        made = _make_plan(key, tensors, dtype)
+        if made is None:
+            return None
+        plans[key] = plan = made
+    send = torch.empty(sum(plan.split), dtype=dtype, device=plan.sources[0].device)
+    pieces = send.split(plan.split)
+    slots = [pieces[i] for i in plan.picks] if len(plan.picks) != len(pieces) else list(pieces)
+    torch._foreach_copy_(slots, list(plan.sources))
+    if plan.world == 1:
+        out = send
+
+        def views() -> list[torch.Tensor]:
+            return [slot.view(shape) for slot, shape in zip(slots, plan.shapes, strict=True)]
+    else:
+        blocks = _all_gather_blocks(send, plan.chunks, plan.shapes, plan.world, plan.group)
+        out = blocks[0]
+
+        def views() -> list[torch.Tensor]:
+            return blocks
+
+    flat = FlatBucket(byte_view(out.untyped_storage(), plan.entries[-1].end), plan.entries, False)
+    return GatheredBucket(key, views, flat)
+
+
+def _make_plan(
+    names: tuple[str, ...], tensors: Sequence[torch.Tensor], dtype: torch.dtype
+) -> SendPlan | None:
+    if not all(isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),) for t in tensors):
+        return None
+    params = tuple(t for t in tensors if isinstance(t, DTensor))
+    locals_ = tuple(_local_shard(p) for p in params)
+    if not all(local.is_contiguous() for local in locals_):
+        return None
+    mesh = params[0].device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    shapes = tuple(p.shape for p in params)
+    _check_rows(names, shapes, locals_, world, rank)
+    chunks = tuple(flat_chunk_elements(shape, world) for shape in shapes)
+    split: list[int] = []
+    picks: list[int] = []
+    for local, chunk in zip(locals_, chunks, strict=True):
+        picks.append(len(split))
+        split.append(local.numel())
+        if chunk > local.numel():
+            split.append(chunk - local.numel())
+    size = torch.empty((), dtype=dtype).element_size()
+    entries, start = [], 0
+    for name, shape, chunk in zip(names, shapes, chunks, strict=True):
+        entries.append(FlatEntry(name, shape, dtype, start, start + shape.numel() * size))
+        start += world * chunk * size  # one rank: the chunk is the tensor
+    return SendPlan(
+        params=params,
+        locals_=locals_,
+        sources=tuple(local.view(-1) for local in locals_),
+        shapes=shapes,
+        chunks=chunks,
+        split=tuple(split),
+        picks=tuple(picks),
+        world=world,
+        group=mesh.get_group(),
+        entries=tuple(entries),
+    )
 
 
 def _shard(model: torch.nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> None:
@@ -366,6 +522,8 @@ class Trainer:
         self.optimizer_on_device = True
         self.params_on_device = True
         self._optimizer_leaving = False  # start_offload_optimizer's copies, not yet freed
+        # Each weight-sync bucket's gather, worked out on the first sync (gather_full).
+        self._send_plans: dict[tuple[str, ...], SendPlan] = {}
 
     # -- training ----------------------------------------------------------------------------
 
@@ -465,7 +623,7 @@ class Trainer:
 
     # -- weight sync -------------------------------------------------------------------------
 
-    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[NamedTensors]:
+    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[Bucket]:
         """Full (unsharded) tensors in the engine's dtype, one bucket at a time.
 
         Bucket N+1's gather is issued before bucket N is yielded (weight_sync.prefetched), so
@@ -480,9 +638,11 @@ class Trainer:
         element = torch.empty((), dtype=dtype).element_size()
         sizes = [(name, p.numel() * element) for name, p in params.items()]
 
-        def gather(names: list[str]) -> Callable[[], NamedTensors]:
+        plans = self._send_plans
+
+        def gather(names: list[str]) -> Callable[[], Bucket]:
             # No detach: gather_full runs without autograd (a DTensor's detach is ~30 us each).
-            return lambda: gather_full([(name, params[name]) for name in names], dtype)
+            return lambda: gather_full([(name, params[name]) for name in names], dtype, plans)
 
         yield from prefetched(
             (gather(names) for names in plan_buckets(sizes, bucket_bytes)), overlap_enabled()

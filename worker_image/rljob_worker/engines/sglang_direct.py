@@ -57,12 +57,25 @@ class Copy:
 
 
 def payload_name(bucket: FlatBucket) -> str:
-    """The name a flat bucket travels under: its entries (name, shape, dtype, byte range)."""
+    """The name a flat bucket travels under: its entries (name, shape, dtype, byte range).
+
+    A planned gather hands the same entries object every sync (train.SendPlan): its name is
+    kept (by the object's identity, which the kept pair pins) instead of written again."""
+    kept = _NAMES.get(id(bucket.entries))
+    if kept is not None and kept[0] is bucket.entries:
+        return kept[1]
     entries = [
         [e.name, list(e.shape), str(e.dtype).removeprefix("torch."), e.start, e.end]
         for e in bucket.entries
     ]
-    return PAYLOAD_PREFIX + json.dumps(entries, separators=(",", ":"))
+    name = PAYLOAD_PREFIX + json.dumps(entries, separators=(",", ":"))
+    if len(_NAMES) >= 64:  # buckets of the general path never repeat their entries object
+        _NAMES.clear()
+    _NAMES[id(bucket.entries)] = (bucket.entries, name)
+    return name
+
+
+_NAMES: dict[int, tuple[Any, str]] = {}
 
 
 def _entries(name: str) -> list[tuple[str, list[int], str, int, int]]:

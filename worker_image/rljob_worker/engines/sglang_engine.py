@@ -82,7 +82,12 @@ from rljob_worker.engines.sglang_weights import (
     WeightShards,
     read_weights,
 )
-from rljob_worker.weight_sync import flatten, record_span, sglang_flattened_bucket
+from rljob_worker.weight_sync import (
+    GatheredBucket,
+    flatten,
+    record_span,
+    sglang_flattened_bucket,
+)
 
 # Every name this module offered before its contract, process and hand-off parts moved out
 # (sglang_contract.py, sglang_process.py, sglang_handoff.py): importable from here as before.
@@ -562,10 +567,14 @@ class SGLangEngine(ColocatedEngine):
         scheduler opens it by CUDA IPC) or, from a TensorParallelEngine, a
         TensorHandoff.local_tensor holding one handle per TP rank, each on that rank's GPU.
         """
-        named_tensors = list(bucket)
+        # A GatheredBucket keeps its worked-out layout for flatten(); any other iterable is
+        # listed once.
+        named_tensors = bucket if isinstance(bucket, GatheredBucket) else list(bucket)
         if not named_tensors:
             return
-        tensors = all(isinstance(t, torch.Tensor) for _, t in named_tensors)
+        tensors = isinstance(named_tensors, GatheredBucket) or all(
+            isinstance(t, torch.Tensor) for _, t in named_tensors
+        )
         if self._direct and tensors:
             flat = flatten(named_tensors)
             self.update_weights_direct(payload_name(flat), flat.buffer)
@@ -574,7 +583,7 @@ class SGLangEngine(ColocatedEngine):
             payload = self.flat_payload(named_tensors)
             self.update_weights_flattened([payload] * self._tp_size)
             return
-        self._load(named_tensors, None)
+        self._load(list(named_tensors), None)
 
     def update_weights_flattened(self, payloads: Sequence[bytes]) -> None:
         """Load one bucket given as one flattened-bucket payload per TP rank (flat_payload on
