@@ -21,7 +21,8 @@ split into:
 - synchronize: the stage's device synchronize;
 - other: the rest of the sync (the stage's own Python).
 
-The first `--skip` syncs (1: the first builds the loader's plan) are left out of the medians.
+Each rank's first `--skip` syncs (1: the first builds the plans) are left out of the medians, and
+where only some ranks sent requests (TP > 1: the TP leader), only those ranks' syncs count.
 """
 
 from __future__ import annotations
@@ -77,21 +78,28 @@ def split(lines: list[dict[str, Any]]) -> list[dict[str, float]]:
             parts[name] = sum(x["end"] - x["start"] for x in inside if x["call"] == name)
         total = sync["end"] - sync["start"]
         parts["other"] = total - sum(parts[p] for p in PARTS if p != "other")
-        result.append({"sync": total, "buckets": float(len(updates)), **parts})
+        result.append({"sync": total, "buckets": float(len(updates)), "pid": sync["pid"], **parts})
     return result
 
 
 def medians(syncs: list[dict[str, float]], skip: int) -> dict[str, float]:
-    kept = syncs[skip:]
+    """Medians over the syncs after each rank's first `skip`; where some ranks sent requests and
+    others none (TP > 1: only the TP leader talks to sglang), the senders' syncs only."""
+    senders = {s["pid"] for s in syncs if s["buckets"]}
+    by_pid: dict[float, list[dict[str, float]]] = {}
+    for sync in syncs:
+        if not senders or sync["pid"] in senders:
+            by_pid.setdefault(sync["pid"], []).append(sync)
+    kept = [s for group in by_pid.values() for s in group[skip:]]
     if not kept:
         raise ValueError(f"{len(syncs)} syncs in the file, none left after skipping {skip}")
-    return {key: statistics.median(s[key] for s in kept) for key in kept[0]}
+    return {key: statistics.median(s[key] for s in kept) for key in kept[0] if key != "pid"}
 
 
 def render(syncs: list[dict[str, float]], skip: int) -> str:
     middle = medians(syncs, skip)
     rows = [
-        f"{len(syncs)} syncs, medians of the last {len(syncs) - skip}: "
+        f"{len(syncs)} syncs, medians after each rank's first {skip}: "
         f"sync {middle['sync'] * 1e3:.2f} ms, {middle['buckets']:.0f} buckets",
         "| part | ms | share |",
         "| --- | ---: | ---: |",

@@ -58,7 +58,7 @@ def test_a_sync_splits_into_the_parts_worked_out_by_hand(tmp_path: Path) -> None
     # The first sync (it builds the loader's plan) is skipped: the median of 6 and 4 ms.
     assert bench.medians(syncs, skip=1)["flush"] == pytest.approx(0.005)
     table = bench.render(syncs, skip=1)
-    assert "| flush | 5.00 | 10.0% |" in table and "medians of the last 2" in table
+    assert "| flush | 5.00 | 10.0% |" in table and "medians after each rank's first 1" in table
 
 
 def test_an_update_without_its_loaders_line_is_named(tmp_path: Path) -> None:
@@ -72,3 +72,16 @@ def test_nothing_left_after_the_skip_is_refused() -> None:
     bench = bench_module("sync_trip.py", "bench_sync_trip")
     with pytest.raises(ValueError, match="none left"):
         bench.medians(bench.split(one_sync(0, flush_ms=8)), skip=1)
+
+
+def test_at_tp_2_only_the_rank_that_sent_requests_counts_each_skipping_its_own_first() -> None:
+    """Through a TP-2 engine both trainer ranks sync, only the leader sends: the other rank's
+    syncs (no buckets) stay out of the medians, and the skip is per rank."""
+    bench = bench_module("sync_trip.py", "bench_sync_trip")
+    leader = one_sync(0, flush_ms=8) + one_sync(100, flush_ms=6) + one_sync(200, flush_ms=4)
+    other = [{**x, "pid": 2} for x in leader if x["call"] in ("sync", "next_bucket", "synchronize")]
+    syncs = bench.split(leader + other)
+    assert len(syncs) == 6 and sum(1 for s in syncs if s["buckets"] == 0) == 3
+    middle = bench.medians(syncs, skip=1)
+    assert middle["buckets"] == 1 and middle["flush"] == pytest.approx(0.005)
+    assert middle["loader"] == pytest.approx(0.007)

@@ -37,7 +37,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((out / "colocate.json").read_text())
     data["_markdown"] = (out / "colocate.md").read_text()
-    data["_timings"] = out / "sync-timings.jsonl"
+    data["_timings"] = str(out / "sync-timings.jsonl")  # a str: the result is dumped as JSON
     return data
 
 
@@ -66,7 +66,7 @@ def test_every_weight_sync_leaves_its_spans_for_the_split(result: dict) -> None:
     """With RLJOB_SGLANG_DIRECT_TIMINGS set, each rank's stage writes its syncs' spans (the
     torch engine sends no sglang requests: no update spans), which bench/sync_trip.py splits."""
     trip = bench_module("sync_trip.py", "bench_sync_trip")
-    lines = trip.read(result["_timings"])
+    lines = trip.read(Path(result["_timings"]))
     pids = {x["pid"] for x in lines}
     assert len(pids) == len(result["points"])  # one rank a point here, a process each
     syncs = trip.split(lines)

@@ -186,6 +186,13 @@ def _planned_rank_main(rank: int, init_method: str, world: int, results: Any) ->
                     "gathers": len(gathers),
                 }
             )
+        # A shard re-strided in place keeps its object and address: the plan's layout check
+        # sends the bucket down the general path (the shard is no longer contiguous).
+        local = params[5][1]._local_tensor  # SHAPES[5] is (3, 2, 2)
+        local.as_strided_(local.shape, (local.stride(0), 1, 2))
+        restrided = gather_full(params, torch.bfloat16, plans)
+        out["restrided"] = (not isinstance(restrided, GatheredBucket),
+                            raw(restrided) == raw(gather_full(params, torch.bfloat16)))  # fmt: skip
         # A bucket with a replicated tensor is not planned: the general path, same answer.
         mixed = [*params[:2], ("r", distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))]
         other: dict[Any, Any] = {}
@@ -210,3 +217,4 @@ def test_a_planned_gather_gives_the_unplanned_bytes_and_layout_across_offloads(
         assert [r["same_plan"] for r in rounds] == [False, True, False, True]
         assert [r["gathers"] for r in rounds] == [1 if world > 1 else 0] * 4
         assert list(out["mixed"]) == [True, True, True]
+        assert list(out["restrided"]) == [True, True]

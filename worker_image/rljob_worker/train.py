@@ -196,7 +196,8 @@ class SendPlan:
     padding after it; `picks` are the shards' pieces. `entries` is where each full tensor lies
     in the output buffer, in bytes (the send buffer itself on one rank).
     A plan holds while the params are the same objects over the same local shards, each still
-    at its flat view's address (a shard given a new storage gets a new plan)."""
+    at its flat view's address with the layout it was planned with (a shard given a new
+    storage, or re-strided in place, gets a new plan)."""
 
     params: tuple[DTensor, ...]
     locals_: tuple[torch.Tensor, ...]
@@ -208,14 +209,24 @@ class SendPlan:
     world: int
     group: dist.ProcessGroup
     entries: tuple[FlatEntry, ...]
+    layouts: list[tuple[torch.dtype, torch.Size, tuple[int, ...], int]]
 
     def holds(self, params: Sequence[torch.Tensor]) -> bool:
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
             return False
         locals_ = [_local_shard(p) for p in params]  # DTensors: the same objects as planned
-        return all(map(operator.is_, locals_, self.locals_)) and list(
-            map(torch.Tensor.data_ptr, locals_)
-        ) == list(map(torch.Tensor.data_ptr, self.sources))
+        return (
+            all(map(operator.is_, locals_, self.locals_))
+            and list(map(torch.Tensor.data_ptr, locals_))
+            == list(map(torch.Tensor.data_ptr, self.sources))
+            # A shard re-strided in place keeps its object and address: its layout is checked
+            # too (FSDP2 replaces _local_tensor instead, but nothing here relies on that).
+            and list(map(_layout, locals_)) == self.layouts
+        )
+
+
+def _layout(tensor: torch.Tensor) -> tuple[torch.dtype, torch.Size, tuple[int, ...], int]:
+    return tensor.dtype, tensor.shape, tensor.stride(), int(tensor.storage_offset())
 
 
 def _local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -297,6 +308,7 @@ def _make_plan(
         world=world,
         group=mesh.get_group(),
         entries=tuple(entries),
+        layouts=[_layout(local) for local in locals_],
     )
 
 

@@ -69,7 +69,10 @@ def payload_name(bucket: FlatBucket) -> str:
         for e in bucket.entries
     ]
     name = PAYLOAD_PREFIX + json.dumps(entries, separators=(",", ":"))
-    if len(_NAMES) >= 64:  # buckets of the general path never repeat their entries object
+    # Buckets of the general path never repeat their entries object: the cap bounds what they
+    # leave here, and is far above a planned sync's bucket count (a 32B model in bf16 has
+    # about 122 buckets of 512 MiB), which would otherwise never hit.
+    if len(_NAMES) >= 4096:
         _NAMES.clear()
     _NAMES[id(bucket.entries)] = (bucket.entries, name)
     return name
