@@ -292,7 +292,7 @@ def _make_plan(
         split.append(local.numel())
         if chunk > local.numel():
             split.append(chunk - local.numel())
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     entries, start = [], 0
     for name, shape, chunk in zip(names, shapes, chunks, strict=True):
         entries.append(FlatEntry(name, shape, dtype, start, start + shape.numel() * size))
@@ -647,7 +647,7 @@ class Trainer:
         same bucket in the same order.
         """
         params = dict(self.model.named_parameters())
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         sizes = [(name, p.numel() * element) for name, p in params.items()]
 
         plans = self._send_plans
