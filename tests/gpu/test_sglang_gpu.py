@@ -180,13 +180,21 @@ SYNC_PATHS = ["tensors", "flattened_bucket", "direct"]
 
 
 @pytest.mark.parametrize("sync_path", SYNC_PATHS)
+@pytest.mark.parametrize("kv", ["released", "resident"])
 def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
-    tmp_path: Path, process_group: None, sync_path: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    process_group: None,
+    sync_path: str,
+    kv: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """SGLang starts from checkpoint A; an FSDP2 trainer on the same GPU holds checkpoint B and
     sends it in 1 MiB buckets (the next bucket's gather overlapping each hand-off); then every
     weight SGLang holds is the trainer's bit for bit, by name, and its greedy answers are the
-    torch engine's on B."""
+    torch engine's on B. `resident`: the KV cache stays through the update (wakeUp single), so
+    the prompts' prefixes cached on A are in sglang's radix cache: answers on B then also show
+    that the update dropped them (the adapter folds that flush into the first bucket's request
+    where sglang has no update session)."""
     from rljob_worker.engines.sglang_engine import WEIGHT_SYNC_ENV
     from rljob_worker.loop import tensor_digest
     from rljob_worker.train import Trainer
@@ -205,7 +213,8 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
     try:
         engine.resume(list(ALL_TAGS))
         before = engine.generate(PROMPTS, GREEDY)
-        engine.release([TAG_KV_CACHE, TAG_CUDA_GRAPH])
+        if kv == "released":
+            engine.release([TAG_KV_CACHE, TAG_CUDA_GRAPH])
         buckets = 0
         for bucket in trainer.weight_buckets(1 << 20, torch.bfloat16):
             engine.update_weights(bucket)
@@ -215,7 +224,7 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
         engine.flush_cache()
         flattened, direct = engine.flattened_buckets, engine.direct_buckets
         held = {name: tensor_digest(t) for name, t in engine.named_weights()}
-        engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])
+        engine.resume([TAG_KV_CACHE, TAG_CUDA_GRAPH])  # a no-op where they stayed resident
         after = engine.generate(PROMPTS, GREEDY)
     finally:
         engine.shutdown()

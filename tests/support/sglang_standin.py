@@ -105,8 +105,8 @@ def staged_iteration_calls(buckets: int, contract: SGLangContract = NEWEST) -> l
         "resume_memory_occupation",
         *(["begin_weight_update"] if session else []),
         *["update_weights_from_tensor"] * buckets,
-        *(["end_weight_update"] if session else []),
-        "flush_cache",
+        # Without a session the first update flushes the prefix cache itself (flush_cache=True).
+        *(["end_weight_update", "flush_cache"] if session else []),
         "resume_memory_occupation",
         "generate",
         "release_memory_occupation",
@@ -136,6 +136,12 @@ class SGLangEngineStandIn:
         self.session_open = False
         self.refuse: dict[str, str] = {}
         self.flattened_loads = 0  # buckets loaded through load_format="flattened_bucket"
+        # The radix cache, as the weights' versions its prefixes were computed with: a load
+        # makes a new version; a flush (its own request, an update's flush_cache=True after its
+        # load, a release of the KV cache) empties it; a generate that would reuse a prefix of
+        # an older version is the bug a missing flush causes, and fails here.
+        self.weights_version = 0
+        self.cached_versions: set[int] = set()
         self.direct_loads = 0  # buckets loaded through rljob's loader (the direct path)
 
     def __getattr__(self, method: str) -> Any:
@@ -150,6 +156,8 @@ class SGLangEngineStandIn:
             undeclared = set(kwargs) - set(contract.engine_methods[method])
             assert not undeclared, f"Engine.{method} keywords outside the contract: {undeclared}"
             self.calls.append((method, kwargs))
+            if method in ("generate", "async_generate"):
+                self._use_prefix_cache()
             if method == "async_generate":  # a coroutine, answered as generate() answers one
                 return self._async_answer(kwargs)
             return self._answer(method, kwargs)
@@ -174,6 +182,8 @@ class SGLangEngineStandIn:
             return {self.contract.kv_capacity_key: KV_CAPACITY, "tp_size": 1}
         if method == "release_memory_occupation":
             self.offloaded.update(kwargs["tags"])
+            if "kv_cache" in kwargs["tags"]:
+                self.cached_versions.clear()  # sglang flushes inside its KV release
         if method == "resume_memory_occupation":
             for tag in kwargs["tags"]:
                 self.offloaded.remove(tag)  # KeyError, as in sglang's scheduler
@@ -190,6 +200,12 @@ class SGLangEngineStandIn:
             self._load_direct(kwargs["load_format"], kwargs["named_tensors"])
         elif method == "update_weights_from_tensor":
             self._load(kwargs["named_tensors"])
+        if method == "update_weights_from_tensor":
+            self.weights_version += 1
+            if kwargs.get("flush_cache", True):  # sglang's default; flushed after the load
+                self.cached_versions.clear()
+        if method == "flush_cache":
+            self.cached_versions.clear()
         if method in self.contract.returns_success_message:
             return True, "Success"
         if method == "flush_cache":
@@ -203,6 +219,14 @@ class SGLangEngineStandIn:
         if method == "save_sharded_model":
             self._save_shards(kwargs["path"], kwargs["pattern"])
         return None
+
+    def _use_prefix_cache(self) -> None:
+        stale = {v for v in self.cached_versions if v != self.weights_version}
+        assert not stale, (
+            f"generate would reuse prefixes cached with weights version(s) {sorted(stale)}, "
+            f"now {self.weights_version}: no flush since those weights were replaced"
+        )
+        self.cached_versions.add(self.weights_version)
 
     def _generated(self, ids: list[int], return_logprob: bool) -> dict[str, Any]:
         """Answers [len(ids), 7]; with return_logprob, input token i's log-prob is -i/10 (the

@@ -119,8 +119,11 @@ def test_staged_wake_up_calls_sglang_in_stage_order_for_two_iterations(release: 
     (release_call,) = [kw for n, kw in calls.values() if n == "release_memory_occupation"]
     assert resumes == [{"tags": [TAG_WEIGHTS]}, {"tags": [TAG_KV_CACHE, TAG_CUDA_GRAPH]}]
     assert [n for n, _ in updates[0]["named_tensors"]] == ["a", "b"]
-    # One flush after the last bucket, not one per bucket.
-    assert all(kw["flush_cache"] is False for kw in updates)
+    # One flush per update, not one per bucket: without a session (0.5.17) the first bucket's
+    # request carries it (sglang flushes after that load, and nothing is served before
+    # flush_cache() closes the update); with one (0.5.23), its own request after the session.
+    session = CONTRACTS[release].opens_weight_update_session
+    assert [kw["flush_cache"] for kw in updates] == [not session, False]
     # One sampling_params dict per request; the seed moves on per request.
     assert generate["sampling_params"] == [
         {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "sampling_seed": 3},
@@ -166,11 +169,9 @@ def test_0_5_17_has_no_weight_update_session_and_the_adapter_updates_without_one
     with pytest.raises(RuntimeError, match="flush_cache"):
         engine.generate([[1]], SAMPLING)
     engine.flush_cache()
-    assert sgl.names()[start:] == [
-        "update_weights_from_tensor",
-        "update_weights_from_tensor",
-        "flush_cache",
-    ]
+    # The first update's request flushed the prefix cache after its load: no flush request.
+    assert sgl.names()[start:] == ["update_weights_from_tensor", "update_weights_from_tensor"]
+    assert [kw["flush_cache"] for _, kw in sgl.calls[start:]] == [True, False]
     assert sorted(sgl.loaded) == ["a", "b"]
 
 
@@ -877,6 +878,59 @@ def test_release_while_an_async_request_is_in_flight_is_refused() -> None:
     assert engine.requests_in_flight == 0
     engine.release([TAG_KV_CACHE])
     assert TAG_KV_CACHE in engine.released_tags
+
+
+def test_an_update_with_a_request_in_flight_is_refused_before_sglang_is_called() -> None:
+    # 0.5.17 flushes the prefix cache inside the update's first request, and its scheduler
+    # asserts that flush succeeded (it does not while a request runs): refuse first.
+    engine, sgl = make_adapter(CONTRACTS["0.5.17"])
+    engine.resume(list(ALL_TAGS))
+
+    async def update_mid_request() -> None:
+        import asyncio
+
+        request = asyncio.ensure_future(engine.async_generate([1, 2], SAMPLING))
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="1 async_generate requests in flight"):
+            engine.update_weights(bucket("a"))
+        await request
+
+    engine.run_async(update_mid_request())
+    assert "update_weights_from_tensor" not in sgl.names()
+    engine.update_weights(bucket("a"))
+    engine.flush_cache()
+    assert sorted(sgl.loaded) == ["a"]
+
+
+@every_release
+def test_no_prefix_cached_with_old_weights_is_reused_with_the_kv_cache_resident(
+    release: str,
+) -> None:
+    """wakeUp single keeps the KV cache (and its radix tree) through the update: the prefixes
+    cached by the last rollout must be dropped with each update, whichever request drops them
+    (the stand-in fails a generate that would reuse one: SGLangEngineStandIn.cached_versions).
+    Three updates of two buckets each, a rollout after each."""
+    engine, sgl = make_adapter(CONTRACTS[release])
+    engine.resume(list(ALL_TAGS))
+    for _ in range(3):
+        engine.generate([[1, 2, 3]], SAMPLING)
+        engine.update_weights(bucket("a", "b"))
+        engine.update_weights(bucket("c"))
+        engine.flush_cache()
+    engine.generate([[1, 2, 3]], SAMPLING)
+    assert sgl.cached_versions == {sgl.weights_version} and sgl.weights_version == 6
+    flushes = sgl.names().count("flush_cache")
+    assert flushes == (3 if CONTRACTS[release].opens_weight_update_session else 0)
+
+
+def test_the_stand_in_catches_an_update_that_drops_no_prefix() -> None:
+    # The check above can fail: updates without any flush leave the old prefixes in place.
+    _, sgl = make_adapter(CONTRACTS["0.5.17"])
+    sgl.resume_memory_occupation(tags=list(ALL_TAGS))
+    sgl.generate(input_ids=[[1, 2]], sampling_params=[{}])
+    sgl.update_weights_from_tensor(named_tensors=bucket("a"), load_format=None, flush_cache=False)
+    with pytest.raises(AssertionError, match="prefixes cached with weights version"):
+        sgl.generate(input_ids=[[1, 2]], sampling_params=[{}])
 
 
 def test_engines_of_one_process_answer_on_one_event_loop_when_given_it() -> None:

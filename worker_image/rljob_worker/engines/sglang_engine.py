@@ -379,6 +379,9 @@ class SGLangEngine(ColocatedEngine):
         self._kv_capacity_tokens = int(self._engine.get_server_info()[contract.kv_capacity_key])
         self._released: set[str] = set()
         self._update_open = False
+        # The open update's first request also dropped the prefix cache (sglang flushes after
+        # loading it); flush_cache() then only closes the update (see _load).
+        self._flushed_with_update = False
         # async_generate calls not yet answered: sglang refuses to release memory while a
         # request is queued or running, so release() refuses first, naming the count.
         self.requests_in_flight = 0
@@ -606,28 +609,46 @@ class SGLangEngine(ColocatedEngine):
 
     def _load(self, named_tensors: list[Any], load_format: str | None) -> None:
         self._require_resident((TAG_WEIGHTS,), "update_weights")
+        if self.requests_in_flight:
+            raise RuntimeError(
+                f"update_weights with {self.requests_in_flight} async_generate requests in "
+                "flight: weights change only between rollouts"
+            )
+        # Where there is no update session (0.5.17), the update's first request drops the
+        # prefix cache itself, after its load, and the later ones do not: no request can be
+        # served until flush_cache() closes the update, so nothing is cached meanwhile, and the
+        # sync saves the flush's own trip through sglang's processes (1.4-1.9 ms at 3B on an
+        # H200, docs/weight-sync.md). That flush leaves the scheduler's allocator cache to the
+        # next release (the standalone flush also empties it; the loaders allocate nothing
+        # there). Inside 0.5.23's session, flush_cache() sends the flush after
+        # end_weight_update as before.
+        flush = False
         if not self._update_open:
             if self._contract.opens_weight_update_session:
                 result = self._engine.begin_weight_update()
                 self._check_success_message("begin_weight_update", result)
+            else:
+                flush = True
             self._update_open = True
         sent = time.time()
         result = self._engine.update_weights_from_tensor(
-            named_tensors=named_tensors,
-            load_format=load_format,
-            # One flush after the last bucket (flush_cache below), not one per bucket.
-            flush_cache=False,
+            named_tensors=named_tensors, load_format=load_format, flush_cache=flush
         )
         record_span("update", sent, time.time())
         self._check_success_message("update_weights_from_tensor", result)
+        self._flushed_with_update |= flush
 
     def flush_cache(self) -> None:
         """Close the weight update, if one is open, and drop prefixes cached with old weights.
 
+        Where the update's first request dropped them already (_load), no request is sent.
         Safe with the KV cache released: sglang flushes inside its own KV release too.
         """
         if self._update_open:
             self._update_open = False
+            if self._flushed_with_update:
+                self._flushed_with_update = False
+                return
             if self._contract.opens_weight_update_session:
                 self._check_success_message("end_weight_update", self._engine.end_weight_update())
         sent = time.time()
