@@ -25,6 +25,7 @@ from support.sglang_standin import (
 )
 from test_weight_sync import _adapter
 
+from rljob_worker import weight_sync
 from rljob_worker.engines import sglang_direct
 from rljob_worker.engines.sglang_direct import DIRECT_LOADER, copy_into, load, payload_name
 from rljob_worker.engines.sglang_engine import (
@@ -38,7 +39,7 @@ from rljob_worker.engines.sglang_engine import (
 )
 from rljob_worker.engines.sglang_handoff import direct_chosen
 from rljob_worker.engines.sglang_weights import EngineWeightsError
-from rljob_worker.weight_sync import GatheredBucket, flatten
+from rljob_worker.weight_sync import LARGE_COPY_BYTES, GatheredBucket, flatten
 
 # A small dense decoder: 4 query heads of 4, 2 KV heads (fewer than 4 TP ranks: shared), a
 # vocabulary that is not a multiple of 64 (sglang pads it), two layers.
@@ -196,12 +197,16 @@ def _payloads(full: dict[str, torch.Tensor], buckets: int) -> list[tuple[str, to
 
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("large_bytes", [64, LARGE_COPY_BYTES], ids=["split", "default"])
 def test_each_bucket_layout_is_planned_once_and_every_later_sync_lands_where_the_first_did(
-    tp: int, tied: bool
+    tp: int, tied: bool, large_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """copy_bucket works a layout out at its first sync (one plan per bucket) and then only
     splits the buffer: the second and third syncs, with other values, leave each rank holding
-    exactly their shards, through the rules alone."""
+    exactly their shards, through the rules alone. `split`: copies of 64 bytes or more are
+    launched one by one and the rest as one foreach (weight_sync.copy_pairs), as the large
+    ones of a real model are."""
+    monkeypatch.setattr(weight_sync, "LARGE_COPY_BYTES", large_bytes)
     config = {**CONFIG, "tie_word_embeddings": tied}
     syncs = [full_weights(config, seed=s) for s in (1, 2, 3)]
     for rank in range(tp):
@@ -212,6 +217,12 @@ def test_each_bucket_layout_is_planned_once_and_every_later_sync_lands_where_the
             assert_holds(model, expected_shards(full, config, rank, tp))
         assert len(sglang_direct._TARGETS[model].buckets) == 3
         assert model.given == []
+        parts = [
+            [len(part) for part in plan.copies]
+            for plan in sglang_direct._TARGETS[model].buckets.values()
+        ]
+        large, small = (sum(counts) for counts in zip(*parts, strict=True))
+        assert small > 0 and (large > 0) == (large_bytes == 64)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -26,6 +26,7 @@ from support.sglang_standin import (
 )
 from test_sglang_contract import sglang_source
 
+from rljob_worker import weight_sync
 from rljob_worker.engines import sglang_engine
 from rljob_worker.engines.base import TAG_WEIGHTS
 from rljob_worker.engines.sglang_engine import (
@@ -37,7 +38,13 @@ from rljob_worker.engines.sglang_engine import (
     TensorHandoff,
     flattened_bucket_metadata,
 )
-from rljob_worker.weight_sync import flatten, prefetched, sglang_flattened_bucket
+from rljob_worker.weight_sync import (
+    copy_pairs,
+    flatten,
+    prefetched,
+    sglang_flattened_bucket,
+    split_copies,
+)
 
 BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 
@@ -285,3 +292,20 @@ def test_the_overlapped_gather_is_on_unless_turned_off(monkeypatch: pytest.Monke
     for value, expected in (("", True), (" ", True), ("1", True), ("0", False), (" 0 ", False)):
         monkeypatch.setenv(OVERLAP_ENV, value)
         assert overlap_enabled() is expected, repr(value)
+
+
+def test_copies_at_or_above_the_threshold_go_one_by_one_and_every_pair_is_copied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Destination sizes in bytes: the split is by the destination's (here bf16) size.
+    monkeypatch.setattr(weight_sync, "LARGE_COPY_BYTES", 8)
+    assert split_copies([2, 8, 7, 16, 0]) == ((1, 3), (0, 2, 4))
+    assert split_copies([2, 6]) == ((), (0, 1))
+    assert split_copies([9, 8]) == ((0, 1), ())
+    torch.manual_seed(0)
+    sources = [torch.randn(n) for n in (1, 4, 3, 8, 0)]  # fp32, cast on the way
+    expected = [s.to(torch.bfloat16) for s in sources]
+    for split in (((1, 3), (0, 2, 4)), ((), (0, 1, 2, 3, 4)), ((0, 1, 2, 3, 4), ())):
+        dests = [torch.full((s.numel(),), 9.0, dtype=torch.bfloat16) for s in sources]
+        copy_pairs(dests, sources, split)
+        assert all(torch.equal(d, e) for d, e in zip(dests, expected, strict=True)), split

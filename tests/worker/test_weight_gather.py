@@ -13,6 +13,8 @@ import pytest
 from support.ranks import gloo_rank, run_ranks
 from support.weight_gather import counted_all_gathers, gather_and_describe
 
+from rljob_worker.weight_sync import LARGE_COPY_BYTES
+
 pytestmark = pytest.mark.worker
 
 WORLD = 3
@@ -137,15 +139,22 @@ def test_overlapped_gather_hands_on_the_same_buckets_in_order_bit_for_bit(world:
         assert out["views"] == [True] * out["buckets"]
 
 
-def _planned_rank_main(rank: int, init_method: str, world: int, results: Any) -> None:
+def _planned_rank_main(
+    rank: int, init_method: str, world: int, large_bytes: int, results: Any
+) -> None:
     """gather_full with the trainer's plans against without, over syncs where the shards'
-    storages are emptied and refilled (the params' offload) and one shard gets a new storage."""
+    storages are emptied and refilled (the params' offload) and one shard gets a new storage.
+    `large_bytes`: weight_sync.LARGE_COPY_BYTES in this process (copies of at least that many
+    bytes launched one by one, the rest as one foreach)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    from rljob_worker import weight_sync
     from rljob_worker.train import gather_full
     from rljob_worker.weight_sync import GatheredBucket, flatten
+
+    weight_sync.LARGE_COPY_BYTES = large_bytes
 
     def raw(bucket: Any) -> list[tuple[str, bytes]]:
         return [(n, t.contiguous().view(torch.uint8).numpy().tobytes()) for n, t in bucket]
@@ -184,6 +193,7 @@ def _planned_rank_main(rank: int, init_method: str, world: int, results: Any) ->
                     "plans": len(plans),
                     "same_plan": bool(before) and all(plans[k] is before[k] for k in before),
                     "gathers": len(gathers),
+                    "copies": [len(part) for part in next(iter(plans.values())).copies],
                 }
             )
         # A shard re-strided in place keeps its object and address: the plan's layout check
@@ -203,14 +213,19 @@ def _planned_rank_main(rank: int, init_method: str, world: int, results: Any) ->
 
 
 @pytest.mark.parametrize("world", [1, WORLD])
+@pytest.mark.parametrize("large_bytes", [16, LARGE_COPY_BYTES], ids=["split", "default"])
 def test_a_planned_gather_gives_the_unplanned_bytes_and_layout_across_offloads(
-    world: int,
+    world: int, large_bytes: int
 ) -> None:
-    collected = run_ranks(_planned_rank_main, world, world)
+    collected = run_ranks(_planned_rank_main, world, world, large_bytes)
     for rank in range(world):
         out = collected[rank]
         assert "error" not in out, out
         rounds = out["rounds"]
+        # At 16 bytes the shards' copies go both ways (a copy_ each, a foreach for the rest);
+        # at the default every test tensor is small.
+        large, small = rounds[0]["copies"]
+        assert small > 0 and (large > 0) == (large_bytes == 16)
         assert [r["equal"] and r["layout"] and r["buffer"] for r in rounds] == [True] * 4
         assert all(r["plans"] == 1 for r in rounds)
         # Planned once, kept across the offload, planned again for the new storage, then kept.

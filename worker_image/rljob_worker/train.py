@@ -37,12 +37,15 @@ from rljob_worker.staging import (
     Staging,
 )
 from rljob_worker.weight_sync import (
+    CopySplit,
     FlatBucket,
     FlatEntry,
     GatheredBucket,
     byte_view,
+    copy_pairs,
     overlap_enabled,
     prefetched,
+    split_copies,
 )
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -91,7 +94,8 @@ def gather_full(
 
     Per-tensor host work is kept small, since a bucket holds hundreds of tensors: no autograd
     (a DTensor's detach, or to_local with grad on, costs ~15-30 us each on a CPU core), views
-    cut by one split, and each group of copies is one torch._foreach_copy_. With `plans` (the
+    cut by one split, and each group of copies is one torch._foreach_copy_ (weight_sync.copy_pairs
+    on the planned path: a copy_ each for the large ones). With `plans` (the
     trainer's, kept across syncs) a bucket of Shard(0) DTensors is worked out once (SendPlan):
     its shards' flat views, the send buffer's split and the output's layout, which comes back
     as a GatheredBucket (weight_sync.flatten measures nothing again). On one H200 the host
@@ -180,9 +184,8 @@ def _all_gather_blocks(
     # received is [world, send]: tensor i is column block i of every rank's row.
     by_rank = received.view(world, send.numel()).split(list(chunks), dim=1)
     out = torch.empty_like(received).split([world * chunk for chunk in chunks])
-    torch._foreach_copy_(
-        [o.view(world, c) for o, c in zip(out, chunks, strict=True)], list(by_rank)
-    )
+    blocks = [o.view(world, c) for o, c in zip(out, chunks, strict=True)]
+    copy_pairs(blocks, by_rank, split_copies([world * c * send.element_size() for c in chunks]))
     return [block[: shape.numel()].view(shape) for shape, block in zip(shapes, out, strict=True)]
 
 
@@ -210,6 +213,8 @@ class SendPlan:
     group: dist.ProcessGroup
     entries: tuple[FlatEntry, ...]
     layouts: list[tuple[torch.dtype, torch.Size, tuple[int, ...], int]]
+    # How the shards' copies into the send buffer are launched (weight_sync.copy_pairs).
+    copies: CopySplit
 
     def holds(self, params: Sequence[torch.Tensor]) -> bool:
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
@@ -254,7 +259,7 @@ def _gather_planned(
     send = torch.empty(sum(plan.split), dtype=dtype, device=plan.sources[0].device)
     pieces = send.split(plan.split)
     slots = [pieces[i] for i in plan.picks] if len(plan.picks) != len(pieces) else list(pieces)
-    torch._foreach_copy_(slots, list(plan.sources))
+    copy_pairs(slots, plan.sources, plan.copies)
     if plan.world == 1:
         out = send
 
@@ -309,6 +314,7 @@ def _make_plan(
         group=mesh.get_group(),
         entries=tuple(entries),
         layouts=[_layout(local) for local in locals_],
+        copies=split_copies([local.numel() * size for local in locals_]),
     )
 
 

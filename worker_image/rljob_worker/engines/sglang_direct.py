@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rljob_worker.engines.sglang_weights import DenseLayout, EngineWeightsError
-from rljob_worker.weight_sync import TIMINGS_ENV, record_timing_line
+from rljob_worker.weight_sync import (
+    TIMINGS_ENV,
+    CopySplit,
+    copy_pairs,
+    record_timing_line,
+    split_copies,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -210,7 +216,8 @@ class _BucketPlan:
 
     `dests` are flat views of the parameters' rows; the buffer, split once by `sizes` (in
     `dtype`'s elements, or bytes where `dtype` is None), gives each one's source at `picks`:
-    a sync then builds no per-tensor view in Python, only one split and one foreach launch.
+    a sync then builds no per-tensor view in Python, only one split, and launches the copies
+    as `copies` says (weight_sync.copy_pairs: a copy_ for each large one, one foreach for the rest).
     `slow` are the entries that take copy_into's per-tensor views (a column slice at TP > 1, a
     cast, a tensor the rules do not place, sources that alias); `guards` hold the address of
     each parameter the flat copies write when planned, so one given new storage since makes a
@@ -224,6 +231,8 @@ class _BucketPlan:
     dests: list[torch.Tensor]
     guards: list[tuple[torch.Tensor, int]]
     slow: list[tuple[str, list[int], str, int, int]]
+    # How the flat copies are launched (weight_sync.copy_pairs: the large ones one by one).
+    copies: CopySplit
 
 
 # RLJOB_SGLANG_DIRECT_STRICT=1 (the schedulers inherit the rank's environment): a tensor the rules
@@ -414,6 +423,7 @@ def _plan_bucket(targets: _Targets, name: str) -> _BucketPlan:
         dests=[f[3] for f in fast],
         guards=[(p, p.data_ptr()) for p in written.values()],
         slow=[entries[i] for i in slow],
+        copies=split_copies([f[1] - f[0] for f in fast]),
     )
 
 
@@ -421,10 +431,8 @@ def copy_bucket(
     model: Any, name: str, buffer: torch.Tensor, tp: tuple[int, int] | None = None
 ) -> list[tuple[str, torch.Tensor]]:
     """copy_into for one bucket as the adapter sends it (its payload name and uint8 buffer),
-    through the bucket's plan (_BucketPlan): one split of the buffer and one foreach launch
-    for the flat copies. Returns what the rules do not place, as copy_into does."""
-    import torch
-
+    through the bucket's plan (_BucketPlan): one split of the buffer and the flat copies'
+    launches. Returns what the rules do not place, as copy_into does."""
     targets = _targets(model, tp)
     plan = targets.buckets.get(name)
     if plan is None or any(p.data_ptr() != address for p, address in plan.guards):
@@ -435,7 +443,7 @@ def copy_bucket(
             sources = _sources(buffer, plan, bytewise=True)
         else:
             sources = _sources(whole, plan, bytewise=False)
-        torch._foreach_copy_(plan.dests, sources)
+        copy_pairs(plan.dests, sources, plan.copies)
     if not plan.slow:
         return []
     return copy_into(model, _views(plan.slow, buffer), tp)
