@@ -198,11 +198,15 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
     from rljob_worker.engines.sglang_engine import WEIGHT_SYNC_ENV
     from rljob_worker.loop import tensor_digest
     from rljob_worker.train import Trainer
+    from rljob_worker.weight_sync import LARGE_COPY_ENV
 
     monkeypatch.setenv(WEIGHT_SYNC_ENV, sync_path)
     # The direct path must place every tensor itself (its schedulers inherit this): a fallback
     # to sglang's load_weights would pass the weights check while measuring the wrong path.
     monkeypatch.setenv("RLJOB_SGLANG_DIRECT_STRICT", "1")
+    # The small model's copies below the real threshold (32 MiB) would all take one foreach:
+    # at 64 KiB the large ones are launched one by one, in the trainer and the loader alike.
+    monkeypatch.setenv(LARGE_COPY_ENV, str(64 << 10))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a, b = random_qwen2(tmp_path / "a", seed=1), random_qwen2(tmp_path / "b", seed=2)

@@ -302,6 +302,12 @@ def test_copies_at_or_above_the_threshold_go_one_by_one_and_every_pair_is_copied
     assert split_copies([2, 8, 7, 16, 0]) == ((1, 3), (0, 2, 4))
     assert split_copies([2, 6]) == ((), (0, 1))
     assert split_copies([9, 8]) == ((0, 1), ())
+    monkeypatch.setenv(weight_sync.LARGE_COPY_ENV, "9")  # the engine's schedulers inherit it
+    assert split_copies([2, 8, 7, 16, 0]) == ((3,), (0, 1, 2, 4))
+    monkeypatch.setenv(weight_sync.LARGE_COPY_ENV, "lots")
+    with pytest.raises(ValueError, match="RLJOB_LARGE_COPY_BYTES='lots' is not a number"):
+        split_copies([1])
+    monkeypatch.delenv(weight_sync.LARGE_COPY_ENV)
     torch.manual_seed(0)
     sources = [torch.randn(n) for n in (1, 4, 3, 8, 0)]  # fp32, cast on the way
     expected = [s.to(torch.bfloat16) for s in sources]

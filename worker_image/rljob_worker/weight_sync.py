@@ -159,15 +159,24 @@ def sglang_flattened_bucket(bucket: FlatBucket, metadata_class: Callable[..., An
 # (bench/copy_kernels.py, a 3B model's 434 tensors, 2026-11-27) the GPU time of the cast
 # fp32 -> bf16 was 5.46 ms as one foreach, 5.49 ms as a copy_ each and 4.77 ms split at 32 MiB
 # (its HBM floor 4.39 ms); of the bf16 copy 4.43, 4.25 and 3.43 ms (floor 2.92 ms).
+# RLJOB_LARGE_COPY_BYTES sets another threshold in this process and the engine's schedulers,
+# which inherit it (the GPU tests lower it so their small models take both launches).
 LARGE_COPY_BYTES = 32 << 20
+LARGE_COPY_ENV = "RLJOB_LARGE_COPY_BYTES"
 
 CopySplit = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def split_copies(dest_bytes: Sequence[int]) -> CopySplit:
     """(large, small): the indices of the copies launched one by one (their destinations'
-    sizes in `dest_bytes` at least LARGE_COPY_BYTES) and of the rest."""
-    large = tuple(i for i, size in enumerate(dest_bytes) if size >= LARGE_COPY_BYTES)
+    sizes in `dest_bytes` at least LARGE_COPY_BYTES, or RLJOB_LARGE_COPY_BYTES where set)
+    and of the rest."""
+    raw = os.environ.get(LARGE_COPY_ENV, "").strip()
+    try:
+        threshold = int(raw) if raw else LARGE_COPY_BYTES
+    except ValueError:
+        raise ValueError(f"{LARGE_COPY_ENV}={raw!r} is not a number of bytes") from None
+    large = tuple(i for i, size in enumerate(dest_bytes) if size >= threshold)
     chosen = set(large)
     return large, tuple(i for i in range(len(dest_bytes)) if i not in chosen)
 
