@@ -51,6 +51,8 @@
 #                BUCKETS_MB), the loader's own seconds beside each hand-off; SYNC_BEFORE_TREE
 #                (an older tree's worker_image, carried) runs each size with it first; each
 #                size's sync is split into its parts (bench/sync_trip.py: mbN-trip.md)
+#   copy-kernels #33: bench/copy_kernels.py, the sync's two copies launched four ways (torch only)
+#   gather-probe #33: bench/gather_probe.py, the trainer's side of a 3B sync alone (torch only)
 #   realistic-7b #33/#30: 7B realistic over two cards with the async checkpoint (gpu_bg.sh;
 #                SYNC_PATH, ALONE=1)
 #   realistic    #33: 3B realistic workload, before and after (one card)
@@ -182,6 +184,14 @@ for step in "$@"; do
         --turn-tokens 256 --spread --tool-seconds "${MT_TOOL_SECONDS:-0.3}" \
         --mem-fraction "${MT_MEM_FRACTION:-0.6}" --out "$out/long" > "$out/log" 2>&1
       tail -12 "$out/log" ;;
+    copy-kernels)
+      python3 bench/copy_kernels.py --repeats 10 --large-bytes 1048576 8388608 33554432 \
+        --out "$out" > "$out/log" 2>&1
+      tail -14 "$out/log" ;;
+    gather-probe)
+      model qwen2.5-3b && python3 bench/gather_probe.py --model qwen2.5-3b --syncs 8 \
+        --sampler-ms 0 5 --empty-cache 0 1 --out "$out" > "$out/log" 2>&1
+      tail -5 "$out/log" ;;
     tool-runner)
       python3 bench/tool_runner.py --calls 64 256 --repeats 5 --out "$out/tool_runner" > "$out/log" 2>&1
       tail -9 "$out/log" ;;

@@ -17,7 +17,8 @@ split into:
   start to the last one done;
 - way_back: the loader done until the request was answered (the scheduler's barrier and the
   reply's trip back);
-- flush: the flush_cache request after the last bucket;
+- flush: the flush_cache request after the last bucket (none with sglang 0.5.17: the first
+  update's request flushes in its scheduler, inside that request's way back);
 - synchronize: the stage's device synchronize;
 - other: the rest of the sync (the stage's own Python).
 
