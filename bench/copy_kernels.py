@@ -6,10 +6,12 @@ loader's copy (that buffer into sglang's bf16 weights). Both run over the model'
 very different sizes (a 2048-element norm beside a 11008 x 2048 projection). This times each
 copy, on the tensors of a Qwen2.5 shape, launched four ways:
 
-- foreach: one torch._foreach_copy_ over every pair (what the send plan and the loader's plan do);
+- foreach: one torch._foreach_copy_ over every pair (what the send plan and the loader's plan
+  did before weight_sync.copy_pairs);
 - per_tensor: one copy_ per pair;
-- hybrid: copy_ for each pair of at least --large-bytes (destination bytes), one
-  _foreach_copy_ for the rest;
+- hybrid: weight_sync.copy_pairs with its threshold at --large-bytes (destination bytes): a
+  copy_ for each pair at or above it, one _foreach_copy_ for the rest (what they do now, at
+  32 MiB);
 - flat: one copy_ between two contiguous buffers of the same total size (what the memory
   traffic alone costs; not a way the sync can run, as the shards are separate tensors).
 
@@ -49,10 +51,10 @@ def ways(
     sources: list[torch.Tensor], dests: list[torch.Tensor], flat_src: torch.Tensor,
     flat_dst: torch.Tensor, large: int,
 ) -> dict[str, Any]:  # fmt: skip
-    big = [i for i, d in enumerate(dests) if d.numel() * d.element_size() >= large]
-    small = sorted(set(range(len(dests))) - set(big))
-    big_pairs = [(dests[i], sources[i]) for i in big]
-    small_d, small_s = [dests[i] for i in small], [sources[i] for i in small]
+    from rljob_worker.weight_sync import copy_pairs
+
+    big = tuple(i for i, d in enumerate(dests) if d.numel() * d.element_size() >= large)
+    split = (big, tuple(sorted(set(range(len(dests))) - set(big))))
 
     def foreach() -> None:
         torch._foreach_copy_(dests, sources)
@@ -62,10 +64,7 @@ def ways(
             d.copy_(s)
 
     def hybrid() -> None:
-        for d, s in big_pairs:
-            d.copy_(s)
-        if small_d:
-            torch._foreach_copy_(small_d, small_s)
+        copy_pairs(dests, sources, split)
 
     def flat() -> None:
         flat_dst.copy_(flat_src)
@@ -113,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=SHAPE["layers"])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--large-bytes", type=int, nargs="+", default=[1 << 20, 16 << 20])
+    parser.add_argument("--large-bytes", type=int, nargs="+", default=[1 << 20, 32 << 20])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     shape = {**SHAPE, "layers": args.layers}
@@ -163,7 +162,7 @@ def main() -> None:
                     "tensors": len(sources), "bytes_moved": moved, "floor_s": floor, **timed,
                 })  # fmt: skip
                 r = rows[-1]
-                label = f"{way}" + (f" (>= {large >> 20} MiB: {r['large_tensors']})" if r["large_bytes"] else "")  # fmt: skip
+                label = f"{way}" + (f" (>= {large} B: {r['large_tensors']})" if r["large_bytes"] else "")  # fmt: skip
                 print(
                     f"{copy_name:16s} {label:30s} host {r['host_s'] * 1e3:7.2f} ms  "
                     f"gpu {r['gpu_s'] * 1e3:7.2f} ms  wall {r['wall_s'] * 1e3:7.2f} ms  "

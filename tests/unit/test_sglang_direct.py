@@ -206,6 +206,7 @@ def test_each_bucket_layout_is_planned_once_and_every_later_sync_lands_where_the
     exactly their shards, through the rules alone. `split`: copies of 64 bytes or more are
     launched one by one and the rest as one foreach (weight_sync.copy_pairs), as the large
     ones of a real model are."""
+    monkeypatch.delenv(weight_sync.LARGE_COPY_ENV, raising=False)
     monkeypatch.setattr(weight_sync, "LARGE_COPY_BYTES", large_bytes)
     config = {**CONFIG, "tie_word_embeddings": tied}
     syncs = [full_weights(config, seed=s) for s in (1, 2, 3)]

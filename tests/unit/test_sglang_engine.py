@@ -119,11 +119,10 @@ def test_staged_wake_up_calls_sglang_in_stage_order_for_two_iterations(release: 
     (release_call,) = [kw for n, kw in calls.values() if n == "release_memory_occupation"]
     assert resumes == [{"tags": [TAG_WEIGHTS]}, {"tags": [TAG_KV_CACHE, TAG_CUDA_GRAPH]}]
     assert [n for n, _ in updates[0]["named_tensors"]] == ["a", "b"]
-    # One flush per update, not one per bucket: without a session (0.5.17) the first bucket's
-    # request carries it (sglang flushes after that load, and nothing is served before
-    # flush_cache() closes the update); with one (0.5.23), its own request after the session.
-    session = CONTRACTS[release].opens_weight_update_session
-    assert [kw["flush_cache"] for kw in updates] == [not session, False]
+    # No flush in any update request: the KV cache's release emptied the prefix cache (staged
+    # awake), and 0.5.17 sends no flush of its own either (staged_iteration_calls); 0.5.23
+    # flushes once, after its session.
+    assert [kw["flush_cache"] for kw in updates] == [False, False]
     # One sampling_params dict per request; the seed moves on per request.
     assert generate["sampling_params"] == [
         {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "sampling_seed": 3},
@@ -921,6 +920,24 @@ def test_no_prefix_cached_with_old_weights_is_reused_with_the_kv_cache_resident(
     assert sgl.cached_versions == {sgl.weights_version} and sgl.weights_version == 6
     flushes = sgl.names().count("flush_cache")
     assert flushes == (3 if CONTRACTS[release].opens_weight_update_session else 0)
+
+
+def test_a_refused_first_update_leaves_the_flush_to_its_own_request() -> None:
+    # 0.5.17 flushes inside an update only when its load succeeded: after a refused first
+    # request, the update's flush is a request of its own again.
+    engine, sgl = make_adapter(CONTRACTS["0.5.17"])
+    engine.resume(list(ALL_TAGS))
+    engine.generate([[1, 2, 3]], SAMPLING)
+    sgl.refuse["update_weights_from_tensor"] = "out of memory"
+    with pytest.raises(SGLangEngineError, match="out of memory"):
+        engine.update_weights(bucket("a"))
+    del sgl.refuse["update_weights_from_tensor"]
+    start = len(sgl.calls)
+    engine.update_weights(bucket("a"))
+    engine.flush_cache()
+    assert sgl.names()[start:] == ["update_weights_from_tensor", "flush_cache"]
+    assert sgl.calls[start][1]["flush_cache"] is False
+    engine.generate([[1, 2, 3]], SAMPLING)  # no prefix of the old weights (the stand-in checks)
 
 
 def test_the_stand_in_catches_an_update_that_drops_no_prefix() -> None:

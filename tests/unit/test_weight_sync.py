@@ -298,15 +298,19 @@ def test_copies_at_or_above_the_threshold_go_one_by_one_and_every_pair_is_copied
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Destination sizes in bytes: the split is by the destination's (here bf16) size.
+    monkeypatch.delenv(weight_sync.LARGE_COPY_ENV, raising=False)
     monkeypatch.setattr(weight_sync, "LARGE_COPY_BYTES", 8)
     assert split_copies([2, 8, 7, 16, 0]) == ((1, 3), (0, 2, 4))
     assert split_copies([2, 6]) == ((), (0, 1))
     assert split_copies([9, 8]) == ((0, 1), ())
     monkeypatch.setenv(weight_sync.LARGE_COPY_ENV, "9")  # the engine's schedulers inherit it
     assert split_copies([2, 8, 7, 16, 0]) == ((3,), (0, 1, 2, 4))
-    monkeypatch.setenv(weight_sync.LARGE_COPY_ENV, "lots")
-    with pytest.raises(ValueError, match="RLJOB_LARGE_COPY_BYTES='lots' is not a number"):
-        split_copies([1])
+    monkeypatch.setenv(weight_sync.LARGE_COPY_ENV, "0")  # every copy one by one
+    assert split_copies([2, 0]) == ((0, 1), ())
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv(weight_sync.LARGE_COPY_ENV, bad)
+        with pytest.raises(ValueError, match=f"RLJOB_LARGE_COPY_BYTES='{bad}' is not a number"):
+            split_copies([1])
     monkeypatch.delenv(weight_sync.LARGE_COPY_ENV)
     torch.manual_seed(0)
     sources = [torch.randn(n) for n in (1, 4, 3, 8, 0)]  # fp32, cast on the way
@@ -315,3 +319,6 @@ def test_copies_at_or_above_the_threshold_go_one_by_one_and_every_pair_is_copied
         dests = [torch.full((s.numel(),), 9.0, dtype=torch.bfloat16) for s in sources]
         copy_pairs(dests, sources, split)
         assert all(torch.equal(d, e) for d, e in zip(dests, expected, strict=True)), split
+    # A split that leaves a pair out is refused rather than skipping its copy.
+    with pytest.raises(ValueError, match="a copy split of 1 \\+ 3 for 5 destinations"):
+        copy_pairs(dests, sources, ((1,), (0, 2, 3)))

@@ -146,6 +146,8 @@ def _planned_rank_main(
     storages are emptied and refilled (the params' offload) and one shard gets a new storage.
     `large_bytes`: weight_sync.LARGE_COPY_BYTES in this process (copies of at least that many
     bytes launched one by one, the rest as one foreach)."""
+    import os
+
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -154,6 +156,7 @@ def _planned_rank_main(
     from rljob_worker.train import gather_full
     from rljob_worker.weight_sync import GatheredBucket, flatten
 
+    os.environ.pop(weight_sync.LARGE_COPY_ENV, None)  # the threshold is this test's
     weight_sync.LARGE_COPY_BYTES = large_bytes
 
     def raw(bucket: Any) -> list[tuple[str, bytes]]:

@@ -176,16 +176,20 @@ def _all_gather_blocks(
     shapes: Sequence[torch.Size],
     world: int,
     group: dist.ProcessGroup,
+    split: CopySplit | None = None,
 ) -> list[torch.Tensor]:
     """Every rank's `send` all-gathered, then each tensor's chunks (one a rank) copied into its
-    own block of one output buffer, laid out as the padded full tensor [world * chunk rows]."""
+    own block of one output buffer, laid out as the padded full tensor [world * chunk rows]
+    (launched as `split` says, a send plan's; worked out here where None)."""
     received = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
     flat_all_gather(received, send, group=group)
     # received is [world, send]: tensor i is column block i of every rank's row.
     by_rank = received.view(world, send.numel()).split(list(chunks), dim=1)
     out = torch.empty_like(received).split([world * chunk for chunk in chunks])
     blocks = [o.view(world, c) for o, c in zip(out, chunks, strict=True)]
-    copy_pairs(blocks, by_rank, split_copies([world * c * send.element_size() for c in chunks]))
+    if split is None:
+        split = split_copies([world * c * send.element_size() for c in chunks])
+    copy_pairs(blocks, by_rank, split)
     return [block[: shape.numel()].view(shape) for shape, block in zip(shapes, out, strict=True)]
 
 
@@ -213,8 +217,10 @@ class SendPlan:
     group: dist.ProcessGroup
     entries: tuple[FlatEntry, ...]
     layouts: list[tuple[torch.dtype, torch.Size, tuple[int, ...], int]]
-    # How the shards' copies into the send buffer are launched (weight_sync.copy_pairs).
+    # How the shards' copies into the send buffer, and (more than one rank) the gathered
+    # chunks' copies into the output, are launched (weight_sync.copy_pairs).
     copies: CopySplit
+    unpack: CopySplit
 
     def holds(self, params: Sequence[torch.Tensor]) -> bool:
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
@@ -266,7 +272,9 @@ def _gather_planned(
         def views() -> list[torch.Tensor]:
             return [slot.view(shape) for slot, shape in zip(slots, plan.shapes, strict=True)]
     else:
-        blocks = _all_gather_blocks(send, plan.chunks, plan.shapes, plan.world, plan.group)
+        blocks = _all_gather_blocks(
+            send, plan.chunks, plan.shapes, plan.world, plan.group, plan.unpack
+        )
         out = blocks[0]
 
         def views() -> list[torch.Tensor]:
@@ -315,6 +323,7 @@ def _make_plan(
         entries=tuple(entries),
         layouts=[_layout(local) for local in locals_],
         copies=split_copies([local.numel() * size for local in locals_]),
+        unpack=split_copies([world * chunk * size for chunk in chunks]),
     )
 
 

@@ -175,7 +175,9 @@ def split_copies(dest_bytes: Sequence[int]) -> CopySplit:
     try:
         threshold = int(raw) if raw else LARGE_COPY_BYTES
     except ValueError:
-        raise ValueError(f"{LARGE_COPY_ENV}={raw!r} is not a number of bytes") from None
+        threshold = -1
+    if threshold < 0:
+        raise ValueError(f"{LARGE_COPY_ENV}={raw!r} is not a number of bytes (0 or more)")
     large = tuple(i for i, size in enumerate(dest_bytes) if size >= threshold)
     chosen = set(large)
     return large, tuple(i for i in range(len(dest_bytes)) if i not in chosen)
@@ -186,6 +188,11 @@ def copy_pairs(
 ) -> None:
     """dests[i].copy_(sources[i]) for every i, launched as `split` (split_copies) says."""
     large, small = split
+    if len(large) + len(small) != len(dests) or len(sources) != len(dests):
+        raise ValueError(
+            f"a copy split of {len(large)} + {len(small)} for {len(dests)} destinations and "
+            f"{len(sources)} sources"
+        )
     for i in large:
         dests[i].copy_(sources[i])
     if len(small) == len(dests):

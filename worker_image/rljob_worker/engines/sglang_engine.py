@@ -33,6 +33,7 @@ import torch
 
 from rljob_worker.engines.base import (
     ALL_TAGS,
+    TAG_KV_CACHE,
     TAG_WEIGHTS,
     ColocatedEngine,
     Completion,
@@ -614,19 +615,24 @@ class SGLangEngine(ColocatedEngine):
                 f"update_weights with {self.requests_in_flight} async_generate requests in "
                 "flight: weights change only between rollouts"
             )
-        # Where there is no update session (0.5.17), the update's first request drops the
-        # prefix cache itself, after its load, and the later ones do not: no request can be
-        # served until flush_cache() closes the update, so nothing is cached meanwhile, and the
-        # sync saves the flush's own trip through sglang's processes (1.4-1.9 ms at 3B on an
-        # H200, docs/weight-sync.md). That flush leaves the scheduler's allocator cache to the
-        # next release (the standalone flush also empties it; the loaders allocate nothing
-        # there). Inside 0.5.23's session, flush_cache() sends the flush after
-        # end_weight_update as before.
+        # Where there is no update session (0.5.17), no flush request of its own: with the KV
+        # cache released (staged awake) sglang emptied the prefix cache in that release, and
+        # nothing can be served until the cache is back and flush_cache() closes the update, so
+        # none is needed; with the KV cache resident, the update's first request drops the
+        # prefixes itself, after its load (no request can be served until flush_cache(), so
+        # nothing is cached meanwhile). Either way the sync saves the flush's trip through
+        # sglang's processes (1.4-1.9 ms at 3B on an H200, docs/weight-sync.md). That in-update
+        # flush leaves the scheduler's allocator cache to the next release (the standalone
+        # flush also empties it; the loaders allocate nothing there), and sglang asserts it
+        # succeeded: refused above while a request is in flight. Inside 0.5.23's session,
+        # flush_cache() sends the flush after end_weight_update as before.
         flush = False
         if not self._update_open:
             if self._contract.opens_weight_update_session:
                 result = self._engine.begin_weight_update()
                 self._check_success_message("begin_weight_update", result)
+            elif TAG_KV_CACHE in self._released:
+                self._flushed_with_update = True  # emptied by the KV cache's release
             else:
                 flush = True
             self._update_open = True
