@@ -51,10 +51,9 @@ def ways(
     sources: list[torch.Tensor], dests: list[torch.Tensor], flat_src: torch.Tensor,
     flat_dst: torch.Tensor, large: int,
 ) -> dict[str, Any]:  # fmt: skip
-    from rljob_worker.weight_sync import copy_pairs
+    from rljob_worker.weight_sync import copy_pairs, split_copies
 
-    big = tuple(i for i, d in enumerate(dests) if d.numel() * d.element_size() >= large)
-    split = (big, tuple(sorted(set(range(len(dests))) - set(big))))
+    split = split_copies([d.numel() * d.element_size() for d in dests], large)
 
     def foreach() -> None:
         torch._foreach_copy_(dests, sources)
@@ -70,7 +69,7 @@ def ways(
         flat_dst.copy_(flat_src)
 
     return {"foreach": foreach, "per_tensor": per_tensor, "hybrid": hybrid, "flat": flat,
-            "large_tensors": len(big)}  # fmt: skip
+            "large_tensors": len(split[0])}  # fmt: skip
 
 
 def time_way(fn: Any, repeats: int) -> dict[str, float]:

@@ -167,20 +167,20 @@ LARGE_COPY_ENV = "RLJOB_LARGE_COPY_BYTES"
 CopySplit = tuple[tuple[int, ...], tuple[int, ...]]
 
 
-def split_copies(dest_bytes: Sequence[int]) -> CopySplit:
+def split_copies(dest_bytes: Sequence[int], threshold: int | None = None) -> CopySplit:
     """(large, small): the indices of the copies launched one by one (their destinations'
-    sizes in `dest_bytes` at least LARGE_COPY_BYTES, or RLJOB_LARGE_COPY_BYTES where set)
-    and of the rest."""
-    raw = os.environ.get(LARGE_COPY_ENV, "").strip()
-    try:
-        threshold = int(raw) if raw else LARGE_COPY_BYTES
-    except ValueError:
-        threshold = -1
-    if threshold < 0:
-        raise ValueError(f"{LARGE_COPY_ENV}={raw!r} is not a number of bytes (0 or more)")
+    sizes in `dest_bytes` at least `threshold`: unless given, LARGE_COPY_BYTES, or
+    RLJOB_LARGE_COPY_BYTES where set) and of the rest."""
+    if threshold is None:
+        raw = os.environ.get(LARGE_COPY_ENV, "").strip()
+        try:
+            threshold = int(raw) if raw else LARGE_COPY_BYTES
+        except ValueError:
+            threshold = -1
+        if threshold < 0:
+            raise ValueError(f"{LARGE_COPY_ENV}={raw!r} is not a number of bytes (0 or more)")
     large = tuple(i for i, size in enumerate(dest_bytes) if size >= threshold)
-    chosen = set(large)
-    return large, tuple(i for i in range(len(dest_bytes)) if i not in chosen)
+    return large, tuple(i for i, size in enumerate(dest_bytes) if size < threshold)
 
 
 def copy_pairs(
