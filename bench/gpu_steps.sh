@@ -146,13 +146,15 @@ for step in "$@"; do
         "--$wake-fractions" "$fraction,$fraction,$fraction,$next" --keep-going --iterations 3 \
         --no-alone --deadline-seconds 300 --out "$out/run" > "$out/log" 2>&1
       tail -30 "$out/log" ;;
-    sanity | sanity-rest | multi-gpu | mt-test | overlap-test)
+    sanity | sanity-rest | multi-gpu | mt-test | overlap-test | ipc-test)
       case $step in
         sanity) files="tests/gpu/test_sglang_gpu.py tests/gpu/test_loop_gpu.py" ;;
+        ipc-test) files=tests/gpu/test_ipc_alias_gpu.py ;;
         mt-test) files=tests/gpu/test_multi_turn_gpu.py ;;
         overlap-test) files=tests/gpu/test_overlap_staging_gpu.py ;;
         sanity-rest) files="tests/gpu/test_engine_gpu.py tests/gpu/test_saver_exit_gpu.py
-          tests/gpu/test_overlap_staging_gpu.py tests/gpu/test_multi_turn_gpu.py" ;;
+          tests/gpu/test_overlap_staging_gpu.py tests/gpu/test_multi_turn_gpu.py
+          tests/gpu/test_ipc_alias_gpu.py" ;;
         *) files="tests/gpu/test_multi_gpu.py tests/gpu/test_weight_gather_gpu.py" ;;
       esac
       # shellcheck disable=SC2086  # a list of paths
@@ -227,15 +229,17 @@ for step in "$@"; do
       # mbN-loader.jsonl (RLJOB_SGLANG_DIRECT_TIMINGS): the hand-off less those is the
       # request's trip through sglang's processes. SYNC_BEFORE_TREE=<a worker_image folder of
       # an older tree> runs each size with that tree's worker first (mbN-before), so a change
-      # to the hand-off is measured before and after on one card.
+      # to the hand-off is measured before and after on one card. SYNC_MODEL, SYNC_RANKS and
+      # SYNC_FRACTION: another shape (built by `models` first), FSDP over that many cards.
       for tree in ${SYNC_BEFORE_TREE:+before} after; do
         for mb in ${BUCKETS_MB:-512 2048 8192}; do
           tag=mb$mb path=$PYTHONPATH
           [[ $tree == before ]] && tag=mb$mb-before path=$SYNC_BEFORE_TREE:$PYTHONPATH
           rm -f "$out/$tag-loader.jsonl"  # a rerun on a warm machine starts it anew
           PYTHONPATH=$path RLJOB_SGLANG_DIRECT_TIMINGS=$out/$tag-loader.jsonl \
-            colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --prompts 4 \
-            --sync-path direct --bucket-mb "$mb" --no-alone --deadline-seconds 240 \
+            colocate --model "${SYNC_MODEL:-qwen2.5-3b}" --ranks "${SYNC_RANKS:-1}" --modes staged \
+            --staged-fractions "${SYNC_FRACTION:-0.9}" --prompts 4 \
+            --sync-path direct --bucket-mb "$mb" --no-alone --deadline-seconds 420 \
             --out "$out/$tag" > "$out/$tag.log" 2>&1
           echo "$tag: colocate exit $?"; grep -E "weight sync within|hand-off" "$out/$tag.log" | tail -3
           python3 -c "import json, statistics as s, sys; r = [json.loads(l) for l in open(sys.argv[1])]; \

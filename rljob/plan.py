@@ -400,12 +400,41 @@ def kv_pool(
     return tokens * per_token + SGLANG_CUDA_GRAPH_BYTES, tokens
 
 
+# The worker's switches that decide whether a one-rank sync needs any buffer (sync_as_stored):
+# RLJOB_FLAT_SHARDS=0 keeps the policy's shards apart (rljob_worker.train reads this name), and
+# RLJOB_SGLANG_WEIGHT_SYNC other than "direct" hands sglang the engine's dtype
+# (rljob_worker/engines/sglang_handoff.py; a test checks that both agree).
+FLAT_SHARDS_ENV = "RLJOB_FLAT_SHARDS"
+SGLANG_WEIGHT_SYNC_ENV = "RLJOB_SGLANG_WEIGHT_SYNC"
+SGLANG_WEIGHT_SYNC_DEFAULT = "direct"
+
+
+def sync_as_stored(spec: RLJobSpec, world: int) -> bool:
+    """Whether the weight sync hands the engine the trainer's own fp32 buffer, holding nothing
+    beside it (Trainer.weight_buckets with engine_casts, docs/weight-sync.md): one rank, the
+    policy's shards in one buffer, and an engine that casts what it loads (the torch engine;
+    sglang through rljob's loader, its default hand-off). Read from the spec's literal env
+    values; a value from a Secret, ConfigMap or envFrom is taken as unset (the defaults)."""
+    if world != 1:
+        return False
+    env = {e.name: e.value for e in spec.env if e.value is not None}
+    if env.get(FLAT_SHARDS_ENV, "").strip() == "0":
+        return False
+    if spec.rollout.engine is EngineName.SGLANG:
+        choice = env.get(SGLANG_WEIGHT_SYNC_ENV, "").strip().lower() or SGLANG_WEIGHT_SYNC_DEFAULT
+        return choice == SGLANG_WEIGHT_SYNC_DEFAULT
+    return True
+
+
 def gather_bytes(spec: RLJobSpec, shape: ModelShape, world: int) -> int:
     """The weight sync's transient: the bucket being gathered (on > 1 rank its send buffer, the
     received [world, chunk] and the output) while the previous bucket's tensors are still held:
     the next bucket's gather is issued before the previous one is handed to the engine, so the
     two overlap (weight_sync.prefetched), and never a third (the stage drops each bucket
-    before the next gather). The flattened hand-off views the gathered buffer: no copy."""
+    before the next gather). The flattened hand-off views the gathered buffer: no copy. Where
+    the sync hands the trainer's own buffer (sync_as_stored), none."""
+    if sync_as_stored(spec, world):
+        return 0
     dtype = DTYPE_BYTES[spec.model.dtype]
     sizes = [(name, n * dtype) for name, n in shape.named_sizes()]
     by_name = dict(sizes)

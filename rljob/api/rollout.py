@@ -294,7 +294,9 @@ class RolloutSpec(_Spec):
         ge=1,
         le=65536,
         description="Size of one weight-update bucket in MiB "
-        "(verl: rollout.update_weights_bucket_megabytes).",
+        "(verl: rollout.update_weights_bucket_megabytes). On one GPU with an engine that casts "
+        "what it loads (the torch engine; sglang's default hand-off) the trainer's own weights "
+        "go in one request and no bucket is made (docs/weight-sync.md).",
     )
     sampling: SamplingSpec = Field(
         default_factory=SamplingSpec, description="Sampling parameters of the rollout."

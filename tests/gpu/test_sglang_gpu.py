@@ -133,7 +133,13 @@ def test_release_and_resume_by_tag_give_back_every_byte(
 
 
 def _spec(
-    model: Path, *, engine: str, wake_up: WakeUp, fraction: float, iterations: int
+    model: Path,
+    *,
+    engine: str,
+    wake_up: WakeUp,
+    fraction: float,
+    iterations: int,
+    offload: str = "Auto",
 ) -> RLJobSpec:
     doc = {
         "apiVersion": "rljob.dev/v1alpha1",
@@ -150,6 +156,7 @@ def _spec(
                 "weightSyncBucketMegabytes": 16,
             },
             "resources": {"gpusPerWorker": 1},
+            "offload": offload,
         },
     }
     return parse_manifest(doc)[1]
@@ -175,8 +182,10 @@ def process_group() -> Iterator[None]:
 
 # The hand-offs the adapter has (RLJOB_SGLANG_WEIGHT_SYNC): one tensor per parameter, one
 # flattened buffer per bucket (sglang's load_format="flattened_bucket", issue 33), and one buffer
-# per bucket copied into sglang's parameters by rljob's own loader (engines/sglang_direct.py).
-SYNC_PATHS = ["tensors", "flattened_bucket", "direct"]
+# per bucket copied into sglang's parameters by rljob's own loader (engines/sglang_direct.py);
+# and that loader handed the trainer's fp32 shards as they are stored, which its copies cast
+# (Trainer.weight_buckets with engine_casts: one bucket, the policy's one buffer).
+SYNC_PATHS = ["tensors", "flattened_bucket", "direct", "direct-as-stored"]
 
 
 @pytest.mark.parametrize("sync_path", SYNC_PATHS)
@@ -200,6 +209,8 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
     from rljob_worker.train import Trainer
     from rljob_worker.weight_sync import LARGE_COPY_ENV
 
+    as_stored = sync_path == "direct-as-stored"
+    sync_path = "direct" if as_stored else sync_path
     monkeypatch.setenv(WEIGHT_SYNC_ENV, sync_path)
     # The direct path must place every tensor itself (its schedulers inherit this): a fallback
     # to sglang's load_weights would pass the weights check while measuring the wrong path.
@@ -220,9 +231,12 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
         if kv == "released":
             engine.release([TAG_KV_CACHE, TAG_CUDA_GRAPH])
         buckets = 0
-        for bucket in trainer.weight_buckets(1 << 20, torch.bfloat16):
+        casts = as_stored and engine.casts_weights
+        dtypes: set[torch.dtype] = set()
+        for bucket in trainer.weight_buckets(1 << 20, torch.bfloat16, engine_casts=casts):
             engine.update_weights(bucket)
-            sent.update((name, tensor_digest(tensor)) for name, tensor in bucket)
+            dtypes |= {tensor.dtype for _, tensor in bucket}
+            sent.update((n, tensor_digest(t.to(torch.bfloat16))) for n, t in bucket)
             buckets += 1
             del bucket
         engine.flush_cache()
@@ -255,7 +269,10 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
     print(f"\n{sync_path}: {buckets} buckets, {len(sent)} weights equal the trainer's"
           f"\nsglang on A {before}\ntorch on A  {before_expected}\n"
           f"sglang on B {after}\ntorch on B  {expected}")  # fmt: skip
-    assert buckets > 1
+    if as_stored:  # the whole model in one request, in the master dtype: no cast sent
+        assert casts and buckets == 1 and dtypes == {torch.float32}
+    else:
+        assert buckets > 1 and dtypes == {torch.bfloat16}
     assert before != expected  # the two checkpoints answer differently
     # Different attention and GEMM kernels in bf16: greedy answers agree until two logits fall
     # within rounding of each other. Stated tolerance: every answer's first 8 tokens equal, and
@@ -268,7 +285,18 @@ def test_bucketed_update_from_fsdp2_makes_sglang_answer_as_the_torch_engine(
 def loop_runs(qwen05b_dir: Path) -> dict[WakeUp, LocalRun]:
     return {
         mode: run_local(
-            _spec(qwen05b_dir, engine="sglang", wake_up=mode, fraction=0.4, iterations=2), 1, "cuda"
+            # Offload as the flags say (params too): staged frees the training params before
+            # the KV cache comes back, single holds them beside it through the update.
+            _spec(
+                qwen05b_dir,
+                engine="sglang",
+                wake_up=mode,
+                fraction=0.4,
+                iterations=2,
+                offload="Always",
+            ),
+            1,
+            "cuda",
         )
         for mode in WakeUp
     }
@@ -297,6 +325,9 @@ def test_two_staged_and_two_single_iterations_with_cuda_graphs(
         # The KV pool is given back in sleep (and taken in wake_kv_cache).
         assert used[Stage.ROLLOUT] - used[Stage.SLEEP] > 0.2 * total
     staged, single = loop_runs[WakeUp.STAGED].reports[-1], loop_runs[WakeUp.SINGLE].reports[-1]
+    # Staged: the KV cache comes back after the training params left. Single: the update runs
+    # with both resident. (Before the one-rank sync handed the trainer's own buffer, the sync's
+    # buckets beside the KV pool also made this hold without any offload.)
     assert _peak(staged, Stage.WAKE_KV_CACHE) < _peak(single, Stage.WAKE_WEIGHTS)
 
 

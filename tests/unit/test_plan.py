@@ -22,6 +22,9 @@ from rljob.oom_policy import (
 )
 from rljob.plan import (
     BUILTIN_MODEL_SHAPES,
+    FLAT_SHARDS_ENV,
+    SGLANG_WEIGHT_SYNC_DEFAULT,
+    SGLANG_WEIGHT_SYNC_ENV,
     ModelShape,
     Parts,
     gather_bytes,
@@ -32,6 +35,7 @@ from rljob.plan import (
     plan,
     reserved_bytes,
     stage_peaks,
+    sync_as_stored,
 )
 from rljob.plan_cli import main as plan_main
 from rljob.plan_cli import parse_bytes
@@ -99,8 +103,9 @@ def test_torch_kv_pool_is_what_the_engine_sized(
 
 def test_weight_sync_transient_is_two_consecutive_buckets() -> None:
     # The tied embedding (151936 x 2048 bf16 = 622329856 bytes) travels alone, then a bucket
-    # of up to 512 MiB of layer tensors while the embedding's is still held.
-    spec = bench_spec()
+    # of up to 512 MiB of layer tensors while the embedding's is still held. (The shards kept
+    # apart: on one rank the sync otherwise hands the trainer's own buffer, below.)
+    spec = bench_spec(env=[{"name": FLAT_SHARDS_ENV, "value": "0"}])
     embed = 151936 * 2048 * 2
     gate = 2048 * 11008 * 2  # the largest layer tensor
     one_rank = gather_bytes(spec, SHAPE_3B, world=1)
@@ -108,6 +113,48 @@ def test_weight_sync_transient_is_two_consecutive_buckets() -> None:
     assert (512 << 20) - gate < second <= 512 << 20
     # Two ranks: the bucket's send chunk, the received [world, chunk] and the output buffer.
     assert gather_bytes(spec, SHAPE_3B, world=2) == embed + (second // 2 + 2 * second)
+
+
+@pytest.mark.parametrize(
+    ("engine", "env", "world", "as_stored"),
+    [
+        ("torch", {}, 1, True),
+        ("sglang", {}, 1, True),
+        ("sglang", {SGLANG_WEIGHT_SYNC_ENV: "direct"}, 1, True),
+        ("sglang", {SGLANG_WEIGHT_SYNC_ENV: "tensors"}, 1, False),
+        ("sglang", {SGLANG_WEIGHT_SYNC_ENV: "flattened_bucket"}, 1, False),
+        ("torch", {FLAT_SHARDS_ENV: "0"}, 1, False),
+        ("sglang", {FLAT_SHARDS_ENV: "1"}, 1, True),
+        ("torch", {}, 2, False),
+        ("sglang", {}, 2, False),
+    ],
+)
+def test_a_one_rank_sync_that_hands_the_trainers_buffer_holds_no_buckets(
+    engine: str, env: dict[str, str], world: int, as_stored: bool
+) -> None:
+    """One rank, the shards in one buffer and an engine that casts (the torch engine, sglang's
+    default direct hand-off): the sync holds nothing beside the weights; otherwise buckets."""
+    spec = bench_spec(
+        env=[{"name": k, "value": v} for k, v in env.items()],
+        rollout={"engine": engine, "wakeUp": "single", "memFractionStatic": 0.9},
+    )
+    assert sync_as_stored(spec, world) is as_stored
+    assert (gather_bytes(spec, SHAPE_3B, world) == 0) is as_stored
+    if as_stored:  # and the plan's wake_weights row is the buckets' bytes lower
+        kept = bench_spec(
+            env=[{"name": FLAT_SHARDS_ENV, "value": "0"}],
+            rollout={"engine": engine, "wakeUp": "single", "memFractionStatic": 0.9},
+        )
+        assert gather_bytes(kept, SHAPE_3B, world) > 0
+
+
+def test_the_plans_sync_switches_are_the_workers() -> None:
+    from rljob_worker.engines import sglang_handoff
+    from rljob_worker.train import FLAT_SHARDS_ENV as WORKER_FLAT_SHARDS_ENV
+
+    assert WORKER_FLAT_SHARDS_ENV == FLAT_SHARDS_ENV
+    assert sglang_handoff.WEIGHT_SYNC_ENV == SGLANG_WEIGHT_SYNC_ENV
+    assert sglang_handoff.DEFAULT_WEIGHT_SYNC == SGLANG_WEIGHT_SYNC_DEFAULT
 
 
 PARTS = Parts(

@@ -296,7 +296,7 @@ def test_a_parameter_given_new_storage_is_planned_again() -> None:
 
 def test_a_bucket_of_several_dtypes_and_a_cast_is_copied_exactly() -> None:
     """A bucket whose tensors are not all of one dtype is split by bytes, and a copy that
-    casts (an fp32 parameter) takes the per-tensor path; both land exactly."""
+    casts (an fp32 parameter held, bf16 sent) is a flat copy too; both land exactly."""
     config = {**CONFIG, "tie_word_embeddings": False}
     full = full_weights(config)
     full["model.norm.weight"] = full["model.norm.weight"].float()  # an fp32 tensor in bf16's bucket
@@ -309,11 +309,36 @@ def test_a_bucket_of_several_dtypes_and_a_cast_is_copied_exactly() -> None:
     for _ in range(2):
         for name, buffer in _payloads(full, buckets=2):
             assert sglang_direct.copy_bucket(model, name, buffer, tp=(0, 1)) == []
+    slow = [e[0] for p in sglang_direct._TARGETS[model].buckets.values() for e in p.slow]
+    assert "lm_head.weight" not in slow and "model.norm.weight" not in slow
     assert torch.equal(norm.data, full["model.norm.weight"])
     expected = expected_shards(full, config, 0, 1)  # the head's rows padded as sglang pads
     assert torch.equal(head.data, expected.pop("lm_head.weight").float())
     expected.pop("model.norm.weight")
     assert all(torch.equal(params[n].data, t) for n, t in expected.items())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_bucket_of_the_trainers_fp32_shards_is_cast_into_bf16_weights_by_the_flat_copies(
+    tp: int,
+) -> None:
+    """The trainer's own fp32 shards (Trainer.weight_buckets with engine_casts) go to bf16
+    weights through the plan's flat copies, which cast: every weight equals the bf16 sync's,
+    bit for bit, and no entry takes the per-tensor path but the column slices at TP 2."""
+    config = {**CONFIG, "tie_word_embeddings": False}
+    g = torch.Generator().manual_seed(5)
+    master = {n: torch.randn(t.shape, generator=g) for n, t in full_weights(config).items()}
+    model = engine_model(master, config, 0, tp)
+    for _ in range(2):
+        ((name, buffer),) = _payloads(master, buckets=1)
+        assert sglang_direct.copy_bucket(model, name, buffer, tp=(0, tp)) == []
+    (plan,) = sglang_direct._TARGETS[model].buckets.values()
+    assert plan.dtype == torch.float32 and plan.dests
+    assert {d.dtype for d in plan.dests} == {torch.bfloat16}
+    columns = sorted(n for n in master if n.endswith(("o_proj.weight", "down_proj.weight")))
+    assert sorted(entry[0] for entry in plan.slow) == ([] if tp == 1 else columns)
+    cast = {n: t.bfloat16() for n, t in master.items()}
+    assert_holds(model, expected_shards(cast, config, 0, tp))
 
 
 def test_what_the_rules_do_not_place_goes_to_sglangs_own_loader() -> None:

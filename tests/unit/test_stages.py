@@ -72,8 +72,10 @@ class RecordingTrainer:
     def load_params(self) -> None:
         self.log.append("load_params")
 
-    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[NamedTensors]:
-        self.log.append("gather")
+    def weight_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype, *, engine_casts: bool = False
+    ) -> Iterator[NamedTensors]:
+        self.log.append("gather" + (" for an engine that casts" if engine_casts else ""))
         yield [("a", torch.zeros(2, dtype=dtype)), ("b", torch.ones(2, dtype=dtype))]
 
 
@@ -157,6 +159,18 @@ def test_machine_runs_stages_in_order_and_iteration_zero_skips_training(
     measured = [(s.iteration, s.stage) for s in meter.samples]
     first = [s for s in order if s not in (Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER)]
     assert measured == [(0, s) for s in first] + [(1, s) for s in order] + [(2, s) for s in order]
+
+
+def test_an_engine_that_casts_is_asked_for_buckets_it_may_cast() -> None:
+    """An engine that says it casts what it loads (casts_weights) gets buckets asked for with
+    engine_casts, so the trainer may hand its master-dtype shards; others never do."""
+    machine, _, log = _machine(WakeUp.STAGED)
+    machine.run_iteration(0)
+    assert "gather" in log
+    machine, _, log = _machine(WakeUp.STAGED)
+    machine.engine.casts_weights = True  # type: ignore[attr-defined]
+    machine.run_iteration(0)
+    assert "gather for an engine that casts" in log and "gather" not in log
 
 
 def test_staged_order_is_the_canonical_stage_order() -> None:

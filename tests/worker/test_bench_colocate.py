@@ -355,24 +355,27 @@ def test_checkpoint_every_saves_each_trained_iteration_and_reports_its_share(
 def test_bucket_mb_sets_the_weight_sync_bucket_and_the_plan_counts_it() -> None:
     """--bucket-mb reaches spec.rollout.weightSyncBucketMegabytes (the next lease's sweep of
     the direct hand-off's bucket count), and the plan's weight-sync stage grows with it (two
-    buckets of full tensors at a time), while the spec's default stays 512."""
+    buckets of full tensors at a time) on two ranks, while the spec's default stays 512. On one
+    rank the sync hands the trainer's own buffer (rljob.plan.sync_as_stored): no bucket, and the
+    size changes nothing."""
     colocate = _colocate_module()
     workload = colocate.WORKLOADS["small"]
     shape = {**colocate._QWEN25_COMMON, **colocate.QWEN25["qwen2.5-3b"]}
 
-    def wake_weights_peak(bucket_mb: int | None) -> tuple[int, int]:
+    def wake_weights_peak(bucket_mb: int | None, ranks: int = 2) -> tuple[int, int]:
         a = argparse.Namespace(
             model="qwen2.5-3b", smoke=False, group_size=workload.group_size, kl_coef=0.001,
             iterations=2, prompts=workload.prompts, response_length=workload.response_length,
             engine="sglang", tp=1, micro_batch_size=workload.micro_batch_size,
-            gradient_checkpointing=workload.gradient_checkpointing, ranks=1, offload="Always",
-            bucket_mb=bucket_mb,
+            gradient_checkpointing=workload.gradient_checkpointing, ranks=ranks,
+            offload="Always", bucket_mb=bucket_mb,
         )  # fmt: skip
         spec = colocate.make_spec(a, "/m", "staged", 0.9, "Off")
-        plan = plan_for_point(spec, shape, 150_119_079_936, 1)
+        plan = plan_for_point(spec, shape, 150_119_079_936, ranks)
         (stage,) = [s for s in plan.stages if s.stage == "wake_weights"]
         return spec.rollout.weight_sync_bucket_megabytes, stage.peak_bytes
 
     default, large = wake_weights_peak(None), wake_weights_peak(2048)
     assert default[0] == 512 and large[0] == 2048
     assert large[1] > default[1]
+    assert wake_weights_peak(None, ranks=1)[1] == wake_weights_peak(2048, ranks=1)[1]

@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.model_cache import fresh_model_cache
+from support.model_cache import fresh_model_cache, tiny_spec
 from support.ranks import gloo_rank, run_ranks
-
-from rljob.api import RLJobSpec, parse_manifest
 
 pytestmark = pytest.mark.worker
 
@@ -27,23 +25,6 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
     yield from fresh_model_cache(tmp_path_factory)
-
-
-def _spec(dtype: str = "float32") -> RLJobSpec:
-    doc = {
-        "apiVersion": "rljob.dev/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": "load"},
-        "spec": {
-            "model": {"path": "builtin:tiny-qwen2", "dtype": dtype},
-            "algorithm": {"name": "grpo", "groupSize": 2, "iterations": 2, "klCoef": 0.05},
-            "data": {"source": "builtin:digit", "trainBatchSize": 4, "maxResponseLength": 3},
-            "rollout": {"engine": "torch"},
-            "training": {"microBatchSize": 2},
-            "resources": {"workers": 1, "gpusPerWorker": 0},
-        },
-    }
-    return parse_manifest(doc)[1]
 
 
 def _local(tensor: Any) -> Any:
@@ -59,7 +40,7 @@ def _rank_main(rank: int, init_method: str, world: int, sharded_dir: str, result
     from torch.utils._pytree import tree_flatten
 
     from rljob_worker.model import load_causal_lm, resolve_model_path
-    from rljob_worker.train import Trainer, _shard
+    from rljob_worker.train import Trainer, _shard, flat_chunk_elements
 
     class Fp32Shapes(TorchDispatchMode):
         """Shapes of every plain (not DTensor, not meta) fp32 tensor an op allocates: views
@@ -94,7 +75,7 @@ def _rank_main(rank: int, init_method: str, world: int, sharded_dir: str, result
     os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
     with gloo_rank(rank, world, init_method, results) as out:
         cpu = torch.device("cpu")
-        spec = _spec()
+        spec = tiny_spec()
         # The builtin model (one fp32 file): the new path against from_pretrained's, bit for bit.
         path = resolve_model_path("builtin:tiny-qwen2")
         trainer = Trainer(spec, path, cpu, pad_id=0)
@@ -134,7 +115,14 @@ def _rank_main(rank: int, init_method: str, world: int, sharded_dir: str, result
         out["whole_allocated"] = whole_params_allocated(seen.shapes, from_index.model)
         out["whole_allocated_old"] = whole_params_allocated(seen_old.shapes, old_index)
         local_sizes = [_local(p).numel() for p in from_index.model.parameters()]
-        out["largest_fp32_allocated"] = max(int(torch.Size(s).numel()) for s in seen.shapes)
+        # The policy's shards share one buffer (sharded_load.to_empty_flat): this rank's padded
+        # rows of every parameter, a 1-D allocation of their sum; nothing else above a shard.
+        flat = sum(flat_chunk_elements(p.shape, world) for p in from_index.model.parameters())
+        out["flat_allocated"] = (flat,) in seen.shapes
+        out["flat_share"] = flat / sum(p.numel() for p in from_index.model.parameters())
+        out["largest_fp32_allocated"] = max(
+            int(torch.Size(s).numel()) for s in seen.shapes if s != (flat,)
+        )
         out["largest_local"] = max(local_sizes)
         out["largest_full"] = max(p.numel() for p in from_index.model.parameters())
         out["slice_bytes"] = from_index.load_slice_bytes
@@ -180,6 +168,8 @@ def test_no_rank_holds_a_whole_fp32_parameter_and_shards_equal_from_pretrained(
         assert out["whole_allocated_old"] == out["checked"], "the control: the old path does"
         assert out["whole_allocated"] == [], out["whole_allocated"]
         assert out["largest_fp32_allocated"] <= out["largest_local"] < out["largest_full"]
+        # The one buffer is this rank's share (padding rows aside), not a whole model.
+        assert out["flat_allocated"] and out["flat_share"] < 1 / WORLD + 0.01, out["flat_share"]
         # One slice at a time: the embedding's half, as stored (bf16).
         assert out["slice_bytes"] == out["largest_local"] * 2
         for check in (

@@ -462,7 +462,9 @@ def run_rank(
     def check_weights(_iteration: int, bucket: Bucket) -> None:
         held = dict(engine.named_weights())  # type: ignore[attr-defined]
         for name, tensor in bucket:
-            checks[name] = (tensor_digest(tensor), tensor_digest(held[name]))
+            # A bucket in the master dtype (an engine that casts): compared as the engine cast it.
+            sent = tensor if tensor.dtype == held[name].dtype else tensor.to(held[name].dtype)
+            checks[name] = (tensor_digest(sent), tensor_digest(held[name]))
 
     context = getattr(trainer.model.config, "max_position_embeddings", None)
     rollout = (

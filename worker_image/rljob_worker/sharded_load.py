@@ -11,13 +11,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+log = logging.getLogger(__name__)
 
 
 def chunk_rows(rows: int, world: int) -> int:
@@ -67,6 +71,109 @@ def build_on_meta(path: Path | str, dtype: torch.dtype) -> torch.nn.Module:
     model.eval()
     module: torch.nn.Module = model
     return module
+
+
+def _fsdp_params(model: torch.nn.Module) -> list[Any]:
+    """FSDP2's FSDPParam of every parameter it manages in `model` (its private bookkeeping:
+    `_fsdp_param_groups` from torch 2.14, one `_fsdp_param_group` in 2.11)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found: list[Any] = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = state._fsdp_param_group
+                groups = [group] if group is not None else []
+            for group in groups:
+                found.extend(group.fsdp_params)
+    return found
+
+
+def to_empty_flat(model: torch.nn.Module, device: torch.device) -> torch.Tensor | None:
+    """model.to_empty(device=device), every FSDP2 shard a view of one zeroed buffer: the
+    shards back to back in parameter order, each padded to its full dim-0 chunk as FSDP2 pads
+    it (train.flat_chunk_elements), which is also the layout of the weight sync's send buffer.
+    So the sync's cast of a bucket is one copy, and on one rank the buffer is the bucket itself
+    (train.gather_full). Returns the buffer; None (nothing done) where the model is not all
+    Shard(0) DTensors of one dtype, or FSDP2's bookkeeping is not where this reads it.
+
+    FSDP2 keeps each shard twice: the DTensor parameter's local tensor (the rank's rows) and
+    FSDPParam._sharded_param_data (those rows padded, flat); both are pointed here. The padded
+    views are set first, so when to_empty's own pass (nn.Module._apply) makes the parameters,
+    FSDP2's re-padding of a short shard (reset_sharded_param) finds its rows already in the
+    padded view's storage and allocates nothing (without that, every short shard's padded copy
+    would be alive at once: up to a second rank's worth of params at load). The views are
+    checked, and put back where FSDP2 moved one, after it."""
+    params = list(model.parameters())  # each once, in named_parameters order
+    if not params or not all(
+        isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),) and p.dim() > 0
+        for p in params
+    ):
+        return None
+    if len({p.dtype for p in params}) != 1:
+        return None
+    try:
+        managed = {id(fp.sharded_param): fp for fp in _fsdp_params(model)}
+    except AttributeError as error:
+        log.warning("FSDP2's params are not where this torch kept them (%s): shards apart", error)
+        return None
+    if set(managed) != {id(p) for p in params}:
+        return None
+    first = params[0]
+    assert isinstance(first, DTensor)
+    mesh = first.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = [chunk_rows(p.shape[0], world) for p in params]
+    sizes = [r * p.shape[1:].numel() for r, p in zip(rows, params, strict=True)]
+    buffer = torch.zeros(sum(sizes), dtype=params[0].dtype, device=device)
+    padded = {
+        id(p): piece.view(r, *p.shape[1:])
+        for p, piece, r in zip(params, buffer.split(sizes), rows, strict=True)
+    }
+
+    def empty(tensor: torch.Tensor) -> torch.Tensor:
+        chunk = padded.get(id(tensor))
+        if chunk is None:  # buffers
+            return torch.empty_like(tensor, device=device)
+        assert isinstance(tensor, DTensor)
+        local = chunk.narrow(0, 0, row_chunk(tensor.shape[0], world, rank)[1])
+        return DTensor.from_local(
+            local,
+            tensor.device_mesh,
+            tensor.placements,
+            run_check=False,
+            shape=tensor.shape,
+            stride=tensor.stride(),
+        )
+
+    for key, fsdp_param in managed.items():
+        fsdp_param._sharded_param_data = padded[key].view(-1)
+    model._apply(empty)
+    # Where FSDP2 re-padded a short shard into a new tensor after all (another torch), or gave
+    # up its view, point its shard and padded rows at the buffer again.
+    for key, fsdp_param in managed.items():
+        chunk = padded[key]
+        local = fsdp_param.sharded_param._local_tensor
+        if local.data_ptr() != chunk.data_ptr():
+            fsdp_param.sharded_param._local_tensor = chunk.narrow(0, 0, local.shape[0])
+        fsdp_param._sharded_param_data = chunk.view(-1)
+    return buffer
+
+
+def flat_shards(model: torch.nn.Module) -> torch.UntypedStorage | None:
+    """The one storage behind every local shard of `model` (to_empty_flat's), if they still
+    share one; else None."""
+    storages = {
+        (p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr()  # type: ignore[attr-defined]
+        for p in model.parameters()
+    }
+    if len(storages) != 1:
+        return None
+    first = next(iter(model.parameters()))
+    local = first._local_tensor if isinstance(first, DTensor) else first  # type: ignore[attr-defined]
+    return local.untyped_storage()
 
 
 def _with_fixed_buffers(model: torch.nn.Module) -> list[str]:
@@ -194,16 +301,20 @@ def load_sharded(
     device: torch.device,
     shard: Callable[[torch.nn.Module], None],
     prepare: Callable[[torch.nn.Module], None] | None = None,
+    *,
+    flat: bool = False,
 ) -> tuple[torch.nn.Module, int]:
     """The model of `path` in `dtype`, sharded by `shard` (FSDP2's fully_shard) while on meta,
     then given this rank's storage on `device` and filled from the safetensors files.
-    `prepare` runs on the meta model before sharding (gradient checkpointing). Returns the
-    model and the largest slice read (bytes)."""
+    `prepare` runs on the meta model before sharding (gradient checkpointing); `flat`: every
+    shard a view of one buffer (to_empty_flat). Returns the model and the largest slice read
+    (bytes)."""
     model = build_on_meta(path, dtype)
     if prepare is not None:
         prepare(model)
     shard(model)
-    model.to_empty(device=device)
+    if not flat or to_empty_flat(model, device) is None:
+        model.to_empty(device=device)
     rebuild_buffers(model, device)
     largest = fill_shards(model, path)
     return model, largest

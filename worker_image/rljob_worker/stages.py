@@ -99,7 +99,9 @@ class TrainerLike(Protocol):
     def load_optimizer(self) -> None: ...
     def offload_params(self) -> None: ...
     def load_params(self) -> None: ...
-    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[Bucket]: ...
+    def weight_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype, *, engine_casts: bool = False
+    ) -> Iterator[Bucket]: ...
 
 
 @dataclass
@@ -269,7 +271,12 @@ class StageMachine:
         # weights: the one handed over and the next, whose gather runs meanwhile
         # (Trainer.weight_buckets). No device synchronize here: a bucket arrives with its own
         # kernels done, and waiting for the next one's would serialize the two again.
-        buckets = iter(self.trainer.weight_buckets(self.bucket_bytes, self.engine_dtype))
+        # An engine that casts what it loads (casts_weights) may be handed the trainer's own
+        # fp32 shards where they need no gather (one rank): no cast on this side, no buffer.
+        casts = bool(getattr(self.engine, "casts_weights", False))
+        buckets = iter(
+            self.trainer.weight_buckets(self.bucket_bytes, self.engine_dtype, engine_casts=casts)
+        )
         while True:
             waited = time.time()  # the spans are for bench/sync_trip.py (TIMINGS_ENV)
             bucket = next(buckets, None)

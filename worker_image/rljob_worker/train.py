@@ -8,6 +8,7 @@ and CPU on the stage machine's request, and gathers full tensors bucket by bucke
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from rljob.api import RLJobSpec
 
 # The weight sync's buckets are planned where the memory plan sizes them (one function).
+from rljob.plan import FLAT_SHARDS_ENV as _PLAN_FLAT_SHARDS_ENV
 from rljob.plan import plan_buckets as plan_buckets
 from rljob_worker.model import torch_dtype
 
@@ -51,6 +53,16 @@ from rljob_worker.weight_sync import (
 NamedTensors = list[tuple[str, torch.Tensor]]
 # A weight-sync bucket as gather_full gives it: a list, or a GatheredBucket with its layout.
 Bucket = Sequence[tuple[str, torch.Tensor]]
+
+
+# The policy's shards are laid out in one buffer (sharded_load.to_empty_flat) unless
+# RLJOB_FLAT_SHARDS=0 (a bench's before, or a model this layout does not suit); the memory plan
+# reads the same name (rljob.plan.sync_as_stored).
+FLAT_SHARDS_ENV = _PLAN_FLAT_SHARDS_ENV
+
+
+def flat_shards_enabled() -> bool:
+    return os.environ.get(FLAT_SHARDS_ENV, "").strip() != "0"
 
 
 def flat_chunk_elements(shape: torch.Size, world: int) -> int:
@@ -221,6 +233,12 @@ class SendPlan:
     # chunks' copies into the output, are launched (weight_sync.copy_pairs).
     copies: CopySplit
     unpack: CopySplit
+    # Where the shards lie back to back in one storage exactly as the send buffer holds them
+    # (sharded_load.to_empty_flat's layout): that range of the storage, in the shards' dtype,
+    # and the cast into the send buffer is one copy of it. On one rank, the bucket's entries
+    # in that storage as it is (byte offsets from its start, the shards' dtype) too.
+    flat_source: torch.Tensor | None = None
+    source_entries: tuple[FlatEntry, ...] | None = None
 
     def holds(self, params: Sequence[torch.Tensor]) -> bool:
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
@@ -251,9 +269,11 @@ def _gather_planned(
     params: Sequence[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
     plans: dict[tuple[str, ...], SendPlan],
+    as_stored: bool = False,
 ) -> GatheredBucket | None:
     """gather_full through the bucket's SendPlan (made on first use); None where the bucket is
-    not all Shard(0) DTensors with contiguous shards (gather_full's general path then)."""
+    not all Shard(0) DTensors with contiguous shards (gather_full's general path then), or,
+    `as_stored`, where it cannot be handed as stored (source_bucket)."""
     key = tuple(name for name, _ in params)
     tensors = [tensor for _, tensor in params]
     plan = plans.get(key)
@@ -262,10 +282,17 @@ def _gather_planned(
         if made is None:
             return None
         plans[key] = plan = made
+    if as_stored:
+        return _as_stored(key, plan)
     send = torch.empty(sum(plan.split), dtype=dtype, device=plan.sources[0].device)
-    pieces = send.split(plan.split)
-    slots = [pieces[i] for i in plan.picks] if len(plan.picks) != len(pieces) else list(pieces)
-    copy_pairs(slots, plan.sources, plan.copies)
+    if plan.flat_source is not None:
+        send.copy_(plan.flat_source)  # the shards' own layout: one copy (the padding too)
+        pieces = send.split(plan.split)
+        slots = [pieces[i] for i in plan.picks]
+    else:
+        pieces = send.split(plan.split)
+        slots = [pieces[i] for i in plan.picks] if len(plan.picks) != len(pieces) else list(pieces)
+        copy_pairs(slots, plan.sources, plan.copies)
     if plan.world == 1:
         out = send
 
@@ -282,6 +309,60 @@ def _gather_planned(
 
     flat = FlatBucket(byte_view(out.untyped_storage(), plan.entries[-1].end), plan.entries, False)
     return GatheredBucket(key, views, flat)
+
+
+def _as_stored(key: tuple[str, ...], plan: SendPlan) -> GatheredBucket | None:
+    """The bucket as the trainer stores it (one rank, the shards back to back in one storage):
+    that storage's bytes and where each tensor lies in them, in the shards' dtype; no copy."""
+    if plan.source_entries is None:
+        return None
+    source = plan.flat_source
+    assert source is not None
+    storage = source.untyped_storage()
+    shapes = plan.shapes
+
+    def views() -> list[torch.Tensor]:
+        return [
+            source.narrow(0, piece_start, shape.numel()).view(shape)
+            for piece_start, shape in zip(_starts(plan.split, plan.picks), shapes, strict=True)
+        ]
+
+    end = plan.source_entries[-1].end
+    flat = FlatBucket(byte_view(storage, end), plan.source_entries, False)
+    return GatheredBucket(key, views, flat)
+
+
+def _starts(split: Sequence[int], picks: Sequence[int]) -> list[int]:
+    """Where each picked piece of `split` begins (elements)."""
+    starts, at = [], 0
+    for size in split:
+        starts.append(at)
+        at += size
+    return [starts[i] for i in picks]
+
+
+def _flat_source(
+    locals_: Sequence[torch.Tensor], split: Sequence[int], picks: Sequence[int]
+) -> torch.Tensor | None:
+    """The range of the shards' one storage that holds them exactly as `split` lays out the
+    send buffer (each shard at its piece, the padding pieces between), in their dtype; None
+    where they are not laid out so (the general per-shard copies then)."""
+    if not locals_ or len({t.dtype for t in locals_}) != 1:
+        return None
+    storage = locals_[0].untyped_storage()
+    pointer = storage.data_ptr()
+    if any(t.untyped_storage().data_ptr() != pointer for t in locals_):
+        return None
+    base = int(locals_[0].storage_offset())
+    for local, start in zip(locals_, _starts(split, picks), strict=True):
+        if int(local.storage_offset()) != base + start:
+            return None
+    total = sum(split)
+    if (base + total) * locals_[0].element_size() > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=locals_[0].dtype, device=locals_[0].device).set_(
+        storage, base, (total,), (1,)
+    )
 
 
 def _make_plan(
@@ -310,6 +391,21 @@ def _make_plan(
     for name, shape, chunk in zip(names, shapes, chunks, strict=True):
         entries.append(FlatEntry(name, shape, dtype, start, start + shape.numel() * size))
         start += world * chunk * size  # one rank: the chunk is the tensor
+    flat_source = _flat_source(locals_, split, picks)
+    source_entries = None
+    if flat_source is not None and world == 1:
+        unit = flat_source.element_size()
+        base = int(flat_source.storage_offset())
+        source_entries = tuple(
+            FlatEntry(
+                name,
+                shape,
+                flat_source.dtype,
+                (base + at) * unit,
+                (base + at + shape.numel()) * unit,
+            )
+            for name, shape, at in zip(names, shapes, _starts(split, picks), strict=True)
+        )
     return SendPlan(
         params=params,
         locals_=locals_,
@@ -324,6 +420,8 @@ def _make_plan(
         layouts=[_layout(local) for local in locals_],
         copies=split_copies([local.numel() * size for local in locals_]),
         unpack=split_copies([world * chunk * size for chunk in chunks]),
+        flat_source=flat_source,
+        source_entries=source_entries,
     )
 
 
@@ -518,7 +616,11 @@ class Trainer:
         # FSDP casts to the spec's dtype for compute.
         shard = lambda model: _shard(model, self.mesh, self.compute_dtype)  # noqa: E731
         prepare = _enable_checkpointing if spec.training.gradient_checkpointing else None
-        self.model, slice_bytes = load_sharded(model_path, torch.float32, device, shard, prepare)
+        # The policy's shards in one buffer (sharded_load.to_empty_flat): the weight sync casts a
+        # bucket in one copy, and on one rank hands the buffer itself to an engine that casts.
+        self.model, slice_bytes = load_sharded(
+            model_path, torch.float32, device, shard, prepare, flat=flat_shards_enabled()
+        )
         self.reference: torch.nn.Module | None = None
         if spec.algorithm.kl_coef > 0:
             # Frozen, so in the engine's dtype: what its forward computed in anyway (the
@@ -650,8 +752,16 @@ class Trainer:
 
     # -- weight sync -------------------------------------------------------------------------
 
-    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[Bucket]:
-        """Full (unsharded) tensors in the engine's dtype, one bucket at a time.
+    def weight_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype, *, engine_casts: bool = False
+    ) -> Iterator[Bucket]:
+        """Full (unsharded) tensors in the engine's dtype (or, `engine_casts`, the master
+        dtype where that needs no copy), one bucket at a time.
+
+        `engine_casts`: the engine casts what it loads into its own dtype (casts_weights). On one
+        rank with the shards in one buffer (sharded_load.to_empty_flat) the whole model is then
+        one bucket of that buffer as it is, in the master dtype: no cast here, no send buffer,
+        the engine's load the one copy (docs/weight-sync.md). Otherwise, as below.
 
         Bucket N+1's gather is issued before bucket N is yielded (weight_sync.prefetched), so
         its kernels run while the caller hands bucket N to the engine. At most two buckets of
@@ -662,10 +772,15 @@ class Trainer:
         same bucket in the same order.
         """
         params = dict(self.model.named_parameters())
+        plans = self._send_plans
+        if engine_casts and self.mesh.size() == 1:
+            with torch.no_grad():
+                whole = _gather_planned(list(params.items()), dtype, plans, as_stored=True)
+            if whole is not None:
+                yield from prefetched([lambda: whole], overlap_enabled())
+                return
         element = dtype.itemsize
         sizes = [(name, p.numel() * element) for name, p in params.items()]
-
-        plans = self._send_plans
 
         def gather(names: list[str]) -> Callable[[], Bucket]:
             # No detach: gather_full runs without autograd (a DTensor's detach is ~30 us each).

@@ -130,6 +130,25 @@ def flatten(named: Sequence[tuple[str, torch.Tensor]]) -> FlatBucket:
     return FlatBucket(buffer, tuple(entries_list), packed=True)
 
 
+def ipc_alias(buffer: torch.Tensor) -> torch.Tensor:
+    """`buffer` as a tensor of its own storage object over the same memory (DLPack), for
+    sending to another process by CUDA IPC.
+
+    Sending a CUDA tensor wraps its storage's memory in torch's IPC reference count (the
+    storage's data pointer is replaced by one that outlives the receiver's use): done to a
+    storage the trainer keeps (the policy's shards, handed as they are by
+    Trainer.weight_buckets), every sync would wrap it once more. The alias takes the wrapping
+    and is dropped with the request; the memory stays the trainer's.
+
+    So torch's reference count no longer keeps the memory alive for the receiver: the
+    receiver must be done with it when its request is answered. rljob's loader is
+    (sglang_direct.load synchronizes its stream before returning, and sglang's scheduler
+    answers after every TP rank loaded); use the alias for no receiver that reads later."""
+    if buffer.device.type != "cuda":
+        return buffer
+    return torch.from_dlpack(buffer)
+
+
 def sglang_flattened_bucket(bucket: FlatBucket, metadata_class: Callable[..., Any]) -> dict:
     """The object sglang's scheduler unpickles for `load_format="flattened_bucket"`
     (weight_updater._update_weights_from_flattened_bucket, 0.5.17 and 0.5.23 alike): the buffer

@@ -219,7 +219,7 @@ class _BucketPlan:
     a sync then builds no per-tensor view in Python, only one split, and launches the copies
     as `copies` says (weight_sync.copy_pairs: a copy_ for each large one, one foreach for the rest).
     `slow` are the entries that take copy_into's per-tensor views (a column slice at TP > 1, a
-    cast, a tensor the rules do not place, sources that alias); `guards` hold the address of
+    dtype no flat copy takes, a tensor the rules do not place, sources that alias); `guards` hold the address of
     each parameter the flat copies write when planned, so one given new storage since makes a
     new plan."""
 
@@ -355,11 +355,18 @@ def _same_layout(dest: torch.Tensor, source: torch.Tensor) -> bool:
     return dest.dtype == source.dtype and dest.stride() == source.stride()
 
 
+def _takes(dest: torch.dtype, source: torch.dtype) -> bool:
+    """Whether a flat copy may write `source` elements into a `dest` parameter: the same
+    dtype, or floating point into floating point (the copy casts: a bucket of the trainer's
+    fp32 shards into bf16 weights, Trainer.weight_buckets' engine_casts)."""
+    return dest == source or (dest.is_floating_point and source.is_floating_point)
+
+
 def _plan_bucket(targets: _Targets, name: str) -> _BucketPlan:
     """The plan of one bucket layout (see _BucketPlan): each copy whose source is one byte
-    range of the buffer and whose destination is contiguous, of the same dtype, is a flat
-    pair; every other entry is slow. Raises as copy_into would (a part that does not fit, an
-    unplaced tensor under STRICT_ENV)."""
+    range of the buffer and whose destination is contiguous, of the same dtype or a floating
+    one that the copy casts into, is a flat pair; every other entry is slow. Raises as
+    copy_into would (a part that does not fit, an unplaced tensor under STRICT_ENV)."""
     import torch
 
     # (byte start, byte end, dtype, destination's flat view, its parameter, the entry)
@@ -372,7 +379,7 @@ def _plan_bucket(targets: _Targets, name: str) -> _BucketPlan:
         meta = torch.empty(shape, dtype=dtype, device="meta")
         pairs = [] if plan is None else [_pair(targets, tensor_name, meta, c) for c in plan]
         flat = plan is not None and all(
-            dest.is_contiguous() and source.is_contiguous() and dest.dtype == dtype
+            dest.is_contiguous() and source.is_contiguous() and _takes(dest.dtype, dtype)
             for dest, source in pairs
         )
         if not flat:
@@ -423,7 +430,8 @@ def _plan_bucket(targets: _Targets, name: str) -> _BucketPlan:
         dests=[f[3] for f in fast],
         guards=[(p, p.data_ptr()) for p in written.values()],
         slow=[entries[i] for i in slow],
-        copies=split_copies([f[1] - f[0] for f in fast]),
+        # By the destination's bytes, as the trainer's copies are: a cast's source is larger.
+        copies=split_copies([f[3].numel() * f[3].element_size() for f in fast]),
     )
 
 

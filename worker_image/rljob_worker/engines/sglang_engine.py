@@ -86,6 +86,7 @@ from rljob_worker.engines.sglang_weights import (
 from rljob_worker.weight_sync import (
     GatheredBucket,
     flatten,
+    ipc_alias,
     record_span,
     sglang_flattened_bucket,
 )
@@ -551,6 +552,13 @@ class SGLangEngine(ColocatedEngine):
         return self._handoff is not None and self._handoff.flattened_metadata is not None
 
     @property
+    def casts_weights(self) -> bool:
+        """Whether a bucket may come in another dtype than the engine's: rljob's loader in the
+        schedulers copies it into the weights, which casts (sglang_direct.py); sglang's own
+        loaders are handed the engine's dtype."""
+        return self._direct
+
+    @property
     def direct_buckets(self) -> bool:
         """Whether buckets go to rljob's loader in the schedulers (sglang_direct.py)."""
         return self._direct
@@ -570,6 +578,10 @@ class SGLangEngine(ColocatedEngine):
         scheduler opens the same handle); otherwise a value is a tensor (every TP rank's
         scheduler opens it by CUDA IPC) or, from a TensorParallelEngine, a
         TensorHandoff.local_tensor holding one handle per TP rank, each on that rank's GPU.
+        On the direct path a bucket may be in another floating dtype than the engine's (the
+        trainer's fp32 buffer, casts_weights): rljob's loader casts as it copies; a tensor its
+        rules do not place goes to the model's load_weights in that dtype (sglang's own loaders
+        copy_, which casts).
         """
         # A GatheredBucket keeps its worked-out layout for flatten(); any other iterable is
         # listed once.
@@ -581,7 +593,7 @@ class SGLangEngine(ColocatedEngine):
         )
         if self._direct and tensors:
             flat = flatten(named_tensors)
-            self.update_weights_direct(payload_name(flat), flat.buffer)
+            self.update_weights_direct(payload_name(flat), ipc_alias(flat.buffer))
             return
         if self.flattened_buckets and tensors:
             payload = self.flat_payload(named_tensors)

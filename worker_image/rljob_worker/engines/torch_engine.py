@@ -93,6 +93,10 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 class TorchEngine(ColocatedEngine):
     """A RolloutEngine on one device (see module doc for release and sizing semantics)."""
 
+    # update_weights copies each tensor into its weight, casting to the weight's dtype: the
+    # stage may hand it the trainer's master-dtype shards (Trainer.weight_buckets).
+    casts_weights = True
+
     def __init__(
         self,
         model_path: str | Path,
