@@ -12,6 +12,9 @@ bucket holds, several syncs in a row:
 - `launch` / `gpu`: gather_full called directly: host time to its return, then the GPU time of
   its kernels (CUDA events around the call).
 
+`--engine-casts`: the sync an engine that casts gets on one rank (the policy's own fp32 buffer
+as one bucket, no cast: docs/weight-sync.md); `launch` is then the as-stored path's host time.
+
 With `--sampler-ms N` the memory meter's sampler thread (memory._Sampler: mem_get_info every
 N ms, as every stage runs it) polls meanwhile, so its share shows. One GPU, torch only.
 
@@ -55,10 +58,15 @@ def _spec(model: Path, bucket_mb: int) -> Any:
 
 
 def probe(
-    trainer: Any, bucket_bytes: int, syncs: int, idle: float, empty: bool
+    trainer: Any,
+    bucket_bytes: int,
+    syncs: int,
+    idle: float,
+    empty: bool,
+    engine_casts: bool = False,
 ) -> list[dict[str, float]]:
     from rljob.plan import plan_buckets
-    from rljob_worker.train import gather_full
+    from rljob_worker.train import _gather_planned, gather_full
 
     dtype = torch.bfloat16
     cuda = trainer.device.type == "cuda"
@@ -70,7 +78,7 @@ def probe(
         if cuda and empty:
             torch.cuda.empty_cache()  # as the stage does before the engine's resume
         started = time.perf_counter()
-        buckets = trainer.weight_buckets(bucket_bytes, dtype)
+        buckets = trainer.weight_buckets(bucket_bytes, dtype, engine_casts=engine_casts)
         first = next(buckets)
         waited = time.perf_counter() - started
         del first
@@ -83,7 +91,8 @@ def probe(
         params = dict(trainer.model.named_parameters())
         named = time.perf_counter() - started
         sizes = [(name, p.numel() * dtype.itemsize) for name, p in params.items()]
-        names = plan_buckets(sizes, bucket_bytes)[0]
+        # engine_casts on one rank: the whole model, as stored (the first bucket otherwise).
+        names = list(params) if engine_casts else plan_buckets(sizes, bucket_bytes)[0]
         bucket = [(name, params[name]) for name in names]
         plan = trainer._send_plans.get(tuple(names))
         started = time.perf_counter()
@@ -95,7 +104,11 @@ def probe(
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
         started = time.perf_counter()
-        out = gather_full(bucket, dtype, trainer._send_plans)
+        out: Any = (
+            _gather_planned(bucket, dtype, trainer._send_plans, as_stored=True)
+            if engine_casts
+            else gather_full(bucket, dtype, trainer._send_plans)
+        )
         launch = time.perf_counter() - started
         gpu = 0.0
         if cuda:
@@ -132,6 +145,11 @@ def main() -> None:
         default=[0],
         help="1: torch.cuda.empty_cache() before each sync, as the stage does (each a run)",
     )
+    parser.add_argument(
+        "--engine-casts",
+        action="store_true",
+        help="the one-rank sync to an engine that casts: the trainer's buffer as it is",
+    )
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -162,7 +180,9 @@ def main() -> None:
         if interval > 0:
             sampler = _Sampler(_Probe(device), interval / 1e3)
             sampler.start()
-        rows = probe(trainer, args.bucket_mb << 20, args.syncs, idle / 1e3, bool(empty))
+        rows = probe(
+            trainer, args.bucket_mb << 20, args.syncs, idle / 1e3, bool(empty), args.engine_casts
+        )
         if sampler is not None:
             sampler.stop_event.set()
             sampler.join()

@@ -191,8 +191,10 @@ for step in "$@"; do
         --out "$out" > "$out/log" 2>&1
       tail -14 "$out/log" ;;
     gather-probe)
+      # ENGINE_CASTS=1: the one-rank sync to an engine that casts (the trainer's buffer as is).
+      casts=(); [[ ${ENGINE_CASTS:-0} == 1 ]] && casts=(--engine-casts)
       model qwen2.5-3b && python3 bench/gather_probe.py --model qwen2.5-3b --syncs 8 \
-        --sampler-ms 0 5 --empty-cache 0 1 --out "$out" > "$out/log" 2>&1
+        --sampler-ms 0 5 --empty-cache 0 1 "${casts[@]}" --out "$out" > "$out/log" 2>&1
       tail -5 "$out/log" ;;
     tool-runner)
       python3 bench/tool_runner.py --calls 64 256 --repeats 5 --out "$out/tool_runner" > "$out/log" 2>&1
