@@ -127,7 +127,7 @@ def to_empty_flat(model: torch.nn.Module, device: torch.device) -> torch.Tensor 
     world, rank = mesh.size(), mesh.get_local_rank()
     rows = [chunk_rows(p.shape[0], world) for p in params]
     sizes = [r * p.shape[1:].numel() for r, p in zip(rows, params, strict=True)]
-    buffer = torch.zeros(sum(sizes), dtype=params[0].dtype, device=device)
+    buffer = torch.zeros(sum(sizes), dtype=first.dtype, device=device)
     padded = {
         id(p): piece.view(r, *p.shape[1:])
         for p, piece, r in zip(params, buffer.split(sizes), rows, strict=True)
@@ -165,15 +165,11 @@ def to_empty_flat(model: torch.nn.Module, device: torch.device) -> torch.Tensor 
 def flat_shards(model: torch.nn.Module) -> torch.UntypedStorage | None:
     """The one storage behind every local shard of `model` (to_empty_flat's), if they still
     share one; else None."""
-    storages = {
-        (p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr()  # type: ignore[attr-defined]
+    storages = [
+        (p._local_tensor if isinstance(p, DTensor) else p).untyped_storage()  # type: ignore[attr-defined]
         for p in model.parameters()
-    }
-    if len(storages) != 1:
-        return None
-    first = next(iter(model.parameters()))
-    local = first._local_tensor if isinstance(first, DTensor) else first  # type: ignore[attr-defined]
-    return local.untyped_storage()
+    ]
+    return storages[0] if len({s.data_ptr() for s in storages}) == 1 else None
 
 
 def _with_fixed_buffers(model: torch.nn.Module) -> list[str]:

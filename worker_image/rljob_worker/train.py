@@ -7,6 +7,7 @@ and CPU on the stage machine's request, and gathers full tensors bucket by bucke
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from rljob.api import RLJobSpec
 
 # The weight sync's buckets are planned where the memory plan sizes them (one function).
-from rljob.plan import FLAT_SHARDS_ENV as _PLAN_FLAT_SHARDS_ENV
+from rljob.plan import FLAT_SHARDS_ENV as FLAT_SHARDS_ENV
 from rljob.plan import plan_buckets as plan_buckets
 from rljob_worker.model import torch_dtype
 
@@ -56,11 +57,8 @@ Bucket = Sequence[tuple[str, torch.Tensor]]
 
 
 # The policy's shards are laid out in one buffer (sharded_load.to_empty_flat) unless
-# RLJOB_FLAT_SHARDS=0 (a bench's before, or a model this layout does not suit); the memory plan
-# reads the same name (rljob.plan.sync_as_stored).
-FLAT_SHARDS_ENV = _PLAN_FLAT_SHARDS_ENV
-
-
+# RLJOB_FLAT_SHARDS=0 (a bench's before, or a model this layout does not suit); the name is the
+# memory plan's (rljob.plan.sync_as_stored reads it too).
 def flat_shards_enabled() -> bool:
     return os.environ.get(FLAT_SHARDS_ENV, "").strip() != "0"
 
@@ -285,13 +283,11 @@ def _gather_planned(
     if as_stored:
         return _as_stored(key, plan)
     send = torch.empty(sum(plan.split), dtype=dtype, device=plan.sources[0].device)
+    pieces = send.split(plan.split)
+    slots = [pieces[i] for i in plan.picks] if len(plan.picks) != len(pieces) else list(pieces)
     if plan.flat_source is not None:
         send.copy_(plan.flat_source)  # the shards' own layout: one copy (the padding too)
-        pieces = send.split(plan.split)
-        slots = [pieces[i] for i in plan.picks]
     else:
-        pieces = send.split(plan.split)
-        slots = [pieces[i] for i in plan.picks] if len(plan.picks) != len(pieces) else list(pieces)
         copy_pairs(slots, plan.sources, plan.copies)
     if plan.world == 1:
         out = send
@@ -316,37 +312,18 @@ def _as_stored(key: tuple[str, ...], plan: SendPlan) -> GatheredBucket | None:
     that storage's bytes and where each tensor lies in them, in the shards' dtype; no copy."""
     if plan.source_entries is None:
         return None
-    source = plan.flat_source
-    assert source is not None
-    storage = source.untyped_storage()
-    shapes = plan.shapes
-
-    def views() -> list[torch.Tensor]:
-        return [
-            source.narrow(0, piece_start, shape.numel()).view(shape)
-            for piece_start, shape in zip(_starts(plan.split, plan.picks), shapes, strict=True)
-        ]
-
-    end = plan.source_entries[-1].end
-    flat = FlatBucket(byte_view(storage, end), plan.source_entries, False)
-    return GatheredBucket(key, views, flat)
-
-
-def _starts(split: Sequence[int], picks: Sequence[int]) -> list[int]:
-    """Where each picked piece of `split` begins (elements)."""
-    starts, at = [], 0
-    for size in split:
-        starts.append(at)
-        at += size
-    return [starts[i] for i in picks]
+    assert plan.flat_source is not None
+    storage = plan.flat_source.untyped_storage()
+    flat = FlatBucket(byte_view(storage, plan.source_entries[-1].end), plan.source_entries, False)
+    return GatheredBucket(key, lambda: [tensor for _, tensor in flat.tensors()], flat)
 
 
 def _flat_source(
-    locals_: Sequence[torch.Tensor], split: Sequence[int], picks: Sequence[int]
+    locals_: Sequence[torch.Tensor], starts: Sequence[int], total: int
 ) -> torch.Tensor | None:
-    """The range of the shards' one storage that holds them exactly as `split` lays out the
-    send buffer (each shard at its piece, the padding pieces between), in their dtype; None
-    where they are not laid out so (the general per-shard copies then)."""
+    """The range of the shards' one storage that holds them exactly as the send buffer does
+    (each shard at its piece's start in `starts`, the padding between; `total` elements), in
+    their dtype; None where they are not laid out so (the general per-shard copies then)."""
     if not locals_ or len({t.dtype for t in locals_}) != 1:
         return None
     storage = locals_[0].untyped_storage()
@@ -354,10 +331,9 @@ def _flat_source(
     if any(t.untyped_storage().data_ptr() != pointer for t in locals_):
         return None
     base = int(locals_[0].storage_offset())
-    for local, start in zip(locals_, _starts(split, picks), strict=True):
+    for local, start in zip(locals_, starts, strict=True):
         if int(local.storage_offset()) != base + start:
             return None
-    total = sum(split)
     if (base + total) * locals_[0].element_size() > storage.nbytes():
         return None
     return torch.empty(0, dtype=locals_[0].dtype, device=locals_[0].device).set_(
@@ -391,7 +367,9 @@ def _make_plan(
     for name, shape, chunk in zip(names, shapes, chunks, strict=True):
         entries.append(FlatEntry(name, shape, dtype, start, start + shape.numel() * size))
         start += world * chunk * size  # one rank: the chunk is the tensor
-    flat_source = _flat_source(locals_, split, picks)
+    # Each shard's piece starts a whole chunk after the previous one's (its padding between).
+    starts = [0, *itertools.accumulate(chunks)][:-1]
+    flat_source = _flat_source(locals_, starts, sum(chunks))
     source_entries = None
     if flat_source is not None and world == 1:
         unit = flat_source.element_size()
@@ -404,7 +382,7 @@ def _make_plan(
                 (base + at) * unit,
                 (base + at + shape.numel()) * unit,
             )
-            for name, shape, at in zip(names, shapes, _starts(split, picks), strict=True)
+            for name, shape, at in zip(names, shapes, starts, strict=True)
         )
     return SendPlan(
         params=params,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rljob.plan import SGLANG_WEIGHT_SYNC_DEFAULT, SGLANG_WEIGHT_SYNC_ENV
 from rljob_worker.engines.sglang_contract import (
     SGLangContract,
     SGLangVersionError,
@@ -54,9 +55,10 @@ class TensorHandoff:
 # "auto" (flattened buckets where the installed sglang has them), or "flattened_bucket"
 # (required: an error where sglang lacks it). The flattened path gained nothing on an H100
 # (docs/weight-sync.md); bench/colocate.py --sync-path measures each.
-WEIGHT_SYNC_ENV = "RLJOB_SGLANG_WEIGHT_SYNC"
+# The name and default are the memory plan's (rljob.plan.sync_as_stored reads them too).
+WEIGHT_SYNC_ENV = SGLANG_WEIGHT_SYNC_ENV
 WEIGHT_SYNC_PATHS = ("auto", "tensors", "flattened_bucket", "direct")
-DEFAULT_WEIGHT_SYNC = "direct"
+DEFAULT_WEIGHT_SYNC = SGLANG_WEIGHT_SYNC_DEFAULT
 
 
 def weight_sync_choice() -> str:
