@@ -63,6 +63,7 @@ from colocate_report import (  # noqa: E402 (the report of the result measured h
     write_markdown,
     write_plot,
 )
+from spawned import free_port, run_spawned_ranks  # noqa: E402 (the probe's rank processes)
 
 from rljob.api import RLJobSpec, WakeUp  # noqa: E402
 from rljob.plan import plan_for_point, plan_line  # noqa: E402 (issue 19: the plan beside each point)
@@ -180,60 +181,30 @@ def measure_bandwidths(size_bytes: int = 2 * GiB) -> dict[str, float]:
     return figures
 
 
-def profile_weight_sync(model_name: str, repeats: int = 3, ranks: int = 1) -> dict[str, float]:
+def profile_weight_sync(
+    model_name: str, repeats: int = 3, ranks: int = 1, bucket_mb: int = 512
+) -> dict[str, float]:
     """Seconds of the weight-sync path by part, with the model's shapes sharded over `ranks` GPUs.
 
     fp32 shards into bf16 engine tensors: (a) per tensor, a DTensor cast, full_tensor and copy_
     (what Trainer.weight_buckets did before train.gather_full), (b) train.gather_full per
-    512 MiB bucket and the engine's copy_ (what it does now), (c) the rank's own shards without
-    DTensor (local cast-and-copy per tensor; with one rank, the same bytes as the engine's),
-    (d) one flat copy of all the engine bytes (the HBM floor) and, with more than one rank,
-    (e) the all-gathers alone, one per bucket, as gather_full sends them (NCCL between the GPUs).
+    `bucket_mb` MiB bucket (the run's --bucket-mb) and the engine's copy_ (what it does now),
+    (c) the rank's own shards without DTensor (local cast-and-copy per tensor; with one rank,
+    the same bytes as the engine's), (d) one flat copy of all the engine bytes (the HBM floor)
+    and, with more than one rank, (e) the all-gathers alone, one per bucket, as gather_full
+    sends them (NCCL between the GPUs).
     Median of `repeats` after a warm-up, as rank 0 saw them. One rank runs in this process; more
     run in their own processes on cuda:0..ranks-1, as the loop's ranks do.
     """
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
     if ranks == 1:
-        return _profile_rank(0, 1, init_method, model_name, repeats)
-    import multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    answers = context.Queue()
-    processes = [
-        context.Process(
-            target=_profile_rank_main,
-            args=(rank, ranks, init_method, model_name, repeats, answers),
-        )
-        for rank in range(ranks)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        answer = answers.get(timeout=300)
-    finally:
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.terminate()
-    if isinstance(answer, str):
-        raise RuntimeError(answer)
-    return dict(answer)
-
-
-def _profile_rank_main(
-    rank: int, world: int, init_method: str, model_name: str, repeats: int, answers: Any
-) -> None:
-    try:
-        figures = _profile_rank(rank, world, init_method, model_name, repeats)
-    except Exception as error:
-        answers.put(f"rank {rank}: {type(error).__name__}: {error}"[:500])
-        raise
-    if rank == 0:
-        answers.put(figures)
+        address = f"tcp://127.0.0.1:{free_port()}"
+        return _profile_rank(0, 1, address, model_name, repeats, bucket_mb)
+    work = (model_name, repeats, bucket_mb)
+    return dict(run_spawned_ranks(_profile_rank, ranks, work, 300))
 
 
 def _profile_rank(
-    rank: int, world: int, init_method: str, model_name: str, repeats: int
+    rank: int, world: int, init_method: str, model_name: str, repeats: int, bucket_mb: int
 ) -> dict[str, float]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -260,7 +231,7 @@ def _profile_rank(
             target.copy_(shard.to(torch.bfloat16).full_tensor())  # type: ignore[attr-defined]
 
     named = [(str(i), shard) for i, shard in enumerate(shards)]
-    buckets = plan_buckets([(n, t.numel() * 2) for n, t in named], 512 << 20)
+    buckets = plan_buckets([(n, t.numel() * 2) for n, t in named], bucket_mb << 20)
     by_name = dict(named)
     target_of = {str(i): t for i, t in enumerate(targets)}
 
@@ -316,14 +287,6 @@ def _profile_rank(
         figures["all_gather_bytes"] = float(sum(r.numel() * r.element_size() for r in receives))
     dist.destroy_process_group()
     return figures  # the tensors go with this frame; the caller empties the cache
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -840,13 +803,15 @@ def engine_alone(spec: RLJobSpec, ranks: int, device: str, point: dict[str, Any]
 # before issue 33); tensors: the same hand-off, the next gather overlapping it; flattened: one
 # buffer per bucket (sglang's flattened_bucket), overlapped; direct: one buffer per bucket that
 # rljob's loader in the schedulers copies into sglang's parameters (engines/sglang_direct.py),
-# overlapped. default: what the worker picks.
+# overlapped; direct-serial: the same, each bucket gathered after the last was loaded. default:
+# what the worker picks.
 SYNC_PATHS: dict[str, dict[str, str]] = {
     "default": {},
     "before": {"RLJOB_SGLANG_WEIGHT_SYNC": "tensors", "RLJOB_WEIGHT_SYNC_OVERLAP": "0"},
     "tensors": {"RLJOB_SGLANG_WEIGHT_SYNC": "tensors", "RLJOB_WEIGHT_SYNC_OVERLAP": "1"},
     "flattened": {"RLJOB_SGLANG_WEIGHT_SYNC": "flattened_bucket", "RLJOB_WEIGHT_SYNC_OVERLAP": "1"},
     "direct": {"RLJOB_SGLANG_WEIGHT_SYNC": "direct", "RLJOB_WEIGHT_SYNC_OVERLAP": "1"},
+    "direct-serial": {"RLJOB_SGLANG_WEIGHT_SYNC": "direct", "RLJOB_WEIGHT_SYNC_OVERLAP": "0"},
 }
 
 
@@ -885,9 +850,15 @@ def weight_sync_floor_bytes(model: dict[str, Any]) -> int:
 
 
 def stage_floors(point: dict[str, Any], model: dict[str, Any], bandwidths: dict[str, float],
-                 alone: dict[str, Any] | None) -> dict[str, dict[str, float | None]]:  # fmt: skip
+                 alone: dict[str, Any] | None,
+                 sync_profile: dict[str, Any] | None = None) -> dict[str, dict[str, float | None]]:  # fmt: skip
     """Each moving stage's seconds beside its floor (its bytes over the link's bandwidth measured
-    in the same run; the rollout's tokens over the same engine alone), and their ratio."""
+    in the same run; the rollout's tokens over the same engine alone), and their ratio.
+
+    With more than one rank and --profile-sync, also `weight_sync_with_link`: the sync against
+    the larger of its HBM floor and the all-gathers alone (profile_weight_sync, same run), as a
+    rank with an engine of its own must receive the other ranks' shards over the GPUs' link,
+    which the HBM floor does not count. Its bytes are what a rank receives."""
     if not bandwidths or not point["completed"]:
         return {}
     optimizer = model["optimizer_bytes"] if point.get("offload_optimizer", True) else 0
@@ -908,6 +879,17 @@ def stage_floors(point: dict[str, Any], model: dict[str, Any], bandwidths: dict[
         floor = moved / bandwidth if bandwidth else None
         floors[name] = {"seconds": measured, "bytes": float(moved), "floor_seconds": floor,
                         "ratio": measured / floor if measured and floor else None}  # fmt: skip
+    link = (sync_profile or {}).get("all_gather_seconds")
+    ranks = (sync_profile or {}).get("ranks") or 1
+    hbm = floors["weight_sync"]["floor_seconds"]
+    if link and hbm and ranks > 1:
+        measured = point.get("weight_sync_seconds")
+        floor = max(hbm, link)
+        received = sync_profile["all_gather_bytes"] * (ranks - 1) / ranks  # type: ignore[index]
+        floors["weight_sync_with_link"] = {
+            "seconds": measured, "bytes": float(received), "floor_seconds": floor,
+            "ratio": measured / floor if measured else None,
+        }  # fmt: skip
     same = alone and (alone.get("mode"), alone.get("fraction")) == (
         point["mode"],
         point["fraction"],
@@ -965,7 +947,7 @@ def finish(result: dict[str, Any], out: Path) -> None:
     }  # fmt: skip
     for point in points:
         point["floors"] = stage_floors(point, result["model"], result["bandwidths"],
-                                       result.get("alone"))  # fmt: skip
+                                       result.get("alone"), result.get("weight_sync_profile"))  # fmt: skip
     result["targets"] = evaluate_targets(result)
     out.mkdir(parents=True, exist_ok=True)
     (out / "colocate.json").write_text(json.dumps(result, indent=2))
@@ -1131,7 +1113,9 @@ def main(argv: list[str] | None = None) -> int:
     sync_profile: dict[str, Any] = {}
     if on_cuda and args.profile_sync:
         try:
-            sync_profile = profile_weight_sync(model_name, ranks=args.ranks)
+            sync_profile = profile_weight_sync(
+                model_name, ranks=args.ranks, bucket_mb=getattr(args, "bucket_mb", None) or 512
+            )
         except Exception as error:  # an auxiliary measurement: recorded, and the sweep goes on
             sync_profile = {"error": f"{type(error).__name__}: {error}"[:500]}
     if on_cuda:

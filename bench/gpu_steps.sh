@@ -52,6 +52,8 @@
 #                (an older tree's worker_image, carried) runs each size with it first; each
 #                size's sync is split into its parts (bench/sync_trip.py: mbN-trip.md)
 #   copy-kernels #33: bench/copy_kernels.py, the sync's two copies launched four ways (torch only)
+#   link-probe   #33: bench/link_probe.py, the all-gather and card-to-card copies alone
+#                (two cards, torch only), with NCCL's defaults and LINK_SETTINGS
 #   gather-probe #33: bench/gather_probe.py, the trainer's side of a 3B sync alone (torch only)
 #   realistic-7b #33/#30: 7B realistic over two cards with the async checkpoint (gpu_bg.sh;
 #                SYNC_PATH, ALONE=1)
@@ -190,6 +192,17 @@ for step in "$@"; do
       python3 bench/copy_kernels.py --repeats 10 --large-bytes 1048576 8388608 33554432 \
         --out "$out" > "$out/log" 2>&1
       tail -14 "$out/log" ;;
+    link-probe)
+      # #33: the link between the cards alone (bench/link_probe.py): the all-gather of 512 MiB,
+      # 4 GiB and 15 GiB receive buffers (a 7B bucket, the whole 7B model in bf16) over all
+      # visible cards, and the copy engines' card-to-card copy; once with NCCL's defaults and
+      # once per setting in LINK_SETTINGS (default: more channels; the simple protocol).
+      python3 bench/link_probe.py --ranks "$(nvidia-smi -L | wc -l)" --mb 512 4096 15360 \
+        --out "$out/default.json" 2>&1 | tee "$out/default.log"
+      for setting in ${LINK_SETTINGS:-NCCL_MIN_NCHANNELS=32 NCCL_PROTO=Simple}; do
+        env "$setting" python3 bench/link_probe.py --ranks "$(nvidia-smi -L | wc -l)" \
+          --mb 512 4096 15360 --out "$out/$setting.json" 2>&1 | tee "$out/$setting.log"
+      done ;;
     gather-probe)
       # ENGINE_CASTS=1: the one-rank sync to an engine that casts (the trainer's buffer as is).
       casts=(); [[ ${ENGINE_CASTS:-0} == 1 ]] && casts=(--engine-casts)
@@ -233,16 +246,22 @@ for step in "$@"; do
       # an older tree> runs each size with that tree's worker first (mbN-before), so a change
       # to the hand-off is measured before and after on one card. SYNC_MODEL, SYNC_RANKS and
       # SYNC_FRACTION: another shape (built by `models` first), FSDP over that many cards.
+      # Over more than one card the after tree's points also time the all-gathers alone
+      # (--profile-sync): the floor with the link (colocate.stage_floors).
+      # SYNC_PROFILE=0 skips that; SYNC_PATH another --sync-path (its name joins the tag).
       for tree in ${SYNC_BEFORE_TREE:+before} after; do
         for mb in ${BUCKETS_MB:-512 2048 8192}; do
-          tag=mb$mb path=$PYTHONPATH
-          [[ $tree == before ]] && tag=mb$mb-before path=$SYNC_BEFORE_TREE:$PYTHONPATH
+          sync_path=${SYNC_PATH:-direct} tag=mb$mb path=$PYTHONPATH profile=()
+          [[ $sync_path != direct ]] && tag=mb$mb-$sync_path
+          [[ $tree == after && ${SYNC_RANKS:-1} -gt 1 && ${SYNC_PROFILE:-1} == 1 ]] &&
+            profile=(--profile-sync)
+          [[ $tree == before ]] && tag=$tag-before path=$SYNC_BEFORE_TREE:$PYTHONPATH
           rm -f "$out/$tag-loader.jsonl"  # a rerun on a warm machine starts it anew
           PYTHONPATH=$path RLJOB_SGLANG_DIRECT_TIMINGS=$out/$tag-loader.jsonl \
             colocate --model "${SYNC_MODEL:-qwen2.5-3b}" --ranks "${SYNC_RANKS:-1}" --modes staged \
             --staged-fractions "${SYNC_FRACTION:-0.9}" --prompts 4 \
-            --sync-path direct --bucket-mb "$mb" --no-alone --deadline-seconds 420 \
-            --out "$out/$tag" > "$out/$tag.log" 2>&1
+            --sync-path "$sync_path" --bucket-mb "$mb" --no-alone --deadline-seconds 420 \
+            "${profile[@]}" --out "$out/$tag" > "$out/$tag.log" 2>&1
           echo "$tag: colocate exit $?"; grep -E "weight sync within|hand-off" "$out/$tag.log" | tail -3
           python3 -c "import json, statistics as s, sys; r = [json.loads(l) for l in open(sys.argv[1])]; \
 r = [x for x in r if x.get('call', 'loader') == 'loader']; \

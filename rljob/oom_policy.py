@@ -22,7 +22,17 @@ from rljob.api import (
     WakeUp,
     _quantity,
 )
-from rljob.plan import AutoRefused, GiB, ModePlan, auto_choice, is_auto, mode_plan, shape_for
+from rljob.plan import (
+    AUTO_BUCKET_FALLBACK_MEGABYTES,
+    AutoChoice,
+    AutoRefused,
+    GiB,
+    ModePlan,
+    auto_choice,
+    is_auto,
+    mode_plan,
+    shape_for,
+)
 from rljob.report import Stage
 
 REASON_RETRIES_EXHAUSTED = "OOMRetriesExhausted"
@@ -109,6 +119,8 @@ def knobs_text(knobs: AttemptKnobs) -> str:
         text += f", microBatchSize {knobs.micro_batch_size}"
     if knobs.gradient_checkpointing is not None:
         text += f", gradientCheckpointing {str(knobs.gradient_checkpointing).lower()}"
+    if knobs.weight_sync_bucket_megabytes is not None:
+        text += f", weightSyncBucketMegabytes {knobs.weight_sync_bucket_megabytes}"
     return text
 
 
@@ -129,6 +141,11 @@ def changed_text(before: AttemptKnobs, after: AttemptKnobs, spec: RLJobSpec) -> 
             str(new.training.gradient_checkpointing).lower(),
         ),
         ("memoryPlan.margin", old.memory_plan.margin, new.memory_plan.margin),
+        (
+            "rollout.weightSyncBucketMegabytes",
+            old.rollout.weight_sync_bucket_megabytes,
+            new.rollout.weight_sync_bucket_megabytes,
+        ),
     )
     return ", ".join(f"{name} {a} -> {b}" for name, a, b in pairs if a != b)
 
@@ -247,6 +264,11 @@ def next_attempt(
             "retries used",
         )
     training = outcome.stage in TRAINING_STAGES
+    # Under the bucket's Auto an engine-stage retry runs the smallest bucket Auto takes, fixed:
+    # the room a lower fraction or a raised margin frees never goes to a larger bucket.
+    fixed_bucket: dict[str, int] = {}
+    if not training and knobs.apply(spec).rollout.weight_sync_bucket_megabytes == AUTO:
+        fixed_bucket = {"weight_sync_bucket_megabytes": AUTO_BUCKET_FALLBACK_MEGABYTES}
     if knobs.mem_fraction_static == AUTO and not training:
         margin, why = _auto_retry(spec, knobs, outcome)
         if margin > AUTO_MAX_MARGIN:
@@ -257,7 +279,7 @@ def next_attempt(
                 f"{failed}; no knobs left: rollout Auto's margin would be {margin} (at most "
                 f"{AUTO_MAX_MARGIN}): {why}",
             )
-        candidate = knobs.model_copy(update={"margin": margin})
+        candidate = knobs.model_copy(update={"margin": margin, **fixed_bucket})
         return Decision(
             True,
             candidate,
@@ -267,6 +289,7 @@ def next_attempt(
             why,
         )
     candidates = _training_candidates(spec, knobs) if training else _engine_candidates(spec, knobs)
+    candidates = [c.model_copy(update=fixed_bucket) for c in candidates]
     for candidate in candidates:
         if training or fits(candidate) is not False:
             return Decision(
@@ -318,18 +341,18 @@ def plan_for_knobs(
         spec = knobs.apply(spec)
     if is_auto(spec):
         # What the driver will choose on a card of this size (AutoRefused: nothing fits).
-        return _auto_chosen(spec.model_dump_json(), capacity_bytes)
+        return _auto(spec.model_dump_json(), capacity_bytes).chosen
     return mode_plan(spec, shape, capacity_bytes)
 
 
 @functools.lru_cache(maxsize=256)
-def _auto_chosen(spec_json: str, capacity_bytes: int) -> ModePlan:
-    """auto_choice's pick, memoised: it plans ~200 candidates (~0.2 s), and the operator admits
-    on every reconcile of a job whose spec and card have not changed."""
+def _auto(spec_json: str, capacity_bytes: int) -> AutoChoice:
+    """auto_choice, memoised: it plans ~200 candidates (~0.2 s), and the operator admits on
+    every reconcile of a job whose spec and card have not changed."""
     spec = RLJobSpec.model_validate_json(spec_json)
     shape = shape_for(spec, read_config=False)
     assert shape is not None  # plan_for_knobs checked it
-    return auto_choice(spec, shape, capacity_bytes).chosen
+    return auto_choice(spec, shape, capacity_bytes)
 
 
 def plan_fits(
@@ -387,14 +410,21 @@ def admit(spec: RLJobSpec, knobs: AttemptKnobs | None = None) -> Admission:
             True,
         )
     worst = m.worst
-    chose = "Auto chose " if is_auto(knobs.apply(spec) if knobs else spec) else ""
+    applied = knobs.apply(spec) if knobs else spec
+    rollout = applied.rollout
+    chose = "Auto chose " if AUTO in (rollout.wake_up, rollout.mem_fraction_static) else ""
+    bucket = ""
+    if rollout.weight_sync_bucket_megabytes == AUTO and spec.memory_plan.gpu_memory is not None:
+        capacity = int(_quantity(spec.memory_plan.gpu_memory))
+        chosen_mb = _auto(applied.model_dump_json(), capacity).bucket_megabytes
+        bucket = f", {'' if chose else 'Auto chose '}weight-sync bucket {chosen_mb} MiB"
     if m.fits:
         return Admission(
             "True",
             REASON_PLAN_FITS,
             f"predicted peak {worst.peak_bytes} bytes ({worst.fraction:.3f}) in {worst.stage}, "
-            f"{chose}wakeUp {m.wake_up} at memFractionStatic {m.mem_fraction_static}"
-            + (" (the driver chooses again on the real GPU)" if chose else ""),
+            f"{chose}wakeUp {m.wake_up} at memFractionStatic {m.mem_fraction_static}{bucket}"
+            + (" (the driver chooses again on the real GPU)" if is_auto(applied) else ""),
             True,
             m,
         )

@@ -409,21 +409,78 @@ SGLANG_WEIGHT_SYNC_ENV = "RLJOB_SGLANG_WEIGHT_SYNC"
 SGLANG_WEIGHT_SYNC_DEFAULT = "direct"
 
 
+SYNC_SWITCHES = (FLAT_SHARDS_ENV, SGLANG_WEIGHT_SYNC_ENV)
+
+
+def _switch(spec: RLJobSpec, name: str) -> str | None:
+    """A sync switch's value in the ranks' environment as far as the spec tells: its literal
+    value ("" for unset); None where the spec leaves it unknown (a valueFrom, or an envFrom
+    that may set it: env wins over envFrom on a name, as in Kubernetes)."""
+    for e in spec.env:
+        if e.name == name:
+            return None if e.value_from is not None else (e.value or "")
+    return None if spec.env_from else ""
+
+
 def sync_as_stored(spec: RLJobSpec, world: int) -> bool:
     """Whether the weight sync hands the engine the trainer's own fp32 buffer, holding nothing
     beside it (Trainer.weight_buckets with engine_casts, docs/weight-sync.md): one rank, the
     policy's shards in one buffer, and an engine that casts what it loads (the torch engine;
-    sglang through rljob's loader, its default hand-off). Read from the spec's literal env
-    values; a value from a Secret, ConfigMap or envFrom is taken as unset (the defaults)."""
+    sglang through rljob's loader, its default hand-off). Read from the spec's env; where a
+    switch comes from a Secret or ConfigMap the plan cannot read it and counts the buckets (a
+    rank's own plan reads the resolved values: with_process_switches)."""
     if world != 1:
         return False
-    env = {e.name: e.value for e in spec.env if e.value is not None}
-    if env.get(FLAT_SHARDS_ENV, "").strip() == "0":
+    flat = _switch(spec, FLAT_SHARDS_ENV)
+    if flat is None or flat.strip() == "0":
         return False
     if spec.rollout.engine is EngineName.SGLANG:
-        choice = env.get(SGLANG_WEIGHT_SYNC_ENV, "").strip().lower() or SGLANG_WEIGHT_SYNC_DEFAULT
-        return choice == SGLANG_WEIGHT_SYNC_DEFAULT
+        choice = _switch(spec, SGLANG_WEIGHT_SYNC_ENV)
+        if choice is None:
+            return False
+        return (choice.strip().lower() or SGLANG_WEIGHT_SYNC_DEFAULT) == SGLANG_WEIGHT_SYNC_DEFAULT
     return True
+
+
+def with_process_switches(spec: RLJobSpec, environ: Mapping[str, str]) -> RLJobSpec:
+    """`spec` with the sync switches as literal values, as `environ` (a rank's own environment,
+    every valueFrom and envFrom resolved, and whatever the process was started with) has
+    them; "" where it has none. The plan a rank makes then counts what its sync will hold."""
+    from rljob.api import EnvVar
+
+    env = [e for e in spec.env if e.name not in SYNC_SWITCHES]
+    env += [EnvVar(name=name, value=environ.get(name, "")) for name in SYNC_SWITCHES]
+    return spec.model_copy(update={"env": env})
+
+
+# weightSyncBucketMegabytes Auto: the rollout's Auto is chosen at the smallest bucket (the
+# spec's default), then the largest of the whole model in one bucket and these sizes (MiB)
+# whose plan still fits under the margin's limit (auto_bucket); none fitting, the smallest.
+AUTO_BUCKET_FALLBACK_MEGABYTES = 512
+AUTO_BUCKET_MEGABYTES = (4096, 2048, 1024)
+
+
+def bucket_megabytes(spec: RLJobSpec) -> int:
+    """The spec's weight-sync bucket in MiB; under Auto not yet resolved, the smallest Auto
+    tries (what the rollout's own Auto is chosen with)."""
+    value = spec.rollout.weight_sync_bucket_megabytes
+    return AUTO_BUCKET_FALLBACK_MEGABYTES if value == AUTO else int(value)
+
+
+def resolved_bucket_bytes(spec: RLJobSpec) -> int:
+    """The weight-sync bucket in bytes of a spec whose Auto is resolved (auto_choice)."""
+    value = spec.rollout.weight_sync_bucket_megabytes
+    if value == AUTO:
+        raise ValueError(
+            "weightSyncBucketMegabytes Auto is not resolved: plan it with auto_choice on the "
+            "card first (rljob/plan.py)"
+        )
+    return int(value) << 20
+
+
+def whole_model_megabytes(spec: RLJobSpec, shape: ModelShape) -> int:
+    """The bucket that holds the whole model in the engine's dtype: one bucket a sync."""
+    return math.ceil(shape.parameters * DTYPE_BYTES[spec.model.dtype] / (1 << 20))
 
 
 def gather_bytes(spec: RLJobSpec, shape: ModelShape, world: int) -> int:
@@ -440,7 +497,7 @@ def gather_bytes(spec: RLJobSpec, shape: ModelShape, world: int) -> int:
     by_name = dict(sizes)
     buckets = [
         sum(by_name[n] for n in names)
-        for names in plan_buckets(sizes, spec.rollout.weight_sync_bucket_megabytes << 20)
+        for names in plan_buckets(sizes, bucket_megabytes(spec) << 20)
     ]
 
     def gathering(b: int) -> int:
@@ -831,6 +888,11 @@ def _with(spec: RLJobSpec, wake_up: WakeUp, fraction: float) -> RLJobSpec:
     return spec.model_copy(update={"rollout": rollout})
 
 
+def _with_bucket(spec: RLJobSpec, megabytes: int) -> RLJobSpec:
+    rollout = spec.rollout.model_copy(update={"weight_sync_bucket_megabytes": megabytes})
+    return spec.model_copy(update={"rollout": rollout})
+
+
 def _offload_choices(spec: RLJobSpec) -> list[tuple[bool, bool]]:
     """(optimizer, params) offloads to try, fewest bytes moved first; Always: the flags."""
     allowed = (spec.training.offload_optimizer, spec.training.offload_params)
@@ -915,14 +977,20 @@ def plan(
     """Both wake-up modes at the spec's fraction, each with its largest fitting fraction."""
     world = world or spec.world_size
     auto = None
+    # The modes' tables: under the bucket's Auto, at the smallest bucket it takes (the size it
+    # chose fits the chosen mode only; Auto's own row replaces that mode's below).
+    tables = spec
+    if spec.rollout.weight_sync_bucket_megabytes == AUTO:
+        tables = _with_bucket(spec, AUTO_BUCKET_FALLBACK_MEGABYTES)
     if is_auto(spec):
         auto = auto_choice(spec, shape, capacity_bytes, world)
         spec = auto.resolve(spec)
+        tables = _with(tables, auto.chosen.wake_up, auto.chosen.mem_fraction_static)
     requested, fraction = resolved_rollout(spec)
     modes = {}
     for mode in (WakeUp.STAGED, WakeUp.SINGLE):
-        m = mode_plan(_with(spec, mode, fraction), shape, capacity_bytes, world)
-        best = largest_fitting_fraction(spec, shape, capacity_bytes, mode, world)
+        m = mode_plan(_with(tables, mode, fraction), shape, capacity_bytes, world)
+        best = largest_fitting_fraction(tables, shape, capacity_bytes, mode, world)
         modes[mode] = replace(m, largest_fitting_fraction=best)
     if auto is not None:
         # The mode Auto chose, with the offload it chose under the margin's limit.
@@ -968,7 +1036,11 @@ class AutoRefused(ValueError):
 
 
 def is_auto(spec: RLJobSpec) -> bool:
-    return spec.rollout.wake_up == AUTO or spec.rollout.mem_fraction_static == AUTO
+    return (
+        spec.rollout.wake_up == AUTO
+        or spec.rollout.mem_fraction_static == AUTO
+        or spec.rollout.weight_sync_bucket_megabytes == AUTO
+    )
 
 
 def auto_candidates(spec: RLJobSpec) -> list[tuple[WakeUp, float]]:
@@ -1037,21 +1109,42 @@ class AutoChoice:
     capacity_bytes: int
     limit_bytes: int
     candidates: tuple[ModePlan, ...]
+    # weightSyncBucketMegabytes Auto's choice (auto_bucket); None where the spec gave a size.
+    bucket_megabytes: int | None = None
+    # Whether the rollout's mode or fraction was Auto (False: only the bucket was).
+    rollout_auto: bool = True
 
     def resolve(self, spec: RLJobSpec) -> RLJobSpec:
-        """`spec` with the chosen mode and fraction in place of Auto (what the ranks run)."""
-        return _with(spec, self.chosen.wake_up, self.chosen.mem_fraction_static)
+        """`spec` with the chosen mode, fraction and bucket in place of Auto (what the ranks
+        run)."""
+        spec = _with(spec, self.chosen.wake_up, self.chosen.mem_fraction_static)
+        if self.bucket_megabytes is not None:
+            spec = _with_bucket(spec, self.bucket_megabytes)
+        return spec
 
     @property
     def reason(self) -> str:
         m = self.chosen
         stage = m.worst
-        return (
-            f"the largest KV cache ({m.parts.kv_tokens} tokens) of {len(self.candidates)} candidates whose "
-            f"every stage stays under {self.limit_bytes / GiB:.2f} GiB (margin "
-            f"{self.margin:.1%} of {self.capacity_bytes / GiB:.2f} GiB); worst stage "
-            f"{stage.stage} at {stage.peak_bytes / GiB:.2f} GiB"
+        under = (
+            f"under {self.limit_bytes / GiB:.2f} GiB (margin {self.margin:.1%} of "
+            f"{self.capacity_bytes / GiB:.2f} GiB); worst stage {stage.stage} at "
+            f"{stage.peak_bytes / GiB:.2f} GiB"
         )
+        bucket = (
+            f"weight-sync bucket {self.bucket_megabytes} MiB, the largest that keeps every stage "
+            "under the limit with the same offload"
+            if _usable(m, self.limit_bytes)
+            else f"weight-sync bucket {self.bucket_megabytes} MiB, the smallest: the plan at this "
+            "mode and fraction passes the limit"
+        )
+        if not self.rollout_auto:
+            return f"{bucket}: {under}"
+        text = (
+            f"the largest KV cache ({m.parts.kv_tokens} tokens) of {len(self.candidates)} "
+            f"candidates whose every stage stays {under}"
+        )
+        return text if self.bucket_megabytes is None else f"{text}; {bucket}"
 
     def recorded(self) -> list[ModePlan]:
         """The bounded record: per mode, the chosen or best fitting candidate and the next
@@ -1079,6 +1172,8 @@ class AutoChoice:
 
     def to_status(self) -> AutoStatus:
         return AutoStatus(
+            weight_sync_bucket_megabytes=self.bucket_megabytes,
+            rollout=self.rollout_auto,
             margin=self.margin,
             limit_bytes=self.limit_bytes,
             planned=len(self.candidates),
@@ -1104,6 +1199,12 @@ def auto_lines(plan_status: PlanStatus) -> list[str]:
     auto = plan_status.auto
     if auto is None:
         return []
+    if not auto.rollout:  # only the bucket was Auto: no candidates of mode and fraction
+        return [
+            f"weightSyncBucketMegabytes Auto chose {auto.weight_sync_bucket_megabytes} MiB "
+            f"at wakeUp {plan_status.wake_up}, memFractionStatic "
+            f"{plan_status.mem_fraction_static:.2f}: {auto.reason}"
+        ]
     lines = [
         f"rollout Auto chose wakeUp {plan_status.wake_up}, memFractionStatic "
         f"{plan_status.mem_fraction_static:.2f}: {auto.reason}",
@@ -1135,7 +1236,49 @@ def auto_choice(
         mode_plan(_with(spec, mode, fraction), shape, capacity_bytes, world, limit)
         for mode, fraction in auto_candidates(spec)
     )
-    return AutoChoice(choose(planned, limit), margin, capacity_bytes, limit, planned)
+    rollout_auto = spec.rollout.wake_up == AUTO or spec.rollout.mem_fraction_static == AUTO
+    # Only the bucket Auto: the spec's mode and fraction planned as with the fixed smallest
+    # bucket (its offload chosen as a fixed bucket's is, fitting or not: the plan reports a
+    # misfit as it would there, and the bucket's Auto never refuses a job).
+    if rollout_auto:
+        chosen = choose(planned, limit)
+    else:
+        fixed = _with_bucket(spec, AUTO_BUCKET_FALLBACK_MEGABYTES)
+        chosen = mode_plan(fixed, shape, capacity_bytes, world)
+    bucket = None
+    if spec.rollout.weight_sync_bucket_megabytes == AUTO:
+        resolved = _with(spec, chosen.wake_up, chosen.mem_fraction_static)
+        bucket, chosen = auto_bucket(resolved, shape, capacity_bytes, world, limit, chosen)
+    return AutoChoice(chosen, margin, capacity_bytes, limit, planned, bucket, rollout_auto)
+
+
+def auto_bucket(
+    spec: RLJobSpec,
+    shape: ModelShape,
+    capacity_bytes: int,
+    world: int | None,
+    limit_bytes: int,
+    smallest: ModePlan,
+) -> tuple[int, ModePlan]:
+    """weightSyncBucketMegabytes Auto, the mode and fraction already chosen (`smallest`: their
+    plan at the smallest bucket): the largest of the whole model in the engine's dtype and
+    AUTO_BUCKET_MEGABYTES whose plan fits under `limit_bytes` with `smallest`'s offload and KV
+    cache, and that plan; none (or `smallest` not fitting), the smallest. A larger bucket is
+    never bought with an offload the smallest did not need, nor with KV cache. Fewer, larger
+    buckets measured the faster sync (docs/weight-sync.md): fewer requests, and on more than
+    one rank no gather running beside the engine's load (two processes on one GPU take turns)."""
+    whole = whole_model_megabytes(spec, shape)
+    same = (smallest.offload_optimizer, smallest.offload_params, smallest.parts.kv_tokens)
+    if _usable(smallest, limit_bytes):
+        sizes = {whole, *(m for m in AUTO_BUCKET_MEGABYTES if m < whole)}
+        for megabytes in sorted(sizes, reverse=True):
+            if megabytes <= AUTO_BUCKET_FALLBACK_MEGABYTES:
+                break
+            m = mode_plan(_with_bucket(spec, megabytes), shape, capacity_bytes, world, limit_bytes)
+            kept = (m.offload_optimizer, m.offload_params, m.parts.kv_tokens) == same
+            if kept and _usable(m, limit_bytes):
+                return megabytes, m
+    return AUTO_BUCKET_FALLBACK_MEGABYTES, smallest
 
 
 def resolved_spec(spec: RLJobSpec, memory_plan: MemoryPlan | None) -> RLJobSpec:
@@ -1144,7 +1287,8 @@ def resolved_spec(spec: RLJobSpec, memory_plan: MemoryPlan | None) -> RLJobSpec:
         return spec
     if memory_plan is None or memory_plan.auto is None:
         raise AutoRefused(
-            "rollout Auto needs the memory plan: the model's shape (a builtin model, "
+            "rollout Auto (wakeUp, memFractionStatic or weightSyncBucketMegabytes) needs the "
+            "memory plan: the model's shape (a builtin model, "
             "spec.model.shape or a config.json) and the GPU's memory (on CPU: "
             "spec.memoryPlan.gpuMemory or the host's)"
         )
@@ -1152,10 +1296,16 @@ def resolved_spec(spec: RLJobSpec, memory_plan: MemoryPlan | None) -> RLJobSpec:
 
 
 def rank_plan(
-    spec: RLJobSpec, capacity_bytes: int | None, world: int, model_path: str | Path | None = None
+    spec: RLJobSpec,
+    capacity_bytes: int | None,
+    world: int,
+    model_path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> MemoryPlan | None:
     """The plan a rank makes before starting its engine: its real GPU's memory (or, on CPU,
-    spec.memoryPlan.gpuMemory), the shape from builtin, spec or config.json; None without."""
+    spec.memoryPlan.gpuMemory), the shape from builtin, spec or config.json; None without.
+    `environ`: the rank's environment, where the weight sync's switches are read
+    (with_process_switches); without it, the spec's env."""
     from rljob.api import _quantity  # the manifest's quantity parser (no kubernetes client)
 
     if capacity_bytes is None and spec.memory_plan.gpu_memory is not None:
@@ -1165,6 +1315,8 @@ def rank_plan(
         shape = ModelShape.from_config(json.loads((Path(model_path) / "config.json").read_text()))
     if shape is None or capacity_bytes is None:
         return None
+    if environ is not None:
+        spec = with_process_switches(spec, environ)
     return plan(spec, shape, capacity_bytes, world)
 
 

@@ -99,6 +99,7 @@ def _knobs(spec: RLJobSpec, last: Mapping[str, Any]) -> AttemptKnobs:
         micro_batch_size=last.get("microBatchSize"),
         gradient_checkpointing=last.get("gradientCheckpointing"),
         margin=last.get("margin"),
+        weight_sync_bucket_megabytes=last.get("weightSyncBucketMegabytes"),
     )
 
 

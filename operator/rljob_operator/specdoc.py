@@ -102,10 +102,11 @@ def _constraints(node: dict[str, Any], required: bool) -> list[str]:
         options = [
             " or ".join(f"`{v}`" for v in option["enum"])
             if "enum" in option
-            else "a number " + " ".join(_bounds(option, "x"))
+            else ("a whole number " if option.get("multipleOf") == 1 else "a number ")
+            + " ".join(_bounds(option, "x"))
             for option in node["anyOf"]
         ]
-        out.append(" or ".join(sorted(options, key=lambda o: not o.startswith("a number"))))
+        out.append(" or ".join(sorted(options, key=lambda o: not o.startswith("a "))))
     out.extend(_bounds(node, "x"))
     for key, words in (
         ("minLength", "at least {} character"),

@@ -58,6 +58,16 @@ class AutoStatus(_Spec):
         description="Per wakeUp mode the chosen or best fitting candidate and the next one up "
         "that does not fit (bounded).",
     )
+    weight_sync_bucket_megabytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="Where spec.rollout.weightSyncBucketMegabytes is Auto: the bucket chosen.",
+    )
+    rollout: bool = Field(
+        default=True,
+        description="Whether wakeUp or memFractionStatic was Auto (false: only the bucket was; "
+        "then no candidates of mode and fraction were compared).",
+    )
 
 
 class PlanStatus(_Spec):

@@ -8,7 +8,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, model_validator
 
 from rljob.api._base import (
     BUILTIN_PREFIX,
@@ -57,24 +57,60 @@ _IMPOSSIBLE_FOR_NON_NUMBERS = {
     "minLength": 1, "maxLength": 0, "minItems": 1, "maxItems": 0,
     "minProperties": 1, "maxProperties": 0,
 }  # fmt: skip
+
+
+def _number_or_auto(number: dict[str, object]) -> dict[str, object]:
+    """The CRD's schema of an untyped "Auto"-or-number field: `number`'s bounds apply to
+    numbers only (UNTYPED_SCHEMA above)."""
+    return {
+        UNTYPED_SCHEMA: {
+            "x-kubernetes-preserve-unknown-fields": True,
+            # No bound applies to a boolean either: `not` keeps true and false out.
+            "anyOf": [
+                {"enum": [AUTO]},
+                {**number, **_IMPOSSIBLE_FOR_NON_NUMBERS, "not": {"enum": [True, False]}},
+            ],
+        }
+    }
+
+
+def _only_numbers_or_auto(field: str, allowed: str) -> BeforeValidator:
+    """Before pydantic's number types, which take true as 1 and "0.5" as 0.5: the CRD refuses
+    both, so `rljob run` does too."""
+
+    def check(value: object) -> object:
+        if isinstance(value, bool) or (isinstance(value, str) and value != AUTO):
+            raise ValueError(f"{field} must be Auto or {allowed}")
+        return value
+
+    return BeforeValidator(check)
+
+
 MemFraction = Annotated[
     float | Literal["Auto"],
-    Field(
-        json_schema_extra={
-            UNTYPED_SCHEMA: {
-                "x-kubernetes-preserve-unknown-fields": True,
-                "anyOf": [
-                    {"enum": [AUTO]},
-                    {
-                        "minimum": 0, "exclusiveMinimum": True, "maximum": 1,
-                        "exclusiveMaximum": True, **_IMPOSSIBLE_FOR_NON_NUMBERS,
-                    },
-                ],
-            }
-        }
-    ),
+    Field(json_schema_extra=_number_or_auto(
+        {"minimum": 0, "exclusiveMinimum": True, "maximum": 1, "exclusiveMaximum": True}
+    )),
+    _only_numbers_or_auto("memFractionStatic", "a number in (0, 1)"),
     AfterValidator(_fraction_or_auto),
 ]  # fmt: skip
+
+
+def _megabytes_or_auto(value: int | str) -> int | str:
+    if value != AUTO and not (
+        isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65536
+    ):
+        raise ValueError("weightSyncBucketMegabytes must be Auto or an integer in [1, 65536]")
+    return value
+
+
+# An integer in [1, 65536], or Auto: untyped as MemFraction is, the number branch whole.
+BucketMegabytes = Annotated[
+    int | Literal["Auto"],
+    Field(json_schema_extra=_number_or_auto({"minimum": 1, "maximum": 65536, "multipleOf": 1})),
+    _only_numbers_or_auto("weightSyncBucketMegabytes", "an integer in [1, 65536]"),
+    AfterValidator(_megabytes_or_auto),
+]
 
 
 SAMPLING_UNTRUNCATED_RULE = CrossFieldRule(
@@ -289,14 +325,16 @@ class RolloutSpec(_Spec):
         "the KV cache. single: resume weights and KV cache together (baseline). Auto: the "
         "mode the memory plan gives the larger KV cache (staged on a tie).",
     )
-    weight_sync_bucket_megabytes: int = Field(
+    weight_sync_bucket_megabytes: BucketMegabytes = Field(
         default=512,
-        ge=1,
-        le=65536,
         description="Size of one weight-update bucket in MiB "
         "(verl: rollout.update_weights_bucket_megabytes). On one GPU with an engine that casts "
         "what it loads (the torch engine; sglang's default hand-off) the trainer's own weights "
-        "go in one request and no bucket is made (docs/weight-sync.md).",
+        "go in one request and no bucket is made (docs/weight-sync.md). Auto: the memory plan "
+        "picks, on the card the job got and after the rollout's own Auto, the largest of the "
+        "whole model in the engine's dtype (one bucket), 4096, 2048 and 1024 whose every stage "
+        "fits within spec.memoryPlan.margin with the offload the smallest needs, else 512 "
+        "(docs/zero-tuning.md).",
     )
     sampling: SamplingSpec = Field(
         default_factory=SamplingSpec, description="Sampling parameters of the rollout."

@@ -54,12 +54,19 @@ class AttemptKnobs(_Spec):
     # margin explicitly: an OOM retry raises it by the overshoot it measured, so the next
     # attempt's choice is lower by what the last one lacked. None: spec.memoryPlan.margin.
     margin: float | None = Field(default=None, ge=0, lt=0.5)
+    # Under weightSyncBucketMegabytes Auto an engine-stage OOM retries with the smallest bucket
+    # Auto takes, fixed (a retry never holds a larger bucket). None: the spec's.
+    weight_sync_bucket_megabytes: int | None = Field(default=None, ge=1, le=65536)
 
     def apply(self, spec: RLJobSpec) -> RLJobSpec:
         """`spec` as this attempt runs it: the user's, with these knobs in place."""
-        rollout = spec.rollout.model_copy(
-            update={"mem_fraction_static": self.mem_fraction_static, "wake_up": self.wake_up}
-        )
+        update: dict[str, Any] = {
+            "mem_fraction_static": self.mem_fraction_static,
+            "wake_up": self.wake_up,
+        }
+        if self.weight_sync_bucket_megabytes is not None:
+            update["weight_sync_bucket_megabytes"] = self.weight_sync_bucket_megabytes
+        rollout = spec.rollout.model_copy(update=update)
         training: dict[str, Any] = {}
         if self.micro_batch_size is not None:
             training["micro_batch_size"] = self.micro_batch_size
@@ -146,6 +153,11 @@ class Attempt(_Spec):
     gradient_checkpointing: bool | None = Field(
         default=None, description="training.gradientCheckpointing, where the policy changed it."
     )
+    weight_sync_bucket_megabytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="rollout.weightSyncBucketMegabytes, where the policy fixed it in place of Auto.",
+    )
     changed: str | None = Field(
         default=None,
         max_length=512,
@@ -174,6 +186,7 @@ class Attempt(_Spec):
             micro_batch_size=knobs.micro_batch_size,
             gradient_checkpointing=knobs.gradient_checkpointing,
             margin=knobs.margin,
+            weight_sync_bucket_megabytes=knobs.weight_sync_bucket_megabytes,
             **fields,
         )
 

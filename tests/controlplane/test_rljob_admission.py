@@ -152,7 +152,11 @@ def test_rollout_auto_is_admitted_and_stored_as_written(
     """Issue 35: memFractionStatic takes a number or Auto (a schema-less scalar checked by CEL),
     wakeUp takes Auto; a number still works, with an OOM policy's minFraction beside Auto."""
     auto = {
-        "rollout": {"memFractionStatic": "Auto", "wakeUp": "Auto"},
+        "rollout": {
+            "memFractionStatic": "Auto",
+            "wakeUp": "Auto",
+            "weightSyncBucketMegabytes": "Auto",
+        },
         "memoryPlan": {"margin": 0.05},
         "oomPolicy": {"maxRetries": 2, "minFraction": 0.9},
     }
@@ -161,12 +165,14 @@ def test_rollout_auto_is_admitted_and_stored_as_written(
     )
     assert stored["spec"]["rollout"]["memFractionStatic"] == "Auto"
     assert stored["spec"]["rollout"]["wakeUp"] == "Auto"
+    assert stored["spec"]["rollout"]["weightSyncBucketMegabytes"] == "Auto"
     assert stored["spec"]["memoryPlan"]["margin"] == 0.05
-    number = {"rollout": {"memFractionStatic": 0.91}}
+    number = {"rollout": {"memFractionStatic": 0.91, "weightSyncBucketMegabytes": 2048}}
     stored = custom.create_namespaced_custom_object(  # type: ignore[assignment]
         GROUP, VERSION, namespace, PLURAL, rljob("num", number)
     )
     assert stored["spec"]["rollout"]["memFractionStatic"] == 0.91
+    assert stored["spec"]["rollout"]["weightSyncBucketMegabytes"] == 2048
     assert stored["spec"]["memoryPlan"]["margin"] == 0.015
 
 
@@ -176,6 +182,7 @@ def test_defaults_fill_the_stored_spec(custom: client.CustomObjectsApi, namespac
     )
     assert stored["spec"]["rollout"]["memFractionStatic"] == 0.85
     assert stored["spec"]["rollout"]["wakeUp"] == "staged"
+    assert stored["spec"]["rollout"]["weightSyncBucketMegabytes"] == 512
     assert stored["spec"]["resources"]["workers"] == 1
 
 

@@ -297,6 +297,40 @@ MALFORMED: list[Malformed] = [
         "fraction-list", {"rollout": {"memFractionStatic": [0.9]}}, "spec.rollout.memFractionStatic"
     ),
     Malformed("wake-up-automatic", {"rollout": {"wakeUp": "automatic"}}, "spec.rollout.wakeUp"),
+    # The weight-sync bucket: a whole number of MiB in [1, 65536], or Auto spelled exactly.
+    Malformed(
+        "bucket-auto-lower-case",
+        {"rollout": {"weightSyncBucketMegabytes": "auto"}},
+        "spec.rollout.weightSyncBucketMegabytes",
+    ),
+    Malformed(
+        "bucket-fractional",
+        {"rollout": {"weightSyncBucketMegabytes": 1.5}},
+        "spec.rollout.weightSyncBucketMegabytes",
+    ),
+    Malformed(
+        "bucket-true",
+        {"rollout": {"weightSyncBucketMegabytes": True}},
+        "spec.rollout.weightSyncBucketMegabytes",
+    ),
+    Malformed(
+        "bucket-text-number",
+        {"rollout": {"weightSyncBucketMegabytes": "512"}},
+        "spec.rollout.weightSyncBucketMegabytes",
+    ),
+    Malformed(
+        "fraction-true", {"rollout": {"memFractionStatic": True}}, "spec.rollout.memFractionStatic"
+    ),
+    Malformed(
+        "fraction-text-number",
+        {"rollout": {"memFractionStatic": "0.5"}},
+        "spec.rollout.memFractionStatic",
+    ),
+    Malformed(
+        "bucket-too-large",
+        {"rollout": {"weightSyncBucketMegabytes": 65537}},
+        "spec.rollout.weightSyncBucketMegabytes",
+    ),
     Malformed("margin-half", {"memoryPlan": {"margin": 0.5}}, "spec.memoryPlan.margin"),
     Malformed("name-starts-with-digit", {}, "metadata.name", name="1job"),
     Malformed("name-with-dots", {}, "metadata.name", name="job.v2"),

@@ -17,12 +17,17 @@ from rljob.plan import (
     ModePlan,
     Parts,
     StagePeak,
+    _with_bucket,
+    auto_bucket,
     auto_choice,
     auto_lines,
     choose,
     largest_fitting_fraction,
+    mode_plan,
     plan,
+    resolved_bucket_bytes,
     shape_for,
+    whole_model_megabytes,
 )
 from rljob.report import Stage
 from rljob_operator import attempts
@@ -115,21 +120,30 @@ def test_nothing_fits_names_the_closest_candidates_stage() -> None:
         choose(table, LIMIT)
 
 
-def spec(**rollout: Any) -> RLJobSpec:
-    """A Qwen2.5-1.5B-shaped sglang job on one GPU (the issue's smallest GPU point)."""
+QWEN25_1_5B = {"numHiddenLayers": 28, "hiddenSize": 1536, "intermediateSize": 8960,
+               "numAttentionHeads": 12, "numKeyValueHeads": 2, "vocabSize": 151936,
+               "tieWordEmbeddings": True}  # fmt: skip
+QWEN25_7B = {"numHiddenLayers": 28, "hiddenSize": 3584, "intermediateSize": 18944,
+             "numAttentionHeads": 28, "numKeyValueHeads": 4, "vocabSize": 152064,
+             "tieWordEmbeddings": False}  # fmt: skip
+
+
+def job(path: str, shape: dict[str, Any], gpus: int, gpu_memory: int, **rollout: Any) -> RLJobSpec:
+    """An sglang job of this model shape on `gpus` GPUs of `gpu_memory` bytes."""
     return RLJobSpec.model_validate(
         {
-            "model": {
-                "path": "Qwen/Qwen2.5-1.5B-Instruct",
-                "shape": {"numHiddenLayers": 28, "hiddenSize": 1536, "intermediateSize": 8960,
-                          "numAttentionHeads": 12, "numKeyValueHeads": 2, "vocabSize": 151936,
-                          "tieWordEmbeddings": True},
-            },
-            "rollout": {"memFractionStatic": AUTO, "wakeUp": AUTO, **rollout},
-            "resources": {"gpusPerWorker": 1},
-            "memoryPlan": {"gpuMemory": "85017034752"},
+            "model": {"path": path, "shape": shape},
+            "rollout": rollout,
+            "resources": {"gpusPerWorker": gpus},
+            "memoryPlan": {"gpuMemory": str(gpu_memory)},
         }
-    )  # fmt: skip
+    )
+
+
+def spec(**rollout: Any) -> RLJobSpec:
+    """A Qwen2.5-1.5B-shaped sglang job on one GPU (the issue's smallest GPU point)."""
+    auto = {"memFractionStatic": AUTO, "wakeUp": AUTO, **rollout}
+    return job("Qwen/Qwen2.5-1.5B-Instruct", QWEN25_1_5B, 1, 85017034752, **auto)
 
 
 H100 = 85_017_034_752
@@ -217,6 +231,157 @@ def test_admission_plans_auto_on_gpu_memory() -> None:
     refused = admit(small)
     assert (refused.status, refused.reason) == ("False", "PlanMisfit")
     assert "rollout Auto: nothing fits" in refused.message and "GiB short" in refused.message
+
+
+# -- weightSyncBucketMegabytes Auto -------------------------------------------------------------
+
+H200 = 150_754_820_096  # NVIDIA H200, mem_get_info total (143771 MiB)
+
+
+def spec_7b(**rollout: Any) -> RLJobSpec:
+    """A Qwen2.5-7B-shaped sglang job over two GPUs (FSDP and one engine per card)."""
+    auto = {"weightSyncBucketMegabytes": AUTO, **rollout}
+    return job("Qwen/Qwen2.5-7B-Instruct", QWEN25_7B, 2, H200, **auto)
+
+
+def test_bucket_auto_is_the_whole_model_where_it_fits_and_keeps_the_kv_autos_choice() -> None:
+    """Staged at 7B on two H200s: one bucket of the whole model fits under the limit (the
+    weight-sync stage runs before the KV cache is back), and Auto's mode, fraction and KV
+    cache are the ones it chooses with the smallest bucket."""
+    s = spec_7b(memFractionStatic=AUTO, wakeUp=AUTO)
+    shape = shape_for(s)
+    assert shape is not None
+    choice = auto_choice(s, shape, H200)
+    smallest = auto_choice(_with_bucket(s, 512), shape, H200)
+    assert smallest.bucket_megabytes is None
+    assert choice.bucket_megabytes == whole_model_megabytes(s, shape) == 14526
+    kept = (choice.chosen.wake_up, choice.chosen.mem_fraction_static, choice.chosen.parts.kv_tokens)
+    assert kept == (
+        smallest.chosen.wake_up,
+        smallest.chosen.mem_fraction_static,
+        smallest.chosen.parts.kv_tokens,
+    )
+    # The plan Auto returns is the one at the bucket chosen: its transient is larger and fits.
+    assert choice.chosen.parts.gather > smallest.chosen.parts.gather
+    assert choice.chosen.fits_under(choice.limit_bytes)
+    resolved = choice.resolve(s)
+    assert resolved_bucket_bytes(resolved) == 14526 << 20
+    with pytest.raises(ValueError, match="not resolved"):
+        resolved_bucket_bytes(s)
+    status = plan(s, shape, H200).to_status()
+    assert status.auto is not None and status.auto.weight_sync_bucket_megabytes == 14526
+    assert "weight-sync bucket 14526 MiB" in status.auto.reason
+    # Only the bucket Auto: the spec's mode and fraction, the bucket chosen the same way.
+    only = auto_choice(spec_7b(memFractionStatic=0.85, wakeUp="staged"), shape, H200)
+    assert only.bucket_megabytes == 14526 and only.chosen.mem_fraction_static == 0.85
+
+
+@pytest.mark.parametrize("size", [4096, 2048, 1024, 512])
+def test_bucket_auto_takes_the_largest_size_whose_plan_fits_the_limit(size: int) -> None:
+    """In single mode the buckets sit beside the KV cache, so each larger size raises the worst
+    stage: with the limit at one size's peak, that size is chosen and no larger one. (The
+    whole-model bucket is left out: at this fraction it fits only with the params offloaded
+    too, which Auto never buys; the next test.)"""
+    s = spec_7b(memFractionStatic=0.6, wakeUp="single")
+    shape = shape_for(s)
+    assert shape is not None
+    plans = {
+        mb: mode_plan(_with_bucket(s, mb), shape, H200) for mb in (512, 1024, 2048, 4096, 14526)
+    }
+    peaks = [plans[mb].worst.peak_bytes for mb in sorted(plans)]
+    assert peaks == sorted(set(peaks))  # strictly rising with the bucket
+    limit = plans[size].worst.peak_bytes + ALLOCATOR_SLACK_BYTES
+    smallest = mode_plan(_with_bucket(s, 512), shape, H200, None, limit)
+    bucket, chosen = auto_bucket(s, shape, H200, None, limit, smallest)
+    assert bucket == size
+    assert chosen.worst.peak_bytes == plans[size].worst.peak_bytes
+
+
+@pytest.mark.parametrize("fraction", [0.35, 0.45, 0.55, 0.58, 0.78])
+def test_bucket_auto_runs_the_offload_a_fixed_bucket_would(fraction: float) -> None:
+    """Only the bucket Auto: the mode and fraction are planned as with the fixed 512 (offload
+    chosen under the card, not the margin), and a larger bucket is taken only with that same
+    offload and KV cache: never bought with a PCIe round trip every iteration."""
+    s = spec_7b(memFractionStatic=fraction, wakeUp="single")
+    shape = shape_for(s)
+    assert shape is not None
+    choice = auto_choice(s, shape, H200)
+    fixed = mode_plan(_with_bucket(s, 512), shape, H200)
+    kept = (fixed.offload_optimizer, fixed.offload_params, fixed.parts.kv_tokens)
+    got = (choice.chosen.offload_optimizer, choice.chosen.offload_params)
+    assert (*got, choice.chosen.parts.kv_tokens) == kept
+    if choice.bucket_megabytes != 512:  # a larger bucket: its plan fits under the limit
+        assert choice.chosen.fits_under(choice.limit_bytes)
+
+
+def test_the_whole_model_bucket_that_needs_an_offload_is_not_taken() -> None:
+    s = spec_7b(memFractionStatic=0.45, wakeUp="single")
+    shape = shape_for(s)
+    assert shape is not None
+    choice = auto_choice(s, shape, H200)
+    whole = mode_plan(_with_bucket(s, 14526), shape, H200, None, choice.limit_bytes)
+    assert whole.offload_optimizer and not choice.chosen.offload_optimizer
+    assert choice.bucket_megabytes is not None and choice.bucket_megabytes < 14526
+
+
+def test_bucket_auto_alone_never_refuses_a_job_a_fixed_bucket_would_run() -> None:
+    """Only the bucket Auto, at a fraction whose plan passes the margin: the job is planned and
+    admitted as with the fixed default bucket (512), never refused by Auto."""
+    over = spec(memFractionStatic=0.97, wakeUp="staged", weightSyncBucketMegabytes=AUTO)
+    fixed = spec(memFractionStatic=0.97, wakeUp="staged", weightSyncBucketMegabytes=512)
+    shape = shape_for(over)
+    assert shape is not None
+    choice = auto_choice(over, shape, H100)
+    assert not choice.chosen.fits_under(choice.limit_bytes)  # past the margin
+    assert choice.bucket_megabytes == 512 and not choice.rollout_auto
+    assert "512 MiB, the smallest: the plan at this mode and fraction passes the limit" in (
+        choice.reason
+    )
+    assert (admit(over).status, admit(over).start) == (admit(fixed).status, admit(fixed).start)
+    planned = plan(over, shape, H100)
+    assert planned.chosen.mem_fraction_static == 0.97
+    assert planned.chosen.stages == plan(fixed, shape, H100).chosen.stages
+
+
+def test_bucket_auto_is_named_where_it_chose_and_only_there() -> None:
+    """The admission message and the status lines name the bucket; with only the bucket Auto
+    they do not credit the rollout's Auto with the mode and fraction the spec gave."""
+    only = spec_7b(memFractionStatic=0.85, wakeUp="staged")
+    admission = admit(only)
+    assert admission.status == "True" and admission.start
+    assert "wakeUp staged at memFractionStatic 0.85, Auto chose weight-sync bucket 14526 MiB" in (
+        admission.message
+    )
+    assert "Auto chose wakeUp" not in admission.message
+    shape = shape_for(only)
+    assert shape is not None
+    lines = auto_lines(plan(only, shape, H200).to_status())
+    assert lines == [lines[0]] and lines[0].startswith(  # no candidates of mode and fraction
+        "weightSyncBucketMegabytes Auto chose 14526 MiB at wakeUp staged, memFractionStatic 0.85"
+    )
+    both = spec_7b(memFractionStatic=AUTO, wakeUp=AUTO)
+    assert "Auto chose wakeUp staged" in admit(both).message
+    assert ", weight-sync bucket 14526 MiB" in admit(both).message
+    assert auto_lines(plan(both, shape, H200).to_status())[0].startswith("rollout Auto chose")
+
+
+def test_the_other_modes_table_is_planned_at_the_smallest_bucket() -> None:
+    """`rljob plan`'s rows: the mode Auto chose at its bucket, the other at 512 (the size Auto
+    chose fits the chosen mode only)."""
+    s = spec_7b(memFractionStatic=0.85, wakeUp="staged")
+    shape = shape_for(s)
+    assert shape is not None
+    planned = plan(s, shape, H200)
+    single = planned.modes[WakeUp.SINGLE]
+    at_512 = mode_plan(
+        _with_bucket(spec_7b(memFractionStatic=0.85, wakeUp="single"), 512), shape, H200
+    )
+    assert single.stages == at_512.stages
+    assert (
+        planned.modes[WakeUp.STAGED].parts.gather
+        == planned.chosen.parts.gather
+        > single.parts.gather
+    )
 
 
 # -- the OOM policy under Auto -----------------------------------------------------------------
@@ -317,3 +482,32 @@ def test_kubectl_rljob_describe_prints_autos_choice() -> None:
     text = console.export_text()
     assert "rollout Auto chose wakeUp staged, memFractionStatic" in text
     assert "margin 1.5% of 79.18 GiB" in text
+
+
+@pytest.mark.parametrize("rollout", [{"memFractionStatic": 0.55, "wakeUp": "single"},
+                                     {"memFractionStatic": AUTO, "wakeUp": AUTO}],
+                         ids=["fixed-fraction", "rollout-auto"])  # fmt: skip
+def test_an_engine_oom_under_bucket_auto_retries_with_the_smallest_bucket_fixed(
+    rollout: dict[str, Any],
+) -> None:
+    """Whatever else the retry changes (staged, a lower fraction, a larger margin), it runs the
+    smallest bucket Auto takes, fixed: the room it frees never goes to a larger bucket. The
+    knob is recorded in status.attempts and read back from there; a training OOM keeps Auto."""
+    s = with_policy(spec_7b(**rollout))
+    knobs = first_knobs(s)
+    outcome = Outcome("CUDAOutOfMemory", Stage.WAKE_WEIGHTS, 0)
+    decision = next_attempt(s, knobs, 1, outcome)
+    assert decision.retry and decision.knobs is not None
+    assert decision.knobs.weight_sync_bucket_megabytes == 512
+    retry = decision.knobs.apply(s)
+    assert retry.rollout.weight_sync_bucket_megabytes == 512
+    assert "rollout.weightSyncBucketMegabytes Auto -> 512" in decision.changed(knobs, s)
+    # The operator's status entry carries it, and the next attempt's knobs are read back.
+    entry = attempts.entry("j", 2, decision.knobs)
+    assert entry["weightSyncBucketMegabytes"] == 512
+    assert attempts.current("j", s, {"attempts": [entry]}).knobs == decision.knobs
+    # A later engine OOM keeps it; a training OOM never sets it.
+    again = next_attempt(s, decision.knobs, 2, outcome)
+    assert again.knobs is None or again.knobs.weight_sync_bucket_megabytes == 512
+    training = next_attempt(s, knobs, 1, Outcome("CUDAOutOfMemory", Stage.TRAIN, 0))
+    assert training.knobs is not None and training.knobs.weight_sync_bucket_megabytes is None

@@ -103,6 +103,19 @@ def test_mem_fraction_static_is_auto_or_open_interval_zero_one() -> None:
     assert wake_up["enum"] == ["staged", "single", "Auto"]
 
 
+def test_weight_sync_bucket_is_auto_or_a_whole_number_of_mebibytes() -> None:
+    """As memFractionStatic: untyped, "Auto" by enum or a number in [1, 65536] that is whole."""
+    bucket = _schema()["properties"]["spec"]["properties"]["rollout"]["properties"][
+        "weightSyncBucketMegabytes"
+    ]
+    assert bucket["x-kubernetes-preserve-unknown-fields"] is True
+    assert bucket["default"] == 512
+    auto, number = bucket["anyOf"]
+    assert auto == {"enum": ["Auto"]}
+    assert (number["minimum"], number["maximum"], number["multipleOf"]) == (1, 65536, 1)
+    assert (number["minLength"], number["maxLength"]) == (1, 0)  # no string passes
+
+
 def test_immutable_fields_carry_transition_rules() -> None:
     props = _schema()["properties"]["spec"]["properties"]
     immutable = [

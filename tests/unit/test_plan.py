@@ -33,9 +33,11 @@ from rljob.plan import (
     mode_plan,
     parts,
     plan,
+    rank_plan,
     reserved_bytes,
     stage_peaks,
     sync_as_stored,
+    with_process_switches,
 )
 from rljob.plan_cli import main as plan_main
 from rljob.plan_cli import parse_bytes
@@ -146,6 +148,53 @@ def test_a_one_rank_sync_that_hands_the_trainers_buffer_holds_no_buckets(
             rollout={"engine": engine, "wakeUp": "single", "memFractionStatic": 0.9},
         )
         assert gather_bytes(kept, SHAPE_3B, world) > 0
+
+
+SECRET_REF = {"secretKeyRef": {"name": "knobs", "key": "value"}}
+
+
+@pytest.mark.parametrize(
+    ("env", "env_from"),
+    [
+        ([{"name": FLAT_SHARDS_ENV, "valueFrom": SECRET_REF}], []),
+        ([{"name": SGLANG_WEIGHT_SYNC_ENV, "valueFrom": SECRET_REF}], []),
+        ([], [{"secretRef": {"name": "knobs"}}]),
+        ([{"name": FLAT_SHARDS_ENV, "value": "1"}], [{"configMapRef": {"name": "knobs"}}]),
+    ],
+    ids=["flat-from-secret", "handoff-from-secret", "env-from", "one-literal-one-env-from"],
+)
+def test_a_switch_the_spec_does_not_show_counts_the_buckets_until_the_rank_reads_it(
+    env: list[dict[str, Any]], env_from: list[dict[str, Any]]
+) -> None:
+    """A sync switch from a Secret or ConfigMap may turn the as-stored sync off: the spec's
+    plan counts the buckets; a rank's plan reads the switches from its own environment."""
+    rollout = {"engine": "sglang", "wakeUp": "single", "memFractionStatic": 0.9}
+    spec = bench_spec(env=env, envFrom=env_from, rollout=rollout)
+    assert not sync_as_stored(spec, 1)
+    assert gather_bytes(spec, SHAPE_3B, 1) > 0
+    # The rank's environment has them resolved: unset (the defaults), or set to the other path.
+    assert sync_as_stored(with_process_switches(spec, {}), 1)
+    assert not sync_as_stored(with_process_switches(spec, {FLAT_SHARDS_ENV: "0"}), 1)
+    assert not sync_as_stored(with_process_switches(spec, {SGLANG_WEIGHT_SYNC_ENV: "tensors"}), 1)
+    # ... and so does the plan a rank makes (the worker passes os.environ).
+    spec = spec.model_copy(
+        update={"memory_plan": spec.memory_plan.model_copy(update={"gpu_memory": "80Gi"})}
+    )
+    spec = spec.model_copy(
+        update={"model": spec.model.model_copy(update={"path": "builtin:tiny-qwen2"})}
+    )
+    bare = rank_plan(spec, None, 1)
+    resolved = rank_plan(spec, None, 1, environ={})
+    assert bare is not None and resolved is not None
+    assert bare.chosen.parts.gather > 0
+    assert resolved.chosen.parts.gather == 0
+
+
+def test_a_switch_named_without_a_value_is_unset() -> None:
+    """`- name: RLJOB_FLAT_SHARDS` with no value: Kubernetes sets it to "", the default."""
+    rollout = {"engine": "sglang", "wakeUp": "single", "memFractionStatic": 0.9}
+    spec = bench_spec(env=[{"name": FLAT_SHARDS_ENV}], rollout=rollout)
+    assert sync_as_stored(spec, 1)
 
 
 def test_the_plans_sync_switches_are_the_workers() -> None:

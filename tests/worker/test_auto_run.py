@@ -21,11 +21,11 @@ REPO = Path(__file__).parents[2]
 
 
 def _run_tiny_with_an_oom(
-    tmp_path: Path, rollout: Mapping[str, object], gpu_memory: str, inject: str
+    tmp_path: Path, rollout: Mapping[str, object], gpu_memory: str, inject: str | None
 ) -> dict:
     """`rljob run` of examples/tiny-local.yaml on 2 ranks with these rollout knobs,
-    spec.memoryPlan.gpuMemory, one OOM retry allowed and `inject` on the first attempt; exit
-    status 0 asserted; the status.json it wrote."""
+    spec.memoryPlan.gpuMemory, one OOM retry allowed and `inject` on the first attempt (None:
+    no OOM); exit status 0 asserted; the status.json it wrote."""
     from rljob_worker.cli_run import main
 
     doc = yaml.safe_load((REPO / "examples" / "tiny-local.yaml").read_text())
@@ -36,7 +36,7 @@ def _run_tiny_with_an_oom(
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "out"
     argv = [str(manifest), "--out", str(out), "--ranks", "2"]
-    assert main([*argv, "--inject-oom", inject]) == 0
+    assert main([*argv, "--inject-oom", inject] if inject else argv) == 0
     return json.loads((out / "status.json").read_text())
 
 
@@ -94,3 +94,18 @@ def test_a_retry_plans_on_the_capacity_the_ranks_measured_and_says_the_spec_is_o
     assert second["memFractionStatic"] < 0.9  # the policy stepped the fraction down
     assert f"planned on the card the ranks measured, {measured} bytes" in first["message"]
     assert f"spec.memoryPlan.gpuMemory={4 * host} is 75% off" in first["message"]
+
+
+def test_rljob_run_with_the_bucket_auto_runs_the_bucket_the_plan_chose(tmp_path: Path) -> None:
+    """weightSyncBucketMegabytes Auto beside a fixed mode and fraction: the driver resolves it
+    with the plan (the tiny model is smaller than the smallest bucket Auto takes, so 512) and
+    the ranks' weight syncs run with it, every iteration."""
+    rollout = {"memFractionStatic": 0.5, "wakeUp": "staged", "weightSyncBucketMegabytes": AUTO}
+    status = _run_tiny_with_an_oom(tmp_path, rollout, "80Gi", None)
+    assert status["phase"] == "Succeeded"
+    auto = status["plan"]["auto"]
+    assert auto["weightSyncBucketMegabytes"] == 512
+    assert "weight-sync bucket 512 MiB" in auto["reason"]
+    assert (status["plan"]["wakeUp"], status["plan"]["memFractionStatic"]) == ("staged", 0.5)
+    assert [a["result"] for a in status["attempts"]] == ["Succeeded"]
+    assert status["iteration"] == 2

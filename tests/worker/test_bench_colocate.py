@@ -379,3 +379,53 @@ def test_bucket_mb_sets_the_weight_sync_bucket_and_the_plan_counts_it() -> None:
     assert default[0] == 512 and large[0] == 2048
     assert large[1] > default[1]
     assert wake_weights_peak(None, ranks=1)[1] == wake_weights_peak(2048, ranks=1)[1]
+
+
+def test_over_two_ranks_the_sync_is_also_set_beside_the_all_gathers_it_cannot_beat() -> None:
+    """stage_floors' weight_sync_with_link: the larger of the HBM floor and the all-gathers
+    alone (profile_weight_sync, same run), and the bytes a rank receives; absent on one rank."""
+    colocate = bench_module("colocate.py", "bench_colocate_floors")
+    point = {"completed": True, "mode": "staged", "fraction": 0.9, "weight_sync_seconds": 0.06,
+             "stage_seconds": {"offload_optimizer": 1.0, "offload_train": 1.0, "sleep": 2.0}}  # fmt: skip
+    model = {"optimizer_bytes": 8e9, "train_param_bytes": 4e9, "policy_shard_bytes": 4_000,
+             "engine_weight_bytes": 6_000, "reference": False}  # fmt: skip
+    bandwidths = {"d2h_pinned_bytes_per_second": 5e10, "h2d_pinned_bytes_per_second": 5e10,
+                  "hbm_read_write_bytes_per_second": 1e6}  # fmt: skip
+    # HBM floor: (4000 + 6000) B / 1e6 B/s = 10 ms; the all-gathers took 25 ms, then 4 ms.
+    profile = {"ranks": 2.0, "all_gather_seconds": 0.025, "all_gather_bytes": 12_000.0}
+    floors = colocate.stage_floors(point, model, bandwidths, None, profile)
+    assert floors["weight_sync"]["floor_seconds"] == pytest.approx(0.010)
+    link = floors["weight_sync_with_link"]
+    assert link["floor_seconds"] == pytest.approx(0.025)
+    assert link["ratio"] == pytest.approx(0.06 / 0.025)
+    assert link["bytes"] == 6_000.0  # half of the gathered buffer came over the link
+    faster_link = colocate.stage_floors(
+        point, model, bandwidths, None, {**profile, "all_gather_seconds": 0.004}
+    )["weight_sync_with_link"]
+    assert faster_link["floor_seconds"] == pytest.approx(0.010)  # the HBM floor is the larger
+    assert "weight_sync_with_link" not in colocate.stage_floors(
+        point, model, bandwidths, None, {**profile, "ranks": 1.0}
+    )
+    assert "weight_sync_with_link" not in colocate.stage_floors(point, model, bandwidths, None)
+
+
+def test_the_link_probe_gathers_every_ranks_part_and_reports_its_bandwidths(
+    tmp_path: Path,
+) -> None:
+    """bench/link_probe.py on gloo (2 ranks): one all_gather row per size, each rank's part
+    checked in place; the bus bandwidth is half the algorithm bandwidth at two ranks."""
+    out = tmp_path / "link.json"
+    command = [sys.executable, str(REPO / "bench" / "link_probe.py"), "--backend", "gloo",
+               "--ranks", "2", "--mb", "1", "4", "--repeats", "2", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["kind"], r["bytes"]) for r in rows] == [
+        ("all_gather", 1 << 20),
+        ("all_gather", 4 << 20),
+    ]
+    for row in rows:
+        assert row["algbw_bytes_per_second"] == pytest.approx(row["bytes"] / row["seconds"])
+        assert row["busbw_bytes_per_second"] == pytest.approx(row["algbw_bytes_per_second"] / 2)
+    assert result["backend"] == "gloo" and result["ranks"] == 2

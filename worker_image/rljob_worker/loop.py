@@ -24,7 +24,14 @@ from rljob.api import (
     ResumePoint,
     RLJobSpec,
 )
-from rljob.plan import is_auto, offload_choice, rank_plan, resolved_rollout, resolved_spec
+from rljob.plan import (
+    is_auto,
+    offload_choice,
+    rank_plan,
+    resolved_bucket_bytes,
+    resolved_rollout,
+    resolved_spec,
+)
 from rljob.report import LoadSample, OOMRecord, StageSample
 from rljob_worker import allocator_report
 from rljob_worker import checkpoint as checkpoints
@@ -410,7 +417,8 @@ def run_rank(
     capacity = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
     if is_auto(spec):
         capacity = _auto_capacity(spec, capacity, device, config.world_size)
-    memory_plan = rank_plan(spec, capacity, config.world_size, model_path)
+    # The weight sync's switches as this process has them (a Secret's value included).
+    memory_plan = rank_plan(spec, capacity, config.world_size, model_path, os.environ)
     # rollout Auto: every rank planned on the same (smallest) card with the same spec and
     # shape, so each resolves the same mode and fraction (AutoRefused: nothing fits).
     spec = resolved_spec(spec, memory_plan)
@@ -482,7 +490,7 @@ def run_rank(
         meter,
         rollout,
         wake_up=resolved_rollout(spec)[0],
-        bucket_bytes=spec.rollout.weight_sync_bucket_megabytes << 20,
+        bucket_bytes=resolved_bucket_bytes(spec),
         engine_dtype=torch_dtype(spec.model.dtype),
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,

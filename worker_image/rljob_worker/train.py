@@ -110,7 +110,7 @@ def gather_full(
     its shards' flat views, the send buffer's split and the output's layout, which comes back
     as a GatheredBucket (weight_sync.flatten measures nothing again). On one H200 the host
     work before the cast's one launch was most of a 3B sync's wait for its bucket (13.9 of
-    27.7 ms, docs/weight-sync.md).
+    27.7 ms, docs/weight-sync-figures.md).
     Collective: every rank calls it with the same names in the same order.
     """
     with torch.no_grad():

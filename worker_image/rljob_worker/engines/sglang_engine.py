@@ -633,7 +633,7 @@ class SGLangEngine(ColocatedEngine):
         # none is needed; with the KV cache resident, the update's first request drops the
         # prefixes itself, after its load (no request can be served until flush_cache(), so
         # nothing is cached meanwhile). Either way the sync saves the flush's trip through
-        # sglang's processes (1.4-1.9 ms at 3B on an H200, docs/weight-sync.md). That in-update
+        # sglang's processes (1.4-1.9 ms at 3B on an H200, docs/weight-sync-figures.md). That in-update
         # flush leaves the scheduler's allocator cache to the next release (the standalone
         # flush also empties it; the loaders allocate nothing there), and sglang asserts it
         # succeeded: refused above while a request is in flight. Inside 0.5.23's session,
