@@ -429,3 +429,27 @@ def test_the_link_probe_gathers_every_ranks_part_and_reports_its_bandwidths(
         assert row["algbw_bytes_per_second"] == pytest.approx(row["bytes"] / row["seconds"])
         assert row["busbw_bytes_per_second"] == pytest.approx(row["algbw_bytes_per_second"] / 2)
     assert result["backend"] == "gloo" and result["ranks"] == 2
+
+
+def test_each_iterations_sync_is_the_one_of_the_rank_that_reached_it_last() -> None:
+    """The rank that reached the first all-gather last waited for nobody: its sync (the least)
+    and its own hand-off stand for the iteration, not rank 0's, whose sync may hold the wait."""
+    from rljob_worker.loop import RankIteration
+
+    colocate = bench_module("colocate.py", "bench_colocate_syncs")
+
+    def it(rank: int, iteration: int, sync: float | None, handoff: float | None) -> Any:
+        return RankIteration(rank=rank, iteration=iteration, stages=(), reward_sum=0.0,
+                             reward_count=0, kl_mean=None, loss=None, kv_capacity_tokens=0,
+                             weight_sync_seconds=sync, weight_handoff_seconds=handoff)  # fmt: skip
+
+    iterations = [
+        it(0, 2, 1.75, 0.02), it(1, 2, 0.064, 0.03),  # rank 0 waited 1.7 s for rank 1
+        it(0, 3, 0.065, 0.01), it(1, 3, 0.092, 0.04),
+        it(0, 4, None, None), it(1, 4, 0.070, 0.02),  # rank 0 reported no sync
+    ]  # fmt: skip
+    syncs, handoffs = colocate.syncs_of_the_last_rank_in(iterations)
+    assert syncs == {2: 0.064, 3: 0.065, 4: 0.070}
+    assert handoffs == {2: 0.03, 3: 0.01, 4: 0.02}  # each from the same rank as its sync
+    one_rank = [i for i in iterations if i.rank == 0]
+    assert colocate.syncs_of_the_last_rank_in(one_rank)[0] == {2: 1.75, 3: 0.065}
