@@ -31,6 +31,7 @@ from rljob.plan import (
     auto_choice,
     is_auto,
     mode_plan,
+    rollout_is_auto,
     shape_for,
 )
 from rljob.report import Stage
@@ -412,7 +413,7 @@ def admit(spec: RLJobSpec, knobs: AttemptKnobs | None = None) -> Admission:
     worst = m.worst
     applied = knobs.apply(spec) if knobs else spec
     rollout = applied.rollout
-    chose = "Auto chose " if AUTO in (rollout.wake_up, rollout.mem_fraction_static) else ""
+    chose = "Auto chose " if rollout_is_auto(applied) else ""
     bucket = ""
     if rollout.weight_sync_bucket_megabytes == AUTO and spec.memory_plan.gpu_memory is not None:
         capacity = int(_quantity(spec.memory_plan.gpu_memory))

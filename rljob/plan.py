@@ -412,6 +412,17 @@ SGLANG_WEIGHT_SYNC_DEFAULT = "direct"
 SYNC_SWITCHES = (FLAT_SHARDS_ENV, SGLANG_WEIGHT_SYNC_ENV)
 
 
+def flat_shards_on(value: str) -> bool:
+    """RLJOB_FLAT_SHARDS's value ("" where unset) read as the worker reads it: on unless 0."""
+    return value.strip() != "0"
+
+
+def sglang_weight_sync(value: str) -> str:
+    """RLJOB_SGLANG_WEIGHT_SYNC's value ("" where unset) as the path it names: the default
+    where unset (sglang_handoff.weight_sync_choice checks it is one it knows)."""
+    return value.strip().lower() or SGLANG_WEIGHT_SYNC_DEFAULT
+
+
 def _switch(spec: RLJobSpec, name: str) -> str | None:
     """A sync switch's value in the ranks' environment as far as the spec tells: its literal
     value ("" for unset); None where the spec leaves it unknown (a valueFrom, or an envFrom
@@ -432,13 +443,11 @@ def sync_as_stored(spec: RLJobSpec, world: int) -> bool:
     if world != 1:
         return False
     flat = _switch(spec, FLAT_SHARDS_ENV)
-    if flat is None or flat.strip() == "0":
+    if flat is None or not flat_shards_on(flat):
         return False
     if spec.rollout.engine is EngineName.SGLANG:
         choice = _switch(spec, SGLANG_WEIGHT_SYNC_ENV)
-        if choice is None:
-            return False
-        return (choice.strip().lower() or SGLANG_WEIGHT_SYNC_DEFAULT) == SGLANG_WEIGHT_SYNC_DEFAULT
+        return choice is not None and sglang_weight_sync(choice) == SGLANG_WEIGHT_SYNC_DEFAULT
     return True
 
 
@@ -944,7 +953,7 @@ def overlaps_staging(spec: RLJobSpec) -> bool:
 def resolved_rollout(spec: RLJobSpec) -> tuple[WakeUp, float]:
     """(wakeUp, memFractionStatic) of a spec whose Auto is resolved (auto_choice)."""
     wake_up, fraction = spec.rollout.wake_up, spec.rollout.mem_fraction_static
-    if wake_up == AUTO or fraction == AUTO:
+    if rollout_is_auto(spec):
         raise ValueError(
             "rollout Auto is not resolved: plan it with auto_choice on the card first "
             "(rljob/plan.py)"
@@ -1035,12 +1044,13 @@ class AutoRefused(ValueError):
     """No candidate fits: the message names the closest one's stage and the bytes it is short."""
 
 
+def rollout_is_auto(spec: RLJobSpec) -> bool:
+    """Whether the rollout's mode or fraction is Auto (the candidates auto_choice compares)."""
+    return AUTO in (spec.rollout.wake_up, spec.rollout.mem_fraction_static)
+
+
 def is_auto(spec: RLJobSpec) -> bool:
-    return (
-        spec.rollout.wake_up == AUTO
-        or spec.rollout.mem_fraction_static == AUTO
-        or spec.rollout.weight_sync_bucket_megabytes == AUTO
-    )
+    return rollout_is_auto(spec) or spec.rollout.weight_sync_bucket_megabytes == AUTO
 
 
 def auto_candidates(spec: RLJobSpec) -> list[tuple[WakeUp, float]]:
@@ -1236,7 +1246,7 @@ def auto_choice(
         mode_plan(_with(spec, mode, fraction), shape, capacity_bytes, world, limit)
         for mode, fraction in auto_candidates(spec)
     )
-    rollout_auto = spec.rollout.wake_up == AUTO or spec.rollout.mem_fraction_static == AUTO
+    rollout_auto = rollout_is_auto(spec)
     # Only the bucket Auto: the spec's mode and fraction planned as with the fixed smallest
     # bucket (its offload chosen as a fixed bucket's is, fitting or not: the plan reports a
     # misfit as it would there, and the bucket's Auto never refuses a job).

@@ -7,6 +7,7 @@ and CPU on the stage machine's request, and gathers full tensors bucket by bucke
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import os
@@ -24,6 +25,7 @@ from rljob.api import RLJobSpec
 
 # The weight sync's buckets are planned where the memory plan sizes them (one function).
 from rljob.plan import FLAT_SHARDS_ENV as FLAT_SHARDS_ENV
+from rljob.plan import flat_shards_on
 from rljob.plan import plan_buckets as plan_buckets
 from rljob_worker.model import torch_dtype
 
@@ -60,7 +62,7 @@ Bucket = Sequence[tuple[str, torch.Tensor]]
 # RLJOB_FLAT_SHARDS=0 (a bench's before, or a model this layout does not suit); the name is the
 # memory plan's (rljob.plan.sync_as_stored reads it too).
 def flat_shards_enabled() -> bool:
-    return os.environ.get(FLAT_SHARDS_ENV, "").strip() != "0"
+    return flat_shards_on(os.environ.get(FLAT_SHARDS_ENV, ""))
 
 
 def flat_chunk_elements(shape: torch.Size, world: int) -> int:
@@ -283,17 +285,23 @@ def _gather_planned(
     if as_stored:
         return _as_stored(key, plan)
     send = torch.empty(sum(plan.split), dtype=dtype, device=plan.sources[0].device)
-    pieces = send.split(plan.split)
-    slots = [pieces[i] for i in plan.picks] if len(plan.picks) != len(pieces) else list(pieces)
+
+    @functools.cache
+    def slots() -> list[torch.Tensor]:
+        # The send buffer cut into the shards' pieces, once, and only where a copy or a view
+        # needs them (the flat source's one copy on more than one rank needs neither).
+        pieces = send.split(plan.split)
+        return [pieces[i] for i in plan.picks] if len(plan.picks) != len(pieces) else list(pieces)
+
     if plan.flat_source is not None:
         send.copy_(plan.flat_source)  # the shards' own layout: one copy (the padding too)
     else:
-        copy_pairs(slots, plan.sources, plan.copies)
+        copy_pairs(slots(), plan.sources, plan.copies)
     if plan.world == 1:
         out = send
 
         def views() -> list[torch.Tensor]:
-            return [slot.view(shape) for slot, shape in zip(slots, plan.shapes, strict=True)]
+            return [slot.view(shape) for slot, shape in zip(slots(), plan.shapes, strict=True)]
     else:
         blocks = _all_gather_blocks(
             send, plan.chunks, plan.shapes, plan.world, plan.group, plan.unpack

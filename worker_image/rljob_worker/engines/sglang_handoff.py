@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rljob.plan import SGLANG_WEIGHT_SYNC_DEFAULT, SGLANG_WEIGHT_SYNC_ENV
+from rljob.plan import SGLANG_WEIGHT_SYNC_DEFAULT, SGLANG_WEIGHT_SYNC_ENV, sglang_weight_sync
 from rljob_worker.engines.sglang_contract import (
     SGLangContract,
     SGLangVersionError,
@@ -63,8 +63,7 @@ DEFAULT_WEIGHT_SYNC = SGLANG_WEIGHT_SYNC_DEFAULT
 
 def weight_sync_choice() -> str:
     """RLJOB_SGLANG_WEIGHT_SYNC, checked (one of WEIGHT_SYNC_PATHS; unset: the default)."""
-    choice = os.environ.get(WEIGHT_SYNC_ENV, DEFAULT_WEIGHT_SYNC).strip().lower()
-    choice = choice or DEFAULT_WEIGHT_SYNC
+    choice = sglang_weight_sync(os.environ.get(WEIGHT_SYNC_ENV, ""))
     if choice not in WEIGHT_SYNC_PATHS:
         raise ValueError(f"{WEIGHT_SYNC_ENV}={choice!r} must be one of {WEIGHT_SYNC_PATHS}")
     return choice
