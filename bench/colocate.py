@@ -182,7 +182,7 @@ def measure_bandwidths(size_bytes: int = 2 * GiB) -> dict[str, float]:
 
 
 def profile_weight_sync(
-    model_name: str, repeats: int = 3, ranks: int = 1, bucket_mb: int = 512
+    model_name: str, repeats: int = 3, ranks: int = 1, bucket_mb: int = 512, tp: int = 1
 ) -> dict[str, float]:
     """Seconds of the weight-sync path by part, with the model's shapes sharded over `ranks` GPUs.
 
@@ -192,19 +192,28 @@ def profile_weight_sync(
     (c) the rank's own shards without DTensor (local cast-and-copy per tensor; with one rank,
     the same bytes as the engine's), (d) one flat copy of all the engine bytes (the HBM floor)
     and, with more than one rank, (e) the all-gathers alone, one per bucket, as gather_full
-    sends them (NCCL between the GPUs).
+    sends them (NCCL between the GPUs). With one engine over all the ranks (`tp` == `ranks`),
+    also the shard-to-shard send (rljob_worker/tp_shards.py) per bucket: (f) whole (the trainer's
+    train.shard_bucket), (g) its buffers' fill alone (the casts), (h) its exchange alone (one
+    all_to_all_single a bucket) and, for comparison, (i) the same bytes as an all-gather.
     Median of `repeats` after a warm-up, as rank 0 saw them. One rank runs in this process; more
     run in their own processes on cuda:0..ranks-1, as the loop's ranks do.
     """
     if ranks == 1:
         address = f"tcp://127.0.0.1:{free_port()}"
         return _profile_rank(0, 1, address, model_name, repeats, bucket_mb)
-    work = (model_name, repeats, bucket_mb)
+    work = (model_name, repeats, bucket_mb, tp)
     return dict(run_spawned_ranks(_profile_rank, ranks, work, 300))
 
 
 def _profile_rank(
-    rank: int, world: int, init_method: str, model_name: str, repeats: int, bucket_mb: int
+    rank: int,
+    world: int,
+    init_method: str,
+    model_name: str,
+    repeats: int,
+    bucket_mb: int,
+    tp: int = 1,
 ) -> dict[str, float]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -218,8 +227,10 @@ def _profile_rank(
     dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
                             device_id=device)  # fmt: skip
     mesh = init_device_mesh("cuda", (world,))
+    config = {**_QWEN25_COMMON, **QWEN25[model_name]}
     with torch.device("meta"):
-        shapes = [p.shape for p in Qwen2ForCausalLM(Qwen2Config(**_QWEN25_COMMON, **QWEN25[model_name])).parameters()]  # fmt: skip
+        meta = list(Qwen2ForCausalLM(Qwen2Config(**config)).named_parameters())
+    shapes = [p.shape for _, p in meta]
     shards = [distribute_tensor(torch.randn(s, device="cuda"), mesh, [Shard(0)]) for s in shapes]
     targets = [torch.empty(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
     own = [torch.empty_like(s.to_local(), dtype=torch.bfloat16) for s in shards]
@@ -285,8 +296,59 @@ def _profile_rank(
     if world > 1:
         figures["all_gather_seconds"] = timed(all_gathers)
         figures["all_gather_bytes"] = float(sum(r.numel() * r.element_size() for r in receives))
+    if world > 1 and tp == world:
+        figures.update(_profile_shard_send(meta, shards, config, bucket_mb, world, timed))
     dist.destroy_process_group()
     return figures  # the tensors go with this frame; the caller empties the cache
+
+
+def _profile_shard_send(
+    meta: list[tuple[str, Any]],
+    shards: list[Any],
+    config: dict[str, Any],
+    bucket_mb: int,
+    world: int,
+    timed: Any,
+) -> dict[str, float]:
+    """profile_weight_sync's (f)-(i): the shard-to-shard send of `shards` (the model's params,
+    Shard(0) over `world` ranks, named as `meta`) in `bucket_mb` MiB buckets."""
+    from rljob_worker import tp_shards
+    from rljob_worker.engines.sglang_weights import DenseLayout
+    from rljob_worker.train import flat_all_gather, plan_buckets, shard_bucket
+
+    layout = DenseLayout.from_config(config, world)
+    named = {name: shard for (name, _), shard in zip(meta, shards, strict=True)}
+    buckets = plan_buckets([(n, t.numel() * 2) for n, t in named.items()], bucket_mb << 20)
+    plans: dict[Any, Any] = {}
+
+    def send() -> None:
+        for names in buckets:
+            sent = shard_bucket([(n, named[n]) for n in names], torch.bfloat16, plans, layout)
+            assert sent is not None, "every bucket of a Qwen2.5 model goes shard to shard"
+
+    send()  # the plans
+    kept = list(plans.values())
+    device = shards[0].to_local().device
+    buffers = [tp_shards.fill(plan, device) for plan in kept]
+
+    def exchanges() -> None:
+        for plan, buffer in zip(kept, buffers, strict=True):
+            tp_shards.exchange(plan, buffer)
+
+    def as_all_gathers() -> None:  # the same bytes as an all-gather (the other collective)
+        for plan, buffer in zip(kept, buffers, strict=True):
+            _, sent = tp_shards.regions(plan.layout, buffer)
+            out = torch.empty(world * sent.numel(), dtype=sent.dtype, device=device)
+            flat_all_gather(out, sent)
+
+    return {
+        "shard_send_seconds": timed(send),
+        "shard_fill_seconds": timed(lambda: [tp_shards.fill(p, device) for p in kept]),
+        "shard_exchange_seconds": timed(exchanges),
+        "shard_exchange_as_all_gather_seconds": timed(as_all_gathers),
+        "shard_exchange_bytes": float(sum((world - 1) * p.layout.region_bytes for p in kept)),
+        "shard_payload_bytes": float(sum(p.layout.payload_bytes for p in kept)),
+    }
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -1127,7 +1189,10 @@ def main(argv: list[str] | None = None) -> int:
     if on_cuda and args.profile_sync:
         try:
             sync_profile = profile_weight_sync(
-                model_name, ranks=args.ranks, bucket_mb=getattr(args, "bucket_mb", None) or 512
+                model_name,
+                ranks=args.ranks,
+                bucket_mb=getattr(args, "bucket_mb", None) or 512,
+                tp=args.tp,
             )
         except Exception as error:  # an auxiliary measurement: recorded, and the sweep goes on
             sync_profile = {"error": f"{type(error).__name__}: {error}"[:500]}

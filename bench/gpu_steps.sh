@@ -50,7 +50,10 @@
 #   sync-buckets #33: the direct hand-off with 512, 2048 and 8192 MiB buckets (one card;
 #                BUCKETS_MB), the loader's own seconds beside each hand-off; SYNC_BEFORE_TREE
 #                (an older tree's worker_image, carried) runs each size with it first; each
-#                size's sync is split into its parts (bench/sync_trip.py: mbN-trip.md)
+#                size's sync is split into its parts (bench/sync_trip.py: mbN-trip.md); SYNC_TP
+#                one engine over that many cards (full buckets, then shard to shard)
+#   shard-profile #33: the weight sync's parts without a loop, the shard-to-shard send's too
+#                (SYNC_MODEL, SYNC_RANKS, SYNC_TP, BUCKETS_MB; torch only)
 #   copy-kernels #33: bench/copy_kernels.py, the sync's two copies launched four ways (torch only)
 #   link-probe   #33: bench/link_probe.py, the all-gather and card-to-card copies alone
 #                (two cards, torch only), with NCCL's defaults and LINK_SETTINGS
@@ -203,6 +206,17 @@ for step in "$@"; do
         env "$setting" python3 bench/link_probe.py --ranks "$(nvidia-smi -L | wc -l)" \
           --mb 512 4096 15360 --out "$out/$setting.json" 2>&1 | tee "$out/$setting.log"
       done ;;
+    shard-profile)
+      # #33: the weight sync's parts without a loop (bench/colocate.py profile_weight_sync) at
+      # SYNC_MODEL over SYNC_RANKS cards, each size in BUCKETS_MB; with SYNC_TP equal to the
+      # ranks, the shard-to-shard send by part (fill, exchange as all_to_all and as all-gather).
+      for mb in ${BUCKETS_MB:-16384 4096}; do
+        python3 -c "import json, sys; sys.path.insert(0, 'bench'); import colocate; \
+print(json.dumps(colocate.profile_weight_sync(sys.argv[1], ranks=int(sys.argv[2]), \
+bucket_mb=int(sys.argv[3]), tp=int(sys.argv[4])), indent=1))" "${SYNC_MODEL:-qwen2.5-7b}" \
+          "${SYNC_RANKS:-2}" "$mb" "${SYNC_TP:-2}" > "$out/mb$mb.json" 2> "$out/mb$mb.log"
+        echo "mb$mb: exit $?"; cat "$out/mb$mb.json"; tail -3 "$out/mb$mb.log"
+      done ;;
     gather-probe)
       # ENGINE_CASTS=1: the one-rank sync to an engine that casts (the trainer's buffer as is).
       casts=(); [[ ${ENGINE_CASTS:-0} == 1 ]] && casts=(--engine-casts)
@@ -249,17 +263,27 @@ for step in "$@"; do
       # Over more than one card the after tree's points also time the all-gathers alone
       # (--profile-sync): the floor with the link (colocate.stage_floors).
       # SYNC_PROFILE=0 skips that; SYNC_PATH another --sync-path (its name joins the tag).
+      # SYNC_TP=<n>: one engine over n cards (--tp); with SYNC_RANKS equal to it, each size runs
+      # with the full gather (RLJOB_TP_SHARDED_SYNC=0, tag -full) and shard to shard (tag
+      # -sharded, rljob_worker/tp_shards.py), or only the kinds in SYNC_TP_SENDS.
       for tree in ${SYNC_BEFORE_TREE:+before} after; do
         for mb in ${BUCKETS_MB:-512 2048 8192}; do
-          sync_path=${SYNC_PATH:-direct} tag=mb$mb path=$PYTHONPATH profile=()
+         sends=plain
+         [[ ${SYNC_TP:-1} -gt 1 && ${SYNC_TP:-1} == "${SYNC_RANKS:-1}" ]] &&
+           sends=${SYNC_TP_SENDS:-full sharded}
+         for send in $sends; do
+          sync_path=${SYNC_PATH:-direct} tag=mb$mb path=$PYTHONPATH profile=() switch=1
           [[ $sync_path != direct ]] && tag=mb$mb-$sync_path
+          [[ $send != plain ]] && tag=$tag-$send
+          [[ $send == full ]] && switch=0
           [[ $tree == after && ${SYNC_RANKS:-1} -gt 1 && ${SYNC_PROFILE:-1} == 1 ]] &&
             profile=(--profile-sync)
           [[ $tree == before ]] && tag=$tag-before path=$SYNC_BEFORE_TREE:$PYTHONPATH
           rm -f "$out/$tag-loader.jsonl"  # a rerun on a warm machine starts it anew
           PYTHONPATH=$path RLJOB_SGLANG_DIRECT_TIMINGS=$out/$tag-loader.jsonl \
+            RLJOB_TP_SHARDED_SYNC=$switch \
             colocate --model "${SYNC_MODEL:-qwen2.5-3b}" --ranks "${SYNC_RANKS:-1}" --modes staged \
-            --staged-fractions "${SYNC_FRACTION:-0.9}" --prompts 4 \
+            --tp "${SYNC_TP:-1}" --staged-fractions "${SYNC_FRACTION:-0.9}" --prompts 4 \
             --sync-path "$sync_path" --bucket-mb "$mb" --no-alone --deadline-seconds 420 \
             "${profile[@]}" --out "$out/$tag" > "$out/$tag.log" 2>&1
           echo "$tag: colocate exit $?"; grep -E "weight sync within|hand-off" "$out/$tag.log" | tail -3
@@ -271,6 +295,7 @@ fallback tensors {sum(x[\"fallback_tensors\"] for x in r)}')" "$out/$tag-loader.
           # This tree's stage and adapter also write their spans there: the sync split in parts.
           [[ $tree == after ]] && python3 bench/sync_trip.py "$out/$tag-loader.jsonl" \
             --json "$out/$tag-trip.json" | tee "$out/$tag-trip.md"
+         done
         done
       done ;;
     realistic-7b)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -181,31 +182,35 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Parameter names and shapes in from_pretrained's order (weight-sync buckets)."""
+        h, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
+        bias = self.attention_bias
+        layer: list[tuple[str, tuple[int, ...]]] = [
+            ("self_attn.q_proj.weight", (h, h)),
+            *([("self_attn.q_proj.bias", (h,))] if bias else []),
+            ("self_attn.k_proj.weight", (kv, h)),
+            *([("self_attn.k_proj.bias", (kv,))] if bias else []),
+            ("self_attn.v_proj.weight", (kv, h)),
+            *([("self_attn.v_proj.bias", (kv,))] if bias else []),
+            ("self_attn.o_proj.weight", (h, h)),
+            ("mlp.gate_proj.weight", (i, h)),
+            ("mlp.up_proj.weight", (i, h)),
+            ("mlp.down_proj.weight", (h, i)),
+            ("input_layernorm.weight", (h,)),
+            ("post_attention_layernorm.weight", (h,)),
+        ]
+        shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab, h))]
+        for index in range(self.layers):
+            shapes += [(f"model.layers.{index}.{name}", shape) for name, shape in layer]
+        shapes.append(("model.norm.weight", (h,)))
+        if not self.tied_embeddings:
+            shapes.append(("lm_head.weight", (self.vocab, h)))
+        return shapes
+
     def named_sizes(self) -> list[tuple[str, int]]:
         """Parameter names and element counts in from_pretrained's order (weight-sync buckets)."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        bias = self.attention_bias
-        layer = [
-            ("self_attn.q_proj.weight", h * h),
-            *([("self_attn.q_proj.bias", h)] if bias else []),
-            ("self_attn.k_proj.weight", h * kv),
-            *([("self_attn.k_proj.bias", kv)] if bias else []),
-            ("self_attn.v_proj.weight", h * kv),
-            *([("self_attn.v_proj.bias", kv)] if bias else []),
-            ("self_attn.o_proj.weight", h * h),
-            ("mlp.gate_proj.weight", h * self.intermediate),
-            ("mlp.up_proj.weight", h * self.intermediate),
-            ("mlp.down_proj.weight", h * self.intermediate),
-            ("input_layernorm.weight", h),
-            ("post_attention_layernorm.weight", h),
-        ]
-        sizes = [("model.embed_tokens.weight", self.vocab * h)]
-        for i in range(self.layers):
-            sizes += [(f"model.layers.{i}.{name}", n) for name, n in layer]
-        sizes.append(("model.norm.weight", h))
-        if not self.tied_embeddings:
-            sizes.append(("lm_head.weight", self.vocab * h))
-        return sizes
+        return [(name, math.prod(shape)) for name, shape in self.named_shapes()]
 
     @property
     def parameters(self) -> int:
@@ -409,7 +414,54 @@ SGLANG_WEIGHT_SYNC_ENV = "RLJOB_SGLANG_WEIGHT_SYNC"
 SGLANG_WEIGHT_SYNC_DEFAULT = "direct"
 
 
-SYNC_SWITCHES = (FLAT_SHARDS_ENV, SGLANG_WEIGHT_SYNC_ENV)
+# RLJOB_TP_SHARDED_SYNC=0 sends full buckets to one TP engine over all the ranks, instead of
+# shard to shard (rljob_worker/tp_shards.py, tp_sharded_sync below).
+TP_SHARDED_SYNC_ENV = "RLJOB_TP_SHARDED_SYNC"
+
+SYNC_SWITCHES = (FLAT_SHARDS_ENV, SGLANG_WEIGHT_SYNC_ENV, TP_SHARDED_SYNC_ENV)
+
+# How a tensor travels in the shard-to-shard sync (shard_kind; rljob_worker/tp_shards.py).
+SHARD_ROWS, SHARD_COLS, SHARD_ALL = "rows", "cols", "all"
+# sglang pads its vocabulary-parallel embedding and LM head to a multiple of this
+# (DEFAULT_VOCAB_PADDING_SIZE, 0.5.17 and 0.5.23): only a vocabulary of W such multiples splits
+# as FSDP's rows do. The loader's coverage check catches a release that pads otherwise.
+VOCAB_PADDING = 64
+
+
+def shard_kind(
+    name: str, shape: Sequence[int], heads: int, kv_heads: int, world: int
+) -> str | None:
+    """How the full tensor `name` of `shape` travels from FSDP rank r to TP rank r's engine
+    when both number `world` (rljob_worker/tp_shards.py): SHARD_ROWS (rank r's own dim-0
+    shard is TP rank r's part: no exchange), SHARD_COLS (TP rank r needs column block r of
+    every rank's rows: o_proj, down_proj), SHARD_ALL (every rank's rows: norms, KV heads
+    shared by ranks, a padded vocabulary); None where it cannot go by shards (no rows, or rows
+    `world` does not divide: FSDP's last shards are then short)."""
+    if not shape or shape[0] % world:
+        return None
+    dense = _DENSE_NAME.fullmatch(name)
+    part = (dense.group("attn") or dense.group("mlp")) if dense else None
+    if part == "q_proj":
+        return SHARD_ROWS if heads % world == 0 else SHARD_ALL
+    if part in ("k_proj", "v_proj"):
+        return SHARD_ROWS if kv_heads % world == 0 else SHARD_ALL
+    if part in ("gate_proj", "up_proj") and name.endswith(".weight"):
+        return SHARD_ROWS
+    if part in ("o_proj", "down_proj") and name.endswith(".weight") and len(shape) == 2:
+        return SHARD_COLS if shape[1] % world == 0 else SHARD_ALL
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return SHARD_ROWS if shape[0] % (VOCAB_PADDING * world) == 0 else SHARD_ALL
+    # Anything else (norms, an MoE expert's or another architecture's projections, a nested
+    # model's names) goes whole: the engine's loader places it, or sglang's own takes it.
+    return SHARD_ALL
+
+
+# The dense decoder's projections as Qwen2 and Llama name them (what the loader's rules place).
+_DENSE_NAME = re.compile(
+    r"model\.layers\.\d+\."
+    r"(?:self_attn\.(?P<attn>[qkvo]_proj)|mlp\.(?P<mlp>gate_proj|up_proj|down_proj))"
+    r"\.(?:weight|bias)"
+)
 
 
 def flat_shards_on(value: str) -> bool:
@@ -449,6 +501,21 @@ def sync_as_stored(spec: RLJobSpec, world: int) -> bool:
         choice = _switch(spec, SGLANG_WEIGHT_SYNC_ENV)
         return choice is not None and sglang_weight_sync(choice) == SGLANG_WEIGHT_SYNC_DEFAULT
     return True
+
+
+def tp_sharded_sync(spec: RLJobSpec, world: int) -> bool:
+    """Whether the weight sync goes shard to shard (rljob_worker/tp_shards.py): one sglang
+    engine over all of the job's ranks (tensorParallelSize equal to them, more than one),
+    rljob's loader (the default hand-off) and RLJOB_TP_SHARDED_SYNC not 0. Where a switch comes
+    from a Secret or ConfigMap the plan counts full buckets (more)."""
+    if spec.rollout.engine is not EngineName.SGLANG or world < 2:
+        return False
+    if spec.rollout.tensor_parallel_size != world:
+        return False
+    choice, sharded = _switch(spec, SGLANG_WEIGHT_SYNC_ENV), _switch(spec, TP_SHARDED_SYNC_ENV)
+    if choice is None or sglang_weight_sync(choice) != SGLANG_WEIGHT_SYNC_DEFAULT:
+        return False
+    return sharded is not None and sharded.strip() != "0"
 
 
 def with_process_switches(spec: RLJobSpec, environ: Mapping[str, str]) -> RLJobSpec:
@@ -502,20 +569,60 @@ def gather_bytes(spec: RLJobSpec, shape: ModelShape, world: int) -> int:
     if sync_as_stored(spec, world):
         return 0
     dtype = DTYPE_BYTES[spec.model.dtype]
-    sizes = [(name, n * dtype) for name, n in shape.named_sizes()]
+    shapes = dict(shape.named_shapes())
+    sizes = [(name, math.prod(dims) * dtype) for name, dims in shapes.items()]
     by_name = dict(sizes)
-    buckets = [
-        sum(by_name[n] for n in names)
-        for names in plan_buckets(sizes, bucket_megabytes(spec) << 20)
-    ]
+    sharded = tp_sharded_sync(spec, world)
 
-    def gathering(b: int) -> int:
-        return b if world == 1 else math.ceil(b / world) + 2 * b
+    def bucket(names: list[str]) -> tuple[int, int, bool]:
+        """(what the bucket holds while gathered, what stays held while it is handed over,
+        whether it goes shard to shard)."""
+        b = sum(by_name[n] for n in names)
+        if world == 1:
+            return b, b, False
+        if sharded:  # one buffer a bucket, held whole until the next one's is made
+            held = shard_bucket_bytes([(n, shapes[n]) for n in names], shape, world, dtype)
+            if held is not None:
+                return held, held, True
+        return math.ceil(b / world) + 2 * b, b, False
 
-    peaks = [gathering(buckets[0])] + [
-        prev + gathering(cur) for prev, cur in itertools.pairwise(buckets)
+    buckets = [bucket(names) for names in plan_buckets(sizes, bucket_megabytes(spec) << 20)]
+    peaks = [buckets[0][0]] + [prev[1] + cur[0] for prev, cur in itertools.pairwise(buckets)]
+    # A sharded bucket's buffer is made while the one before is held and the one before that
+    # sits freed in torch's caching allocator, reused only if the new one fits in it: count
+    # all three (7B over two H200s, 4096 MiB buckets: 41.0 GiB measured in wake_weights, 39.2
+    # planned with two; bench/results/raw/sync-7b-tp2-sharded-h200x2/).
+    peaks += [
+        first[1] + second[1] + third[0]
+        for first, second, third in zip(buckets, buckets[1:], buckets[2:], strict=False)
+        if third[2]
     ]
     return max(peaks)
+
+
+# Each block of a shard-to-shard bucket starts at a multiple of this many bytes.
+SHARD_ALIGN_BYTES = 16
+
+
+def shard_bucket_bytes(
+    named: Sequence[tuple[str, Sequence[int]]], shape: ModelShape, world: int, dtype: int
+) -> int | None:
+    """One rank's buffer of a bucket sent shard to shard (rljob_worker/tp_shards.py: its own
+    blocks, and the blocks it receives from and sends to each other rank, each aligned to
+    SHARD_ALIGN_BYTES); None where a tensor of it goes by the full gather."""
+
+    def aligned(n: int) -> int:
+        return -(-n // SHARD_ALIGN_BYTES) * SHARD_ALIGN_BYTES
+
+    own = region = 0
+    for name, dims in named:
+        kind = shard_kind(name, dims, shape.heads, shape.kv_heads, world)
+        if kind is None:
+            return None
+        block = math.prod(dims) // world // (world if kind == SHARD_COLS else 1) * dtype
+        own += aligned(block)
+        region += 0 if kind == SHARD_ROWS else aligned(block)
+    return own + 2 * (world - 1) * region
 
 
 def parts(

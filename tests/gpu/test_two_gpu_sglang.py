@@ -192,9 +192,13 @@ def _weight_check(sent: dict[str, str], held: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def _tp_rank_main(rank: int, init_method: str, dirs: list[str], results: Any) -> None:
+def _tp_rank_main(
+    rank: int, init_method: str, dirs: list[str], sharded: bool, results: Any
+) -> None:
     """One rank of a TP=2 group: the engine starts on checkpoint dirs[0]; for each checkpoint an
-    FSDP2 trainer over both ranks holds it and sends it in buckets, staged.
+    FSDP2 trainer over both ranks holds it and sends it in buckets, staged; `sharded`, shard to
+    shard (tp_shards: no full tensor on either rank), what the trainer holds digested from the
+    full gather beside it.
 
     After each update it records: the engine's weights read back from both TP ranks' shards
     (named_weights) against what the trainer sent, digest by digest; the greedy answers; and
@@ -206,6 +210,7 @@ def _tp_rank_main(rank: int, init_method: str, dirs: list[str], results: Any) ->
     from rljob_worker.engines import make_engine
     from rljob_worker.engines.base import TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS
     from rljob_worker.loop import tensor_digest
+    from rljob_worker.tp_shards import ShardedBucket, parse_payload
     from rljob_worker.train import Trainer
 
     device = torch.device(f"cuda:{rank}")
@@ -236,9 +241,20 @@ def _tp_rank_main(rank: int, init_method: str, dirs: list[str], results: Any) ->
             engine.resume([TAG_WEIGHTS])
             sent: dict[str, str] = {}
             for bucket in trainer.weight_buckets(1 << 20, torch.bfloat16):
-                engine.update_weights(bucket)
+                if not sharded:
+                    engine.update_weights(bucket)
                 sent.update((name, tensor_digest(tensor)) for name, tensor in bucket)
                 del bucket  # two buckets at most: the next one's gather overlaps this hand-off
+            if sharded:
+                out["shard_world"] = engine.shard_world
+                kinds: dict[str, int] = {}
+                for piece in trainer.shard_buckets(1 << 20, torch.bfloat16, engine.shard_world):
+                    assert isinstance(piece, ShardedBucket), "every bucket goes shard to shard"
+                    for entry in parse_payload(piece.name).entries:
+                        kinds[entry.kind] = kinds.get(entry.kind, 0) + 1
+                    engine.update_weights_sharded(piece)
+                    del piece
+                out["kinds"] = kinds
             engine.flush_cache()
             out["flattened"] = engine.flattened_buckets
             out["direct"] = engine.direct_buckets
@@ -271,11 +287,12 @@ BF16_SPREAD_FACTOR = 3.0
 FLOOR_NATS = 0.1
 
 
-@pytest.mark.parametrize("sync_path", ["tensors", "flattened_bucket", "direct"])
+@pytest.mark.parametrize("sync_path", ["tensors", "flattened_bucket", "direct", "sharded"])
 def test_tp2_weights_equal_the_trainers_after_every_update_and_answers_part_only_at_near_ties(
     tmp_path: Path, sync_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Checkpoints A, B and C, each sent by an FSDP2 trainer over both ranks to one engine.
+    """Checkpoints A, B and C, each sent by an FSDP2 trainer over both ranks to one engine
+    ("sharded": rljob's loader, each bucket shard to shard, rljob_worker.tp_shards).
 
     After each update: every weight the engine holds, read back from both TP ranks' shards, is
     the trainer's bit for bit; SGLang's teacher-forced log-probs agree with a float32 reference
@@ -290,15 +307,21 @@ def test_tp2_weights_equal_the_trainers_after_every_update_and_answers_part_only
 
     # The ranks (spawned) inherit it: one payload or buffer per rank and bucket, or one handle per
     # tensor.
-    monkeypatch.setenv(WEIGHT_SYNC_ENV, sync_path)
+    sharded = sync_path == "sharded"
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, "direct" if sharded else sync_path)
     # The direct path must place every tensor itself (its schedulers inherit this): a fallback
     # to sglang's load_weights would pass the weights check while measuring the wrong path.
     monkeypatch.setenv("RLJOB_SGLANG_DIRECT_STRICT", "1")
-    out = run_ranks(_tp_rank_main, RANKS, [str(d) for d in dirs], timeout_seconds=900)
+    out = run_ranks(_tp_rank_main, RANKS, [str(d) for d in dirs], sharded, timeout_seconds=900)
     for rank in range(RANKS):
         assert "error" not in out[rank], out[rank].get("error")
         assert out[rank]["flattened"] == (sync_path == "flattened_bucket")
-        assert out[rank]["direct"] == (sync_path == "direct")
+        assert out[rank]["direct"] == (sync_path in ("direct", "sharded"))
+        if sharded:
+            print(f"rank {rank}: tensors by kind {out[rank]['kinds']}")
+            assert out[rank]["shard_world"] == RANKS
+            # The row-parallel weights go by columns and most others by the rank's own rows.
+            assert out[rank]["kinds"].get("cols", 0) > 0 and out[rank]["kinds"].get("rows", 0) > 0
 
     # 1. Weights: every parameter, on every rank's read of both TP ranks' shards, bit for bit.
     checks = [

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rljob.api import AttemptKnobs, CheckpointSpec, EngineName, RLJobSpec, WakeUp
+from rljob.api import AttemptKnobs, CheckpointSpec, EngineName, EnvVar, RLJobSpec, WakeUp
 from rljob.oom_policy import (
     Outcome,
     admit,
@@ -25,6 +26,7 @@ from rljob.plan import (
     FLAT_SHARDS_ENV,
     SGLANG_WEIGHT_SYNC_DEFAULT,
     SGLANG_WEIGHT_SYNC_ENV,
+    TP_SHARDED_SYNC_ENV,
     ModelShape,
     Parts,
     gather_bytes,
@@ -37,6 +39,7 @@ from rljob.plan import (
     reserved_bytes,
     stage_peaks,
     sync_as_stored,
+    tp_sharded_sync,
     with_process_switches,
 )
 from rljob.plan_cli import main as plan_main
@@ -195,6 +198,105 @@ def test_a_switch_named_without_a_value_is_unset() -> None:
     rollout = {"engine": "sglang", "wakeUp": "single", "memFractionStatic": 0.9}
     spec = bench_spec(env=[{"name": FLAT_SHARDS_ENV}], rollout=rollout)
     assert sync_as_stored(spec, 1)
+
+
+def _tp_spec(world: int, **env: str) -> RLJobSpec:
+    """bench_spec's job on sglang with one engine over `world` cards (tensorParallelSize), the
+    whole 3B model in one bucket, and these env values."""
+    return bench_spec(
+        env=[{"name": k, "value": v} for k, v in env.items()],
+        rollout={"engine": "sglang", "wakeUp": "staged", "memFractionStatic": 0.9,
+                 "tensorParallelSize": world, "weightSyncBucketMegabytes": 8192},
+        resources={"workers": 1, "gpusPerWorker": world},
+    )  # fmt: skip
+
+
+def test_a_sync_shard_to_shard_holds_a_rank_half_and_what_crosses_between_the_two() -> None:
+    """One engine over both ranks (TP 2 = FSDP 2), the whole 3B model in one bucket: each rank
+    holds its own half of every tensor (a quarter of o_proj and down_proj: its rows, its
+    columns) and, received and sent, its half of the norms and a quarter of o_proj and
+    down_proj; the full gather holds half a bucket sent, the whole received and the output."""
+    h, i, layers = 2048, 11008, 36
+    embed = 151936 * h  # 151936 = 64 x 2374: split as FSDP's rows (tied: one tensor)
+    qkv = h * h + h + 2 * (256 * h + 256)  # 2 KV heads of 128: one per rank
+    cols = h * h + h * i  # o_proj, down_proj
+    rows = qkv + 2 * h * i  # q/k/v and their biases, gate, up
+    norms = 2 * h
+    own = (embed // 2 + layers * (rows // 2 + cols // 4 + norms // 2) + h // 2) * 2
+    # Each block at a multiple of 16 bytes: only the k and v biases' 128 elements (256 bytes)
+    # and everything else already are; none padded.
+    crossing = (layers * (cols // 4 + norms // 2) + h // 2) * 2
+    sharded = _tp_spec(2)
+    assert tp_sharded_sync(sharded, 2)
+    assert gather_bytes(sharded, SHAPE_3B, 2) == own + 2 * crossing
+    whole = SHAPE_3B.parameters * 2
+    full = _tp_spec(2, **{TP_SHARDED_SYNC_ENV: "0"})
+    assert not tp_sharded_sync(full, 2)
+    assert gather_bytes(full, SHAPE_3B, 2) == whole // 2 + 2 * whole
+    assert own + 2 * crossing < whole // 2 + 2 * whole
+
+
+def test_the_plans_shard_to_shard_buffer_is_the_one_the_trainer_lays_out() -> None:
+    """rljob.plan.shard_bucket_bytes against rljob_worker.tp_shards.shard_layout (the buffer
+    the trainer allocates), bucket by bucket, for the 3B and 7B shapes at 2 and 4 ranks."""
+    import torch
+
+    from rljob.plan import plan_buckets, shard_bucket_bytes
+    from rljob_worker.tp_shards import shard_kind, shard_layout
+
+    seven = ModelShape(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4,
+                       vocab=152064, tied_embeddings=False)  # fmt: skip
+    for shape in (SHAPE_3B, seven):
+        shapes = dict(shape.named_shapes())
+        sizes = [(n, math.prod(s) * 2) for n, s in shapes.items()]
+        for world in (2, 4):
+            for names in plan_buckets(sizes, 512 << 20):
+                named = [(n, shapes[n]) for n in names]
+                kinds = [shard_kind(n, s, shape.heads, shape.kv_heads, world) for n, s in named]
+                known = [k for k in kinds if k is not None]
+                if len(known) < len(kinds):
+                    assert shard_bucket_bytes(named, shape, world, 2) is None
+                    continue
+                laid = shard_layout(
+                    [(n, s, k) for (n, s), k in zip(named, known, strict=True)], world,
+                    torch.bfloat16,
+                )  # fmt: skip
+                assert shard_bucket_bytes(named, shape, world, 2) == laid.total_bytes
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "env", "sharded"),
+    [
+        (2, 2, {}, True),
+        (4, 4, {SGLANG_WEIGHT_SYNC_ENV: "direct", TP_SHARDED_SYNC_ENV: "1"}, True),
+        (2, 1, {}, False),  # an engine per card: each needs the whole model
+        (2, 2, {SGLANG_WEIGHT_SYNC_ENV: "flattened_bucket"}, False),  # not rljob's loader
+        (2, 2, {TP_SHARDED_SYNC_ENV: "0"}, False),
+        (1, 1, {}, False),
+    ],
+)
+def test_the_plan_counts_a_shard_to_shard_sync_only_where_the_worker_sends_one(
+    world: int, tp: int, env: dict[str, str], sharded: bool
+) -> None:
+    spec = _tp_spec(tp, **env)
+    assert tp_sharded_sync(spec, world) is sharded
+
+
+def test_a_shard_to_shard_switch_from_a_secret_counts_full_buckets_until_the_rank_reads_it() -> (
+    None
+):
+    spec = _tp_spec(2)
+    spec = spec.model_copy(
+        update={
+            "env": [
+                *spec.env,
+                EnvVar.model_validate({"name": TP_SHARDED_SYNC_ENV, "valueFrom": SECRET_REF}),
+            ]
+        }
+    )
+    assert not tp_sharded_sync(spec, 2)
+    assert tp_sharded_sync(with_process_switches(spec, {}), 2)
+    assert not tp_sharded_sync(with_process_switches(spec, {TP_SHARDED_SYNC_ENV: "0"}), 2)
 
 
 def test_the_plans_sync_switches_are_the_workers() -> None:

@@ -14,6 +14,7 @@ from rljob.api import RLJobSpec, WakeUp, load_manifest
 from rljob.plan import (
     ALLOCATOR_SLACK_BYTES,
     SGLANG_TP_RESIDENT_BYTES,
+    TP_SHARDED_SYNC_ENV,
     TRAIN_RESIDUAL_BYTES,
     AutoRefused,
     GiB,
@@ -52,6 +53,8 @@ def bench_spec(tp: int, mode: Any = "staged", fraction: Any = 0.95) -> RLJobSpec
             "training": {"microBatchSize": 4, "overlapStaging": "Off"},
             "resources": {"gpusPerWorker": 2} if tp > 1 else {"workers": 2},
             "offload": "Always",
+            # They predate the shard-to-shard sync (rljob_worker/tp_shards.py): full buckets.
+            "env": [{"name": TP_SHARDED_SYNC_ENV, "value": "0"}],
         }
     )  # fmt: skip
 
@@ -103,6 +106,40 @@ def _runs() -> list[tuple[int, dict[str, Any]]]:
         assert result["environment"]["device_total_bytes"] == H200
         found += [(int(result["environment"]["tp"]), point) for point in result["points"]]
     return found
+
+
+SEVEN_B_RUNS = RUNS.parent / "sync-7b-tp2-sharded-h200x2"
+# Qwen2.5-7B: 28 layers, hidden 3584, MLP 18944, 28 heads, 4 KV heads, 152064 tokens, untied.
+SHAPE_7B = ModelShape(28, 3584, 18944, 28, 4, 152064, False)
+
+
+@pytest.mark.parametrize(
+    "point", ["mb4096-full", "mb4096-sharded", "mb16384-full", "mb16384-sharded"]
+)
+def test_the_plan_holds_the_weight_sync_of_7b_over_two_h200s_from_above(point: str) -> None:
+    """One engine over two H200s (TP 2), staged 0.85: the wake_weights stage, where the sync's
+    buffers sit beside the engine's weights, full buckets against shard to shard, in buckets
+    of 4096 MiB and in one: within 2% of what rank 0 measured, never below."""
+    result = json.loads((SEVEN_B_RUNS / point / "colocate.json").read_text())
+    measured = result["points"][0]["stage_peak_bytes"]["wake_weights"]
+    megabytes, send = point.removeprefix("mb").split("-")
+    spec = RLJobSpec.model_validate(
+        {
+            "model": {"path": "/models/qwen2.5-7b"},
+            "algorithm": {"groupSize": 8, "klCoef": 0.001, "iterations": 3},
+            "data": {"trainBatchSize": 4, "maxResponseLength": 128},
+            "rollout": {"engine": "sglang", "wakeUp": "staged", "memFractionStatic": 0.85,
+                        "tensorParallelSize": 2, "weightSyncBucketMegabytes": int(megabytes)},
+            "training": {"microBatchSize": 4},
+            "resources": {"gpusPerWorker": 2},
+            "offload": "Always",
+            "env": [{"name": TP_SHARDED_SYNC_ENV, "value": "0" if send == "full" else "1"}],
+        }
+    )  # fmt: skip
+    total = result["environment"]["device_total_bytes"]
+    plan = mode_plan(spec, SHAPE_7B, total, 2)
+    predicted = {str(s.stage): s.peak_bytes for s in plan.stages}["wake_weights"]
+    assert 0 <= predicted - measured < 0.02 * measured
 
 
 def test_the_plan_holds_every_completed_tp_point_on_two_h200s_from_above() -> None:

@@ -21,7 +21,10 @@ import torch
 from support.sglang_standin import (
     HANDOFF_DIRECT_STAND_IN,
     SGLangEngineStandIn,
-    sglang_shards,
+    assert_holds,
+    engine_model,
+    expected_shards,
+    full_weights,
 )
 from test_weight_sync import _adapter
 
@@ -51,82 +54,6 @@ CONFIG: dict[str, Any] = {
     "vocab_size": 100,
     "num_hidden_layers": 2,
 }
-
-
-def full_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    """The trainer's full tensors by Hugging Face name (a tied head is not a tensor of its own,
-    as named_parameters() gives it), in bf16 as the sync sends them."""
-    g = torch.Generator().manual_seed(seed)
-    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    head_dim = h // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).bfloat16()
-
-    out = {"model.embed_tokens.weight": rand(v, h), "model.norm.weight": rand(h)}
-    for layer in range(config["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        out |= {
-            f"{p}.self_attn.q_proj.weight": rand(h, h),
-            f"{p}.self_attn.q_proj.bias": rand(h),
-            f"{p}.self_attn.k_proj.weight": rand(kv, h),
-            f"{p}.self_attn.k_proj.bias": rand(kv),
-            f"{p}.self_attn.v_proj.weight": rand(kv, h),
-            f"{p}.self_attn.v_proj.bias": rand(kv),
-            f"{p}.self_attn.o_proj.weight": rand(h, h),
-            f"{p}.mlp.gate_proj.weight": rand(i, h),
-            f"{p}.mlp.up_proj.weight": rand(i, h),
-            f"{p}.mlp.down_proj.weight": rand(h, i),
-            f"{p}.input_layernorm.weight": rand(h),
-            f"{p}.post_attention_layernorm.weight": rand(h),
-        }
-    if not config.get("tie_word_embeddings"):
-        out["lm_head.weight"] = rand(v, h)
-    return out
-
-
-def expected_shards(
-    full: dict[str, torch.Tensor], config: dict[str, Any], rank: int, tp: int
-) -> dict[str, torch.Tensor]:
-    """TP rank `rank`'s parameters by the names sglang's model holds them under: the oracle's
-    shards, with a tied head under the embedding's name (one parameter, named_parameters())."""
-    shards = sglang_shards(full, config, rank, tp)
-    if config.get("tie_word_embeddings"):
-        shards["model.embed_tokens.weight"] = shards.pop("lm_head.weight")
-    return shards
-
-
-class EngineModelStandIn(torch.nn.Module):
-    """sglang's model as its loader sees it (a stand-in): parameters under sglang's names with
-    this TP rank's shapes, zeros at first; `config`; and `load_weights`, which records what it
-    was given (sglang's own loader, for what the direct rules do not place)."""
-
-    def __init__(self, shapes: dict[str, torch.Size], config: dict[str, Any]) -> None:
-        super().__init__()
-        self.config = config
-        self.held = torch.nn.ParameterDict(
-            {n.replace(".", "__"): torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
-        )
-        self.given: list[str] = []
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # sglang's names
-        return ((name.replace("__", "."), p) for name, p in self.held.items())
-
-    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        self.given += [name for name, _ in weights]
-
-
-def engine_model(full: dict[str, torch.Tensor], config: dict[str, Any], rank: int, tp: int) -> Any:
-    shapes = {n: t.shape for n, t in expected_shards(full, config, rank, tp).items()}
-    return EngineModelStandIn(shapes, config)
-
-
-def assert_holds(model: Any, expected: dict[str, torch.Tensor]) -> None:
-    held = dict(model.named_parameters())
-    assert sorted(held) == sorted(expected)
-    wrong = [n for n in expected if not torch.equal(held[n].data, expected[n])]
-    assert not wrong, f"{len(wrong)} of {len(expected)} parameters differ: {wrong[:4]}"
 
 
 @pytest.mark.parametrize("tied", [False, True])

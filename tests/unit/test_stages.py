@@ -18,6 +18,7 @@ from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM, parse_oom_m
 from rljob_worker.rl_math import batch_advantages, group_advantages
 from rljob_worker.stages import SINGLE_ORDER, STAGED_ORDER, StageMachine, stage_order
 from rljob_worker.staging import Staging
+from rljob_worker.tp_shards import ShardedBucket
 from rljob_worker.train import Experience, NamedTensors, TrainStats, plan_buckets
 
 REAL_OOM_MESSAGE = (
@@ -77,6 +78,13 @@ class RecordingTrainer:
     ) -> Iterator[NamedTensors]:
         self.log.append("gather" + (" for an engine that casts" if engine_casts else ""))
         yield [("a", torch.zeros(2, dtype=dtype)), ("b", torch.ones(2, dtype=dtype))]
+
+    def shard_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype, shard_world: int
+    ) -> Iterator[ShardedBucket]:
+        # As train.shard_bucket gives it: a payload name and this rank's bytes.
+        self.log.append(f"gather sharded over {shard_world}")
+        yield ShardedBucket(["a", "b"], "rljob-tp-bucket:{}", torch.zeros(4, dtype=torch.uint8))
 
 
 class RecordingEngine:
@@ -171,6 +179,33 @@ def test_an_engine_that_casts_is_asked_for_buckets_it_may_cast() -> None:
     machine.engine.casts_weights = True  # type: ignore[attr-defined]
     machine.run_iteration(0)
     assert "gather for an engine that casts" in log and "gather" not in log
+
+
+class ShardedRecordingEngine(RecordingEngine):
+    """A RecordingEngine that takes buckets shard to shard (ShardedWeights), as one
+    TensorParallelEngine over every rank does."""
+
+    shard_world = 2
+
+    def update_weights_sharded(self, bucket: ShardedBucket) -> None:
+        self.log.append(f"sharded update:{'+'.join(bucket.names)}")
+
+
+def test_an_engine_over_every_rank_is_sent_buckets_shard_to_shard_unless_a_hook_reads_them() -> (
+    None
+):
+    machine, _, log = _machine(WakeUp.STAGED)
+    machine.engine = ShardedRecordingEngine(log)
+    machine.run_iteration(0)
+    assert "gather sharded over 2" in log and "sharded update:a+b" in log
+    assert "update:a+b" not in log
+    # A hook that reads each bucket's full tensors (--verify-weights) gets full buckets.
+    machine, _, log = _machine(WakeUp.STAGED)
+    machine.engine = ShardedRecordingEngine(log)
+    seen: list[list[str]] = []
+    machine.after_weight_update = lambda _, bucket: seen.append([n for n, _ in bucket])
+    machine.run_iteration(0)
+    assert "gather" in log and "update:a+b" in log and seen == [["a", "b"]]
 
 
 def test_staged_order_is_the_canonical_stage_order() -> None:

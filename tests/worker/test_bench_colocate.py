@@ -431,6 +431,50 @@ def test_the_link_probe_gathers_every_ranks_part_and_reports_its_bandwidths(
     assert result["backend"] == "gloo" and result["ranks"] == 2
 
 
+def _shard_profile_rank(rank: int, init_method: str, results: Any) -> None:
+    import torch
+    from support.ranks import gloo_rank
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    colocate = bench_module("colocate.py", "bench_colocate_shard_profile")
+    config: dict[str, Any] = {"hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
+              "tie_word_embeddings": False}  # fmt: skip
+    with gloo_rank(rank, 2, init_method, results) as out:
+        mesh = init_device_mesh("cpu", (2,))
+        with torch.device("meta"):
+            meta = list(Qwen2ForCausalLM(Qwen2Config(**config)).named_parameters())
+        shards = [distribute_tensor(torch.randn(p.shape), mesh, [Shard(0)]) for _, p in meta]
+        runs: list[int] = []
+
+        def timed(work: Any) -> float:
+            runs.append(1)
+            work()
+            return 0.5
+
+        out.update(colocate._profile_shard_send(meta, shards, config, 1, 2, timed))
+        out["runs"] = len(runs)
+
+
+def test_the_sync_profile_times_the_shard_to_shard_send_by_part_on_two_ranks() -> None:
+    """profile_weight_sync's shard-to-shard rows on gloo (their figures mean nothing there):
+    every part runs, and the bytes exchanged are what a rank receives of a one-bucket model of
+    two layers: per layer its columns of the other rank's o_proj rows (8 x 8) and down_proj
+    rows (8 x 12) and half of each norm (8 + 8), and half of the final norm: 360 elements in
+    bf16 (as tests/unit/test_tp_shards.py counts them)."""
+    from support.ranks import run_ranks
+
+    out = run_ranks(_shard_profile_rank, 2)
+    for rank in (0, 1):
+        assert "error" not in out[rank], out[rank]
+        assert out[rank]["runs"] == 4
+        assert out[rank]["shard_exchange_bytes"] == 720.0
+        for part in ("send", "fill", "exchange", "exchange_as_all_gather"):
+            assert out[rank][f"shard_{part}_seconds"] == 0.5
+
+
 def test_each_iterations_sync_is_the_one_of_the_rank_that_reached_it_last() -> None:
     """The rank that reached the first all-gather last waited for nobody: its sync (the least)
     and its own hand-off stand for the iteration, not rank 0's, whose sync may hold the wait."""

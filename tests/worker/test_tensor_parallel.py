@@ -55,8 +55,15 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     from support.sglang_standin import NEWEST as SGLANG_NEWEST
 
     from rljob_worker.engines import make_engine, sglang_engine
-    from rljob_worker.engines.base import ALL_TAGS, TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS
+    from rljob_worker.engines.base import (
+        ALL_TAGS,
+        TAG_CUDA_GRAPH,
+        TAG_KV_CACHE,
+        TAG_WEIGHTS,
+        ShardedWeights,
+    )
     from rljob_worker.engines.base import SamplingParams as Sampling
+    from rljob_worker.tp_shards import PAYLOAD_PREFIX, ShardedBucket
 
     built: list[SGLangEngineStandIn] = []
     resumed_at: list[float] = []  # when the leader's engine resumed memory (CLOCK_MONOTONIC)
@@ -83,9 +90,12 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     sglang_engine.installed_contract = lambda: SGLANG_NEWEST  # type: ignore[assignment]
     # "flattened": the installed sglang has the flattened-bucket path (one payload per bucket).
     # "direct": rljob's loader in the schedulers (one buffer per rank and bucket).
-    handoff = {"flattened": HANDOFF_FLAT_STAND_IN, "direct": HANDOFF_DIRECT_STAND_IN}.get(
-        scenario, HANDOFF_STAND_IN
-    )
+    # "sharded", "sharded_apart": the direct path, buckets sent shard to shard (tp_shards), all
+    # ranks under one payload name, or rank 1 under another.
+    direct = scenario in ("direct", "sharded", "sharded_apart")
+    handoff = HANDOFF_DIRECT_STAND_IN if direct else HANDOFF_STAND_IN
+    if scenario == "flattened":
+        handoff = HANDOFF_FLAT_STAND_IN
     # The hand-off each scenario takes is the one decision: the group's and its engine's. The
     # variable is unset (the default, direct) and must not matter.
     os.environ.pop(sglang_engine.WEIGHT_SYNC_ENV, None)
@@ -94,6 +104,10 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
         "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
     )
     out: dict[str, Any] = {"generated": [], "loaded": [], "engines_here": 0}
+    # "sharded_apart": rank 1 alone has the shard-to-shard sync switched off.
+    os.environ.pop("RLJOB_TP_SHARDED_SYNC", None)
+    if scenario == "sharded_apart" and rank == 1:
+        os.environ["RLJOB_TP_SHARDED_SYNC"] = "0"
     try:
         node = f"node-{rank}" if scenario == "spans_nodes" else "node-a"
         engine = make_engine(_spec(), device="cuda:0", node=node)
@@ -111,13 +125,24 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
                 os.kill(os.getpid(), signal.SIGKILL)
             arrive_at_resume()
             engine.resume([TAG_WEIGHTS])
-            # Distinct tensors per rank show which rank's tensor each TP scheduler loaded.
-            engine.update_weights(
-                [
-                    ("layer.a", torch.full((3,), float(10 * iteration + rank))),
-                    ("layer.b", torch.arange(4.0) + 100 * rank + iteration),
-                ]
-            )
+            assert isinstance(engine, ShardedWeights)  # a TensorParallelEngine
+            out["shard_world"] = engine.shard_world
+            if scenario.startswith("sharded"):
+                # Each rank's own buffer under the bucket's one name (rank 1 apart: another).
+                layout = '{"world":2,"entries":[]}' if rank == 0 or scenario == "sharded" else "x"
+                engine.update_weights_sharded(
+                    ShardedBucket(
+                        [], PAYLOAD_PREFIX + layout, torch.full((4,), 10 * iteration + rank)
+                    )
+                )
+            else:
+                # Distinct tensors per rank show which rank's tensor each TP scheduler loaded.
+                engine.update_weights(
+                    [
+                        ("layer.a", torch.full((3,), float(10 * iteration + rank))),
+                        ("layer.b", torch.arange(4.0) + 100 * rank + iteration),
+                    ]
+                )
             if built:  # copy what the schedulers loaded while rank 1's tensors are alive
                 out["loaded"].append(
                     {n: [t.tolist() for t in ts] for n, ts in built[0].loaded.items()}
@@ -169,6 +194,8 @@ def test_one_engine_per_group_on_the_groups_gpus_each_rank_gets_its_own_answers(
     # One load per bucket and iteration on the path taken, none on the others.
     assert out[0]["flattened_loads"] == (ITERATIONS if scenario == "flattened" else 0)
     assert out[0]["direct_loads"] == (ITERATIONS if scenario == "direct" else 0)
+    # Only rljob's loader takes buckets shard to shard (the engine spans both ranks).
+    assert out[0]["shard_world"] == out[1]["shard_world"] == (2 if scenario == "direct" else None)
     # Only the direct path declares rljob's loader to sglang at start-up.
     declared = out[0]["init"].get("custom_weight_loader")
     assert declared == ([DIRECT_LOADER] if scenario == "direct" else None)
@@ -204,6 +231,31 @@ def test_one_engine_per_group_on_the_groups_gpus_each_rank_gets_its_own_answers(
     # Both ranks' prompts in one batch, each request with its rank's seed.
     seeds = [params["sampling_seed"] for params in out[0]["sampling"]["sampling_params"]]
     assert seeds == [0, 1, 1000]
+
+
+def test_a_bucket_sent_shard_to_shard_gives_tp_rank_i_rank_is_buffer_under_one_name() -> None:
+    from rljob_worker.tp_shards import PAYLOAD_PREFIX
+
+    out = _run("sharded")
+    assert "error" not in out[0] and "error" not in out[1], out
+    # The engine spans both ranks with rljob's loader: the trainer may send shard to shard.
+    assert out[0]["shard_world"] == out[1]["shard_world"] == 2
+    assert out[0]["direct_loads"] == ITERATIONS
+    name = PAYLOAD_PREFIX + '{"world":2,"entries":[]}'
+    for iteration in range(ITERATIONS):
+        loaded = out[0]["loaded"][iteration]
+        assert loaded[name] == [[10 * iteration] * 4, [10 * iteration + 1] * 4]
+
+
+def test_ranks_that_send_a_sharded_bucket_under_different_layouts_fail_together() -> None:
+    """Rank 1 sends another layout's name: both ranks fail naming it. Rank 1 also has the
+    sync switched off (RLJOB_TP_SHARDED_SYNC=0): the engine tells neither rank to shard, so
+    no rank's environment alone picks the collective the others wait in."""
+    out = _run("sharded_apart")
+    for rank in (0, 1):
+        assert out[rank]["shard_world"] is None
+        _, message = out[rank]["error"]
+        assert "rank 1 sent a different bucket than rank 0" in message, out[rank]
 
 
 def test_the_leader_resumes_memory_only_once_every_rank_of_the_group_has_arrived() -> None:

@@ -16,9 +16,16 @@ import torch
 from rljob.api import WakeUp
 from rljob.report import Stage
 from rljob_worker import allocator_report
-from rljob_worker.engines.base import TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS, RolloutEngine
+from rljob_worker.engines.base import (
+    TAG_CUDA_GRAPH,
+    TAG_KV_CACHE,
+    TAG_WEIGHTS,
+    RolloutEngine,
+    ShardedWeights,
+)
 from rljob_worker.memory import MemoryMeter
 from rljob_worker.staging import Staging
+from rljob_worker.tp_shards import ShardedBucket
 from rljob_worker.train import Bucket, Experience, TrainStats
 from rljob_worker.weight_sync import record_span
 
@@ -102,6 +109,9 @@ class TrainerLike(Protocol):
     def weight_buckets(
         self, bucket_bytes: int, dtype: torch.dtype, *, engine_casts: bool = False
     ) -> Iterator[Bucket]: ...
+    def shard_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype, shard_world: int
+    ) -> Iterator[Bucket | ShardedBucket]: ...
 
 
 @dataclass
@@ -274,8 +284,16 @@ class StageMachine:
         # An engine that casts what it loads (casts_weights) may be handed the trainer's own
         # fp32 shards where they need no gather (one rank): no cast on this side, no buffer.
         casts = bool(getattr(self.engine, "casts_weights", False))
-        buckets = iter(
-            self.trainer.weight_buckets(self.bucket_bytes, self.engine_dtype, engine_casts=casts)
+        # One TP engine over every rank (ShardedWeights: TensorParallelEngine) is sent shard to
+        # shard, unless each bucket's full tensors are wanted here (after_weight_update).
+        sharded = self.engine if isinstance(self.engine, ShardedWeights) else None
+        shard_world = sharded.shard_world if sharded and self.after_weight_update is None else None
+        buckets: Iterator[Bucket | ShardedBucket] = iter(
+            self.trainer.shard_buckets(self.bucket_bytes, self.engine_dtype, shard_world)
+            if shard_world
+            else self.trainer.weight_buckets(
+                self.bucket_bytes, self.engine_dtype, engine_casts=casts
+            )
         )
         while True:
             waited = time.time()  # the spans are for bench/sync_trip.py (TIMINGS_ENV)
@@ -284,9 +302,14 @@ class StageMachine:
             if bucket is None:
                 break
             handing = time.perf_counter()
-            self.engine.update_weights(bucket)
+            if isinstance(bucket, ShardedBucket):
+                assert sharded is not None  # only asked for of a ShardedWeights engine
+                sharded.update_weights_sharded(bucket)
+            else:
+                self.engine.update_weights(bucket)
             handoff += time.perf_counter() - handing
             if self.after_weight_update is not None:
+                assert not isinstance(bucket, ShardedBucket)  # never asked for with the hook
                 self.after_weight_update(self._iteration, bucket)
             del bucket  # before the next gather: two buckets at most, as planned
         # Prefix caches computed with the old weights are wrong now.

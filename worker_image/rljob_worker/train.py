@@ -11,9 +11,10 @@ import functools
 import itertools
 import operator
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ from rljob.api import RLJobSpec
 from rljob.plan import FLAT_SHARDS_ENV as FLAT_SHARDS_ENV
 from rljob.plan import flat_shards_on
 from rljob.plan import plan_buckets as plan_buckets
+from rljob_worker import tp_shards
+from rljob_worker.engines.sglang_weights import DenseLayout
 from rljob_worker.model import torch_dtype
 
 # The rollout's record and the update's sums, used by the stage machine through this module.
@@ -54,6 +57,7 @@ from rljob_worker.weight_sync import (
 )
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+T = TypeVar("T")
 # A weight-sync bucket as gather_full gives it: a list, or a GatheredBucket with its layout.
 Bucket = Sequence[tuple[str, torch.Tensor]]
 
@@ -241,17 +245,78 @@ class SendPlan:
     source_entries: tuple[FlatEntry, ...] | None = None
 
     def holds(self, params: Sequence[torch.Tensor]) -> bool:
-        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
-            return False
-        locals_ = [_local_shard(p) for p in params]  # DTensors: the same objects as planned
-        return (
-            all(map(operator.is_, locals_, self.locals_))
-            and list(map(torch.Tensor.data_ptr, locals_))
-            == list(map(torch.Tensor.data_ptr, self.sources))
-            # A shard re-strided in place keeps its object and address: its layout is checked
-            # too (FSDP2 replaces _local_tensor instead, but nothing here relies on that).
-            and list(map(_layout, locals_)) == self.layouts
+        return _still_planned(params, self.params, self.locals_, self.sources, self.layouts)
+
+
+def _still_planned(
+    params: Sequence[torch.Tensor],
+    planned: Sequence[DTensor],
+    locals_: Sequence[torch.Tensor],
+    anchors: Sequence[torch.Tensor],
+    layouts: Sequence[tuple[torch.dtype, torch.Size, tuple[int, ...], int]],
+) -> bool:
+    """Whether a plan made for `planned` (their local shards `locals_`, a view of each in
+    `anchors`, their `layouts`) holds for `params`: the same objects over the same local
+    shards, each still where its view is (not given another storage) with the same layout."""
+    if len(params) != len(planned) or not all(map(operator.is_, params, planned)):
+        return False
+    now = [_local_shard(p) for p in params]  # DTensors: the same objects as planned
+    return (
+        all(map(operator.is_, now, locals_))
+        and list(map(torch.Tensor.data_ptr, now)) == list(map(torch.Tensor.data_ptr, anchors))
+        # A shard re-strided in place keeps its object and address: its layout is checked
+        # too (FSDP2 replaces _local_tensor instead, but nothing here relies on that).
+        and list(map(_layout, now)) == list(layouts)
+    )
+
+
+def shard_bucket(
+    params: Sequence[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    plans: dict[tuple[str, ...], tp_shards.ShardPlan],
+    layout: DenseLayout,
+) -> tp_shards.ShardedBucket | None:
+    """The bucket sent shard to shard (tp_shards) to an engine whose TP ranks are this job's
+    FSDP ranks (layout.tp_size of them), through its ShardPlan (made on first use); None where
+    it cannot go so (a tensor not a Shard(0) DTensor over that many ranks, or whose rows they do
+    not divide: gather_full then). The answer depends on shapes and placements only, the same
+    on every rank. Collective: every rank calls it with the same names in the same order."""
+    key = tuple(name for name, _ in params)
+    tensors = [tensor for _, tensor in params]
+    plan = plans.get(key)
+    if (
+        plan is None
+        or plan.dtype != dtype
+        or not _still_planned(tensors, plan.params, plan.locals_, plan.anchors, plan.layouts)
+    ):
+        if not tensors or not all(
+            isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),) for t in tensors
+        ):
+            return None
+        dtensors = [t for t in tensors if isinstance(t, DTensor)]
+        mesh = dtensors[0].device_mesh
+        if mesh.size() != layout.tp_size:
+            return None
+        kinds = [tp_shards.send_kind(name, t.shape, layout) for name, t in params]
+        if None in kinds:
+            return None
+        world, rank = mesh.size(), mesh.get_local_rank()
+        locals_ = [_local_shard(t) for t in dtensors]
+        shapes = [t.shape for t in dtensors]
+        _check_rows(key, shapes, locals_, world, rank)
+        plans[key] = plan = tp_shards.make_shard_plan(
+            key,
+            dtensors,
+            locals_,
+            [kind for kind in kinds if kind is not None],
+            dtype,
+            rank,
+            world,
+            mesh.get_group(),
+            [_layout(local) for local in locals_],
         )
+    with torch.no_grad():
+        return tp_shards.send(plan, plan.locals_[0].device)
 
 
 def _layout(tensor: torch.Tensor) -> tuple[torch.dtype, torch.Size, tuple[int, ...], int]:
@@ -637,8 +702,10 @@ class Trainer:
         self.optimizer_on_device = True
         self.params_on_device = True
         self._optimizer_leaving = False  # start_offload_optimizer's copies, not yet freed
-        # Each weight-sync bucket's gather, worked out on the first sync (gather_full).
+        # Each weight-sync bucket's gather, worked out on the first sync (gather_full), and its
+        # shard-to-shard send (shard_bucket).
         self._send_plans: dict[tuple[str, ...], SendPlan] = {}
+        self._shard_plans: dict[tuple[str, ...], tp_shards.ShardPlan] = {}
 
     # -- training ----------------------------------------------------------------------------
 
@@ -738,6 +805,17 @@ class Trainer:
 
     # -- weight sync -------------------------------------------------------------------------
 
+    def _shard_layout(self, shard_world: int | None) -> DenseLayout | None:
+        """The engine's TP layout where buckets may go shard to shard (tp_shards): an engine
+        over every rank of this trainer's mesh, a dense decoder's config; else None."""
+        world = self.mesh.size()
+        if shard_world is None or shard_world < 2 or shard_world != world:
+            return None
+        try:
+            return DenseLayout.from_config(getattr(self.model, "config", None) or {}, world)
+        except (KeyError, TypeError, ValueError):
+            return None
+
     def weight_buckets(
         self, bucket_bytes: int, dtype: torch.dtype, *, engine_casts: bool = False
     ) -> Iterator[Bucket]:
@@ -765,12 +843,46 @@ class Trainer:
             if whole is not None:
                 yield from prefetched([lambda: whole], overlap_enabled())
                 return
-        element = dtype.itemsize
-        sizes = [(name, p.numel() * element) for name, p in params.items()]
+        # No detach: gather_full runs without autograd (a DTensor's detach is ~30 us each).
+        yield from self._in_buckets(
+            params, bucket_bytes, dtype, lambda bucket: gather_full(bucket, dtype, plans)
+        )
 
-        def gather(names: list[str]) -> Callable[[], Bucket]:
-            # No detach: gather_full runs without autograd (a DTensor's detach is ~30 us each).
-            return lambda: gather_full([(name, params[name]) for name in names], dtype, plans)
+    def shard_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype, shard_world: int
+    ) -> Iterator[Bucket | tp_shards.ShardedBucket]:
+        """weight_buckets for one tensor-parallel engine over all of this trainer's ranks,
+        `shard_world` of them (TensorParallelEngine.shard_world): each bucket that can goes
+        shard to shard (shard_bucket: a tp_shards.ShardedBucket, only what TP cuts across
+        FSDP's rows crossing between ranks), the others by the full gather; all of them full
+        where the engine or the model does not allow it (_shard_layout). Collective, as
+        weight_buckets."""
+        layout = self._shard_layout(shard_world)
+        if layout is None:
+            yield from self.weight_buckets(bucket_bytes, dtype)
+            return
+        plans, full_plans = self._shard_plans, self._send_plans
+
+        def send(bucket: list[tuple[str, torch.Tensor]]) -> Bucket | tp_shards.ShardedBucket:
+            sent = shard_bucket(bucket, dtype, plans, layout)
+            return sent if sent is not None else gather_full(bucket, dtype, full_plans)
+
+        params = dict(self.model.named_parameters())
+        yield from self._in_buckets(params, bucket_bytes, dtype, send)
+
+    def _in_buckets(
+        self,
+        params: Mapping[str, torch.Tensor],
+        bucket_bytes: int,
+        dtype: torch.dtype,
+        send: Callable[[list[tuple[str, torch.Tensor]]], T],
+    ) -> Iterator[T]:
+        """`send` of each bucket of `params` (plan_buckets in the engine's dtype), the next
+        one's issued before the last is yielded (weight_sync.prefetched)."""
+        sizes = [(name, p.numel() * dtype.itemsize) for name, p in params.items()]
+
+        def gather(names: list[str]) -> Callable[[], T]:
+            return lambda: send([(name, params[name]) for name in names])
 
         yield from prefetched(
             (gather(names) for names in plan_buckets(sizes, bucket_bytes)), overlap_enabled()

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from rljob_worker.tp_shards import ShardedBucket
+
 # Memory tags, with SGLang's spelling (sglang.srt.constants GPU_MEMORY_TYPE_*).
 TAG_WEIGHTS = "weights"
 TAG_KV_CACHE = "kv_cache"
@@ -123,6 +125,22 @@ class RolloutEngine(Protocol):
 
     def shutdown(self) -> None:
         """Free everything; the engine is unusable afterwards."""
+        ...
+
+
+@runtime_checkable
+class ShardedWeights(Protocol):
+    """An engine that takes weights shard to shard (rljob_worker.tp_shards): one tensor-parallel
+    engine over all of the job's ranks (TensorParallelEngine)."""
+
+    @property
+    def shard_world(self) -> int | None:
+        """The ranks the trainer's buckets may be sharded over (its TP size), or None where
+        this engine takes only full tensors."""
+        ...
+
+    def update_weights_sharded(self, bucket: ShardedBucket) -> None:
+        """Load one bucket sent shard to shard; collective over the engine's ranks."""
         ...
 
 

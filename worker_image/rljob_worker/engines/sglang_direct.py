@@ -18,6 +18,7 @@ the result is sglang's own load for any model; only the time differs.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -202,6 +203,7 @@ class _Targets:
     params: dict[str, torch.Tensor]
     layout: DenseLayout | None
     tp_rank: int
+    tp_size: int
     rows: dict[str, int]
     transformed: frozenset[str]
     plans: dict[tuple[str, tuple[int, ...]], list[Copy] | None]
@@ -233,6 +235,12 @@ class _BucketPlan:
     slow: list[tuple[str, list[int], str, int, int]]
     # How the flat copies are launched (weight_sync.copy_pairs: the large ones one by one).
     copies: CopySplit
+    # A sharded bucket's (tp_shards) column slices of whole-row blocks, each copied on its own:
+    # (destination rows, the block's byte start, its rows, its other dims, dtype, first column,
+    # columns); and the tensors the rules do not place, joined from every rank's rows for
+    # sglang's own loader: (name, full shape, dtype, each source rank's block's byte start).
+    sliced: tuple[tuple[torch.Tensor, int, int, tuple[int, ...], torch.dtype, int, int], ...] = ()
+    joined: tuple[tuple[str, tuple[int, ...], torch.dtype, tuple[int, ...]], ...] = ()
 
 
 # RLJOB_SGLANG_DIRECT_STRICT=1 (the schedulers inherit the rank's environment): a tensor the rules
@@ -269,7 +277,7 @@ def _targets(model: Any, tp: tuple[int, int] | None = None) -> _Targets:
     except (TypeError, ValueError, KeyError):
         layout = None  # not a dense decoder's config (a nested text_config, ...): all to sglang
     rows = {name: int(p.shape[0]) if p.dim() else 0 for name, p in params.items()}
-    targets = _Targets(params, layout, tp_rank, rows, _transformed(params), {}, set())
+    targets = _Targets(params, layout, tp_rank, tp_size, rows, _transformed(params), {}, set())
     _TARGETS[model] = targets
     return targets
 
@@ -406,6 +414,19 @@ def _plan_bucket(targets: _Targets, name: str) -> _BucketPlan:
     if aliased:
         fast = [f for f in fast if f[5] not in aliased]
         slow = sorted({*slow, *aliased})
+    return _flat_plan(fast, slow=[entries[i] for i in slow])
+
+
+# A flat copy's place: (byte start, byte end, source dtype, destination's flat view, its
+# parameter, the entry it belongs to).
+_Fast = tuple[int, int, "torch.dtype", "torch.Tensor", "torch.Tensor", int]
+
+
+def _flat_plan(fast: list[_Fast], watched: Sequence[torch.Tensor] = (), **rest: Any) -> _BucketPlan:
+    """A _BucketPlan of the flat copies `fast` (sorted by byte start, none overlapping): the
+    buffer's one split into their sources (in one dtype where they all have it and it divides
+    their offsets, else in bytes) and their launches; `rest` the plan's other fields. The
+    parameters the copies write, and `watched`, are guarded (a new storage, a new plan)."""
     dtypes = {f[2] for f in fast}
     one = next(iter(dtypes)) if len(dtypes) == 1 else None
     unit = 1 if one is None else one.itemsize
@@ -420,7 +441,7 @@ def _plan_bucket(targets: _Targets, name: str) -> _BucketPlan:
         picks.append(len(sizes))
         sizes.append((end - begin) // unit)
         at = end
-    written = {id(f[4]): f[4] for f in fast}
+    written = {id(p): p for p in [*(f[4] for f in fast), *watched]}
     return _BucketPlan(
         dtype=one,
         sizes=sizes,
@@ -429,10 +450,124 @@ def _plan_bucket(targets: _Targets, name: str) -> _BucketPlan:
         piece_dtypes=[f[2] for f in fast],
         dests=[f[3] for f in fast],
         guards=[(p, p.data_ptr()) for p in written.values()],
-        slow=[entries[i] for i in slow],
         # By the destination's bytes, as the trainer's copies are: a cast's source is larger.
         copies=split_copies([f[3].numel() * f[3].element_size() for f in fast]),
+        **rest,
     )
+
+
+def _plan_sharded(targets: _Targets, name: str) -> _BucketPlan:
+    """The plan of one sharded bucket (tp_shards: this TP rank's own blocks and those received
+    from every other rank, in one buffer): each block copied into the rows of this rank's part
+    it holds, flat where its rows are whole (ROWS and ALL blocks into row parts, a COLS block
+    into a row-parallel part's rows), a column slice otherwise. Raises where the blocks do not
+    cover every row of this rank's part (kinds that disagree with the rules), where a tensor
+    the rules do not place was not sent whole, and as _plan_bucket would."""
+    import math
+
+    import torch
+
+    from rljob_worker import tp_shards
+
+    layout = tp_shards.parse_payload(name)
+    world, rank = layout.world, targets.tp_rank
+    if targets.tp_size != world:
+        raise EngineWeightsError(
+            f"a bucket sharded over {world} ranks reached TP rank {rank} of an engine of "
+            f"{targets.tp_size} TP ranks"
+        )
+    fast: list[_Fast] = []
+    sliced: list[tuple[torch.Tensor, int, int, tuple[int, ...], torch.dtype, int, int]] = []
+    joined: list[tuple[str, tuple[int, ...], torch.dtype, tuple[int, ...]]] = []
+    watched: list[torch.Tensor] = []  # the parameters the sliced copies write
+    for index, entry in enumerate(layout.entries):
+        dtype = getattr(torch, entry.dtype)
+        size, rows = dtype.itemsize, entry.shape[0] // world
+        rest = entry.shape[1:]
+        row_bytes = math.prod(rest) * size
+        blocks = [(rank, entry.own)] + [
+            (tp_shards.region_source(i, rank), at) for i, at in enumerate(entry.received)
+        ]
+        plan = _rule(targets, entry.name, entry.shape)
+        if plan is None:
+            starts = dict(blocks)
+            if entry.kind != tp_shards.ALL or sorted(starts) != list(range(world)):
+                raise EngineWeightsError(
+                    f"{entry.name} {entry.shape}: the direct rules do not place it and the "
+                    f"sharded sync sent it as {entry.kind!r}, not whole"
+                )
+            joined.append((entry.name, entry.shape, dtype, tuple(starts[s] for s in range(world))))
+            continue
+        for copy in plan:
+            # The parameter itself is what the plan's guard watches (a new storage given to
+            # it shows in its data_ptr; a .data alias taken now would keep the old one).
+            param = targets.params[copy.target]
+            data = param.data
+            if copy.src_dim == 0:
+                need, covered = copy.length, 0
+                for source, at in blocks if entry.kind != tp_shards.COLS else []:
+                    low = max(source * rows, copy.src_start)
+                    high = min((source + 1) * rows, copy.src_start + copy.length)
+                    if low >= high:
+                        continue
+                    dest = data.narrow(0, (copy.dst_start or 0) + low - copy.src_start, high - low)
+                    _fits(entry.name, dest, (high - low, *rest), dtype, rank)
+                    begin = at + (low - source * rows) * row_bytes
+                    fast.append(
+                        (
+                            begin,
+                            begin + (high - low) * row_bytes,
+                            dtype,
+                            dest.view(-1),
+                            param,
+                            index,
+                        )
+                    )
+                    covered += high - low
+            else:  # a row-parallel part: its columns of every row
+                need, covered = entry.shape[0], 0
+                width = entry.shape[1] // world
+                for source, at in blocks:
+                    dest = data.narrow(0, source * rows, rows)
+                    if entry.kind == tp_shards.COLS:
+                        if (copy.src_start, copy.length) != (rank * width, width):
+                            raise EngineWeightsError(
+                                f"{entry.name}: TP rank {rank}'s part is columns "
+                                f"{copy.src_start}+{copy.length}, the sharded sync sent "
+                                f"{rank * width}+{width}"
+                            )
+                        _fits(entry.name, dest, (rows, width), dtype, rank)
+                        fast.append(
+                            (at, at + rows * width * size, dtype, dest.view(-1), param, index)
+                        )
+                    else:
+                        _fits(entry.name, dest, (rows, copy.length, *rest[1:]), dtype, rank)
+                        sliced.append((dest, at, rows, rest, dtype, copy.src_start, copy.length))
+                        watched.append(param)
+                    covered += rows
+            if covered != need:
+                raise EngineWeightsError(
+                    f"{entry.name}: the sharded sync gave TP rank {rank} {covered} of the {need} "
+                    f"rows its part of {copy.target} needs (sent as {entry.kind!r})"
+                )
+    fast.sort(key=lambda f: f[0])
+    for before, after in itertools.pairwise(fast):
+        if after[0] < before[1]:
+            raise EngineWeightsError(f"a sharded bucket's blocks overlap at byte {after[0]}")
+    return _flat_plan(fast, watched, slow=[], sliced=tuple(sliced), joined=tuple(joined))
+
+
+def _fits(
+    name: str, dest: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, rank: int
+) -> None:
+    """A block's rows fit the destination they are copied into, flat (contiguous, a dtype the
+    copy may write), or the bucket is refused naming the tensor."""
+    if tuple(dest.shape) != tuple(shape) or not dest.is_contiguous():
+        raise EngineWeightsError(
+            f"{name}: TP rank {rank}'s block {tuple(shape)} does not fit {tuple(dest.shape)}"
+        )
+    if not _takes(dest.dtype, dtype):
+        raise EngineWeightsError(f"{name}: a {dtype} block cannot be copied into {dest.dtype}")
 
 
 def copy_bucket(
@@ -441,10 +576,15 @@ def copy_bucket(
     """copy_into for one bucket as the adapter sends it (its payload name and uint8 buffer),
     through the bucket's plan (_BucketPlan): one split of the buffer and the flat copies'
     launches. Returns what the rules do not place, as copy_into does."""
+    import torch
+
+    from rljob_worker.tp_shards import PAYLOAD_PREFIX as SHARDED_PREFIX
+
     targets = _targets(model, tp)
     plan = targets.buckets.get(name)
     if plan is None or any(p.data_ptr() != address for p, address in plan.guards):
-        plan = targets.buckets[name] = _plan_bucket(targets, name)
+        sharded = name.startswith(SHARDED_PREFIX)
+        plan = targets.buckets[name] = (_plan_sharded if sharded else _plan_bucket)(targets, name)
     if plan.dests:
         whole = _typed(buffer, plan.dtype)
         if whole is None:  # this buffer cannot be viewed in the plan's dtype: split its bytes
@@ -452,9 +592,30 @@ def copy_bucket(
         else:
             sources = _sources(whole, plan, bytewise=False)
         copy_pairs(plan.dests, sources, plan.copies)
+    for dest, at, rows, rest, dtype, first, columns in plan.sliced:
+        dest.copy_(_block(buffer, at, rows, rest, dtype).narrow(1, first, columns))
+    joined = [
+        (
+            name,
+            torch.cat(
+                [_block(buffer, at, shape[0] // len(starts), shape[1:], dtype) for at in starts]
+            ),
+        )
+        for name, shape, dtype, starts in plan.joined
+    ]
     if not plan.slow:
-        return []
-    return copy_into(model, _views(plan.slow, buffer), tp)
+        return joined
+    return joined + copy_into(model, _views(plan.slow, buffer), tp)
+
+
+def _block(
+    buffer: torch.Tensor, at: int, rows: int, rest: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """A sharded bucket's block at byte `at`: `rows` rows of shape `rest`, in `dtype`."""
+    import math
+
+    nbytes = rows * math.prod(rest) * dtype.itemsize
+    return buffer[at : at + nbytes].view(dtype).view(rows, *rest)
 
 
 def _typed(buffer: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:

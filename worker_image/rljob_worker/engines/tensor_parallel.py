@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from rljob_worker.engines.sglang_engine import TensorHandoff
     from rljob_worker.engines.sglang_weights import WeightShards
+    from rljob_worker.tp_shards import ShardedBucket
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +178,12 @@ class TensorParallelEngine(ColocatedEngine):
         handoff: TensorHandoff,
         kv_capacity_tokens: int,
         released_tags: frozenset[str],
+        shard_to_shard: bool = False,
     ) -> None:
         self.layout = layout
+        # Every rank of the job allows the shard-to-shard sync (make_tensor_parallel_engine
+        # asked them all): one rank's environment alone never decides a collective's kind.
+        self._shard_to_shard = shard_to_shard
         self._group = group
         self._engine = engine
         self._handoff = handoff
@@ -194,6 +199,22 @@ class TensorParallelEngine(ColocatedEngine):
     def direct_buckets(self) -> bool:
         """Whether buckets go to rljob's loader in the schedulers (one buffer per rank)."""
         return self._handoff.direct
+
+    @property
+    def shard_world(self) -> int | None:
+        """The job's ranks where this engine spans them all and takes buckets shard to shard
+        (rljob_worker.tp_shards: rljob's loader, one group, RLJOB_TP_SHARDED_SYNC not 0 on any
+        rank); TP rank r is then rank r, next to FSDP's shard r. Else None (full tensors)."""
+        layout = self.layout
+        if not self.direct_buckets or len(layout.groups) != 1 or not self._shard_to_shard:
+            return None
+        return len(layout.group)
+
+    def update_weights_sharded(self, bucket: ShardedBucket) -> None:
+        """Every rank hands over its own buffer of the bucket (its own blocks and those it
+        received); the leader gives TP rank i rank i's, under the payload name, which must be
+        every rank's (the layout's byte offsets are rank-independent)."""
+        self._load_direct(bucket.name, self._handoff.serialize(bucket.buffer), bucket)
 
     def generate_with_logprobs(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
@@ -289,23 +310,14 @@ class TensorParallelEngine(ColocatedEngine):
             mine = self._handoff.serialize(sglang_flattened_bucket(flat, metadata))
         else:
             mine = [self._handoff.serialize(tensor) for _, tensor in named]
-        layout = self.layout
-        gathered: list[Any] | None = [None] * len(layout.group) if layout.is_leader else None
-        with _peers(layout, "update_weights"):
-            dist.gather_object((names, mine), gathered, dst=layout.leader, group=self._group)
+        if direct:
+            self._load_direct(names[0], mine, (named, flat))
+            return
+        gathered = self._gather_on_leader(names, mine)
 
         def load(engine: GroupEngine) -> None:
             assert gathered is not None
-            for tp_rank, (theirs, _) in enumerate(gathered):
-                if theirs != names:
-                    raise RuntimeError(
-                        f"rank {layout.group[tp_rank]} sent a different bucket than rank "
-                        f"{layout.leader}: {theirs} != {names}"
-                    )
-            if direct:
-                buffers = self._handoff.local_tensor(values=[payload for _, payload in gathered])
-                engine.update_weights_direct(names[0], buffers)
-                return
+            self._check_same(gathered, names)
             if metadata is not None:
                 engine.update_weights_flattened([payload for _, payload in gathered])
                 return
@@ -315,6 +327,40 @@ class TensorParallelEngine(ColocatedEngine):
             )
 
         self._on_leader("update_weights", load)
+
+    def _gather_on_leader(self, names: list[str], mine: Any) -> list[Any] | None:
+        """Every rank's (names, payload) on the leader (None elsewhere), where every rank
+        must have sent the same names."""
+        layout = self.layout
+        gathered: list[Any] | None = [None] * len(layout.group) if layout.is_leader else None
+        with _peers(layout, "update_weights"):
+            dist.gather_object((names, mine), gathered, dst=layout.leader, group=self._group)
+        return gathered
+
+    def _check_same(self, gathered: list[Any], names: list[str]) -> None:
+        """On the leader, inside its work: every rank sent the bucket it sent."""
+        for tp_rank, (theirs, _) in enumerate(gathered):
+            if theirs != names:
+                raise RuntimeError(
+                    f"rank {self.layout.group[tp_rank]} sent a different bucket than rank "
+                    f"{self.layout.leader}: {str(theirs)[:300]} != {str(names)[:300]}"
+                )
+
+    def _load_direct(self, name: str, mine: Any, keep: Any) -> None:
+        """One buffer a rank (`mine`, serialized) under payload `name` into rljob's loader: the
+        leader hands TP rank i rank i's. `keep` (what the buffer belongs to) stays referenced
+        until the leader reports the bucket loaded: an IPC handle is only good while its
+        tensor lives."""
+        gathered = self._gather_on_leader([name], mine)
+
+        def load(engine: GroupEngine) -> None:
+            assert gathered is not None
+            self._check_same(gathered, [name])
+            buffers = self._handoff.local_tensor(values=[payload for _, payload in gathered])
+            engine.update_weights_direct(name, buffers)
+
+        self._on_leader("update_weights", load)
+        del keep
 
     def flush_cache(self) -> None:
         self._on_leader("flush_cache", lambda engine: engine.flush_cache())
@@ -411,15 +457,18 @@ def make_tensor_parallel_engine(
     `build(tp_size)` starts the group's engine on the leader (inside visible_gpus of the group,
     base GPU 0); the other ranks wait for its KV capacity, or its error.
     """
+    from rljob_worker.tp_shards import sharded_sync_enabled
+
     world, rank = dist.get_world_size(), dist.get_rank()
     placed: list[Any] = [None] * world
-    dist.all_gather_object(placed, (node, physical_gpu_id(device)))
-    layout = tensor_parallel_layout(rank, [n for n, _ in placed], tp_size)
+    dist.all_gather_object(placed, (node, physical_gpu_id(device), sharded_sync_enabled()))
+    layout = tensor_parallel_layout(rank, [n for n, _, _ in placed], tp_size)
     # Every rank creates every group, in the same order (new_group is collective).
     groups = [dist.new_group(list(g), backend="gloo") for g in layout.groups]
     group = groups[layout.groups.index(layout.group)]
     assert isinstance(group, dist.ProcessGroup), "this rank is in its own group"
     gpu_ids = [placed[r][1] for r in layout.group]
+    shard_to_shard = all(allowed for _, _, allowed in placed)
     built: list[GroupEngine] = []
 
     def start() -> tuple[int, frozenset[str]]:
@@ -447,4 +496,5 @@ def make_tensor_parallel_engine(
         handoff,
         int(kv_capacity_tokens),
         frozenset(released),
+        shard_to_shard=shard_to_shard,
     )
