@@ -464,9 +464,14 @@ _DENSE_NAME = re.compile(
 )
 
 
+def on_unless_zero(value: str) -> bool:
+    """A switch's value ("" where unset) as the worker reads it: on unless 0."""
+    return value.strip() != "0"
+
+
 def flat_shards_on(value: str) -> bool:
     """RLJOB_FLAT_SHARDS's value ("" where unset) read as the worker reads it: on unless 0."""
-    return value.strip() != "0"
+    return on_unless_zero(value)
 
 
 def sglang_weight_sync(value: str) -> str:
@@ -515,7 +520,7 @@ def tp_sharded_sync(spec: RLJobSpec, world: int) -> bool:
     choice, sharded = _switch(spec, SGLANG_WEIGHT_SYNC_ENV), _switch(spec, TP_SHARDED_SYNC_ENV)
     if choice is None or sglang_weight_sync(choice) != SGLANG_WEIGHT_SYNC_DEFAULT:
         return False
-    return sharded is not None and sharded.strip() != "0"
+    return sharded is not None and on_unless_zero(sharded)
 
 
 def with_process_switches(spec: RLJobSpec, environ: Mapping[str, str]) -> RLJobSpec:
@@ -610,19 +615,27 @@ def shard_bucket_bytes(
     """One rank's buffer of a bucket sent shard to shard (rljob_worker/tp_shards.py: its own
     blocks, and the blocks it receives from and sends to each other rank, each aligned to
     SHARD_ALIGN_BYTES); None where a tensor of it goes by the full gather."""
-
-    def aligned(n: int) -> int:
-        return -(-n // SHARD_ALIGN_BYTES) * SHARD_ALIGN_BYTES
-
     own = region = 0
     for name, dims in named:
         kind = shard_kind(name, dims, shape.heads, shape.kv_heads, world)
         if kind is None:
             return None
-        block = math.prod(dims) // world // (world if kind == SHARD_COLS else 1) * dtype
-        own += aligned(block)
-        region += 0 if kind == SHARD_ROWS else aligned(block)
+        block = shard_aligned(shard_block_numel(dims, kind, world) * dtype)
+        own += block
+        region += 0 if kind == SHARD_ROWS else block
     return own + 2 * (world - 1) * region
+
+
+def shard_block_numel(shape: Sequence[int], kind: str, world: int) -> int:
+    """Elements of one block of a tensor sent shard to shard: its rows over `world`, times its
+    columns (a SHARD_COLS block has a `world`th of them)."""
+    rest = math.prod(shape[1:])
+    return shape[0] // world * (rest // world if kind == SHARD_COLS else rest)
+
+
+def shard_aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to SHARD_ALIGN_BYTES: where a sharded bucket's next block starts."""
+    return -(-nbytes // SHARD_ALIGN_BYTES) * SHARD_ALIGN_BYTES
 
 
 def parts(

@@ -20,26 +20,28 @@ last region into the middle one (nothing goes to the rank itself). The engine ge
 regions under one payload name whose byte offsets are the same on every rank (every block's size
 depends on the tensor and W only: each tensor's rows divide by W, or the bucket takes the full
 gather), which the TP engine checks; rljob's loader in each scheduler
-(sglang_direct.copy_bucket) places each block by the same geometry (block_numel and the
-source's rows, region_source) and checks that
-the blocks cover every row its part needs.
+(sglang_direct.copy_bucket) places each block by the same geometry (the source's rows,
+region_source) and checks that the blocks cover every row its part needs. Block sizes and
+alignment are the memory plan's arithmetic (rljob.plan.shard_block_numel, shard_aligned), so
+its count of these buffers is theirs.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rljob.plan import (
-    SHARD_ALIGN_BYTES,
     SHARD_ALL,
     SHARD_COLS,
     SHARD_ROWS,
     TP_SHARDED_SYNC_ENV,
+    on_unless_zero,
+    shard_aligned,
+    shard_block_numel,
     shard_kind,
 )
 
@@ -52,16 +54,14 @@ if TYPE_CHECKING:
 # The kinds, the switch and the rule are the memory plan's (rljob.plan counts these buffers).
 ROWS, COLS, ALL = SHARD_ROWS, SHARD_COLS, SHARD_ALL
 ENV = TP_SHARDED_SYNC_ENV
-# A sharded bucket travels under this prefix and its layout as JSON (payload_name).
+# A sharded bucket travels under this prefix and its layout as JSON (ShardPayload.name).
 PAYLOAD_PREFIX = "rljob-tp-bucket:"
-# Every block starts at a multiple of this many bytes of the buffer (vectorised copies).
-ALIGN_BYTES = SHARD_ALIGN_BYTES
 
 
 def sharded_sync_enabled(environ: Any = os.environ) -> bool:
     """RLJOB_TP_SHARDED_SYNC=0 sends every bucket full (the bench's before; a model whose TP
     layout the kinds misjudge). Unset or anything else: shard to shard where it applies."""
-    return str(environ.get(ENV, "")).strip() != "0"
+    return on_unless_zero(str(environ.get(ENV, "")))
 
 
 def send_kind(name: str, shape: Sequence[int], layout: DenseLayout) -> str | None:
@@ -69,22 +69,10 @@ def send_kind(name: str, shape: Sequence[int], layout: DenseLayout) -> str | Non
     return shard_kind(name, shape, layout.num_heads, layout.num_kv_heads, layout.tp_size)
 
 
-def block_numel(shape: Sequence[int], kind: str, world: int) -> int:
-    """Elements of one block of a tensor: its rows over `world`, times its columns (a COLS
-    block has a `world`th of them)."""
-    rows = shape[0] // world
-    rest = math.prod(shape[1:])
-    return rows * (rest // world if kind == COLS else rest)
-
-
 def region_source(index: int, rank: int) -> int:
     """The rank whose blocks lie in received region `index` of `rank`'s buffer: every rank but
     `rank` itself, in rank order (all_to_all_single's order without its own empty chunk)."""
     return index if index < rank else index + 1
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 @dataclass(frozen=True)
@@ -102,15 +90,12 @@ class ShardEntry:
 
 
 @dataclass(frozen=True)
-class ShardLayout:
-    """A sharded bucket's buffer (see the module's text): its entries, the bytes the engine
-    gets (`payload_bytes`: the own and received regions), and where the sent region lies."""
+class ShardPayload:
+    """What a sharded bucket's payload name carries to the engine's loader: the ranks it is
+    sharded over and its entries (each block's byte offsets)."""
 
     world: int
     entries: tuple[ShardEntry, ...]
-    region_bytes: int
-    payload_bytes: int
-    total_bytes: int
 
     def name(self) -> str:
         """The payload name: the layout as JSON (rank-independent)."""
@@ -119,6 +104,16 @@ class ShardLayout:
         ]
         body = {"world": self.world, "entries": entries}
         return PAYLOAD_PREFIX + json.dumps(body, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class ShardLayout(ShardPayload):
+    """A sharded bucket's buffer (see the module's text): its payload, the bytes the engine
+    gets (`payload_bytes`: the own and received regions), and where the sent region lies."""
+
+    region_bytes: int
+    payload_bytes: int
+    total_bytes: int
 
     @property
     def own_bytes(self) -> int:
@@ -134,7 +129,7 @@ def shard_layout(
     own_at, at = [], 0
     for _, shape, kind in tensors:
         own_at.append(at)
-        at = _aligned(at + block_numel(shape, kind, world) * size)
+        at = shard_aligned(at + shard_block_numel(shape, kind, world) * size)
     own_end = at
     region_at: list[int | None] = []
     at = 0
@@ -143,7 +138,7 @@ def shard_layout(
             region_at.append(None)
             continue
         region_at.append(at)
-        at = _aligned(at + block_numel(shape, kind, world) * size)
+        at = shard_aligned(at + shard_block_numel(shape, kind, world) * size)
     region = at
     entries = tuple(
         ShardEntry(
@@ -162,15 +157,14 @@ def shard_layout(
     return ShardLayout(world, entries, region, payload, payload + (world - 1) * region)
 
 
-def parse_payload(name: str) -> ShardLayout:
-    """The layout a payload name carries (the inverse of ShardLayout.name)."""
+def parse_payload(name: str) -> ShardPayload:
+    """What a payload name carries (the inverse of ShardPayload.name)."""
     body = json.loads(name[len(PAYLOAD_PREFIX) :])
-    world = int(body["world"])
     entries = tuple(
         ShardEntry(n, tuple(shape), dtype, kind, int(own), tuple(received))
         for n, shape, dtype, kind, own, received in body["entries"]
     )
-    return ShardLayout(world, entries, 0, 0, 0)
+    return ShardPayload(int(body["world"]), entries)
 
 
 class ShardedBucket:
@@ -241,7 +235,7 @@ def make_shard_plan(
     ranges: list[tuple[int, int, torch.Tensor, tuple[int, ...] | None]] = []
     sent_at = layout.payload_bytes
     for entry, local in zip(layout.entries, locals_, strict=True):
-        numel = block_numel(entry.shape, entry.kind, world)
+        numel = shard_block_numel(entry.shape, entry.kind, world)
         rows = entry.shape[0] // world
         if entry.kind == COLS:
             width = entry.shape[1] // world

@@ -469,8 +469,8 @@ def _plan_sharded(targets: _Targets, name: str) -> _BucketPlan:
 
     from rljob_worker import tp_shards
 
-    layout = tp_shards.parse_payload(name)
-    world, rank = layout.world, targets.tp_rank
+    payload = tp_shards.parse_payload(name)
+    world, rank = payload.world, targets.tp_rank
     if targets.tp_size != world:
         raise EngineWeightsError(
             f"a bucket sharded over {world} ranks reached TP rank {rank} of an engine of "
@@ -480,7 +480,7 @@ def _plan_sharded(targets: _Targets, name: str) -> _BucketPlan:
     sliced: list[tuple[torch.Tensor, int, int, tuple[int, ...], torch.dtype, int, int]] = []
     joined: list[tuple[str, tuple[int, ...], torch.dtype, tuple[int, ...]]] = []
     watched: list[torch.Tensor] = []  # the parameters the sliced copies write
-    for index, entry in enumerate(layout.entries):
+    for index, entry in enumerate(payload.entries):
         dtype = getattr(torch, entry.dtype)
         size, rows = dtype.itemsize, entry.shape[0] // world
         rest = entry.shape[1:]

@@ -348,9 +348,9 @@ class TensorParallelEngine(ColocatedEngine):
 
     def _load_direct(self, name: str, mine: Any, keep: Any) -> None:
         """One buffer a rank (`mine`, serialized) under payload `name` into rljob's loader: the
-        leader hands TP rank i rank i's. `keep` (what the buffer belongs to) stays referenced
-        until the leader reports the bucket loaded: an IPC handle is only good while its
-        tensor lives."""
+        leader hands TP rank i rank i's. `keep` (what the buffer belongs to) is referenced by
+        this call until the leader reports the bucket loaded: an IPC handle is only good while
+        its tensor lives."""
         gathered = self._gather_on_leader([name], mine)
 
         def load(engine: GroupEngine) -> None:
@@ -360,7 +360,6 @@ class TensorParallelEngine(ColocatedEngine):
             engine.update_weights_direct(name, buffers)
 
         self._on_leader("update_weights", load)
-        del keep
 
     def flush_cache(self) -> None:
         self._on_leader("flush_cache", lambda engine: engine.flush_cache())
