@@ -323,7 +323,10 @@ def _profile_shard_send(
 
     def send() -> None:
         for names in buckets:
-            sent = shard_bucket([(n, named[n]) for n in names], torch.bfloat16, plans, layout)
+            # The own blocks in the buffer (RLJOB_TP_SHARDED_SYNC=buffer): this profile's shards
+            # lie apart, and the fill it times is the whole cast; the loop's runs time the default.
+            sent = shard_bucket([(n, named[n]) for n in names], torch.bfloat16, plans, layout,
+                                own_as_stored=False)  # fmt: skip
             assert sent is not None, "every bucket of a Qwen2.5 model goes shard to shard"
 
     send()  # the plans

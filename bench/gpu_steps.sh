@@ -264,18 +264,21 @@ bucket_mb=int(sys.argv[3]), tp=int(sys.argv[4])), indent=1))" "${SYNC_MODEL:-qwe
       # (--profile-sync): the floor with the link (colocate.stage_floors).
       # SYNC_PROFILE=0 skips that; SYNC_PATH another --sync-path (its name joins the tag).
       # SYNC_TP=<n>: one engine over n cards (--tp); with SYNC_RANKS equal to it, each size runs
-      # with the full gather (RLJOB_TP_SHARDED_SYNC=0, tag -full) and shard to shard (tag
-      # -sharded, rljob_worker/tp_shards.py), or only the kinds in SYNC_TP_SENDS.
+      # with the full gather (RLJOB_TP_SHARDED_SYNC=0, tag -full), shard to shard with the own
+      # blocks in the buffer (=buffer, tag -buffer) and shard to shard with them read as stored
+      # (the default, tag -sharded; rljob_worker/tp_shards.py), or only the kinds in
+      # SYNC_TP_SENDS.
       for tree in ${SYNC_BEFORE_TREE:+before} after; do
         for mb in ${BUCKETS_MB:-512 2048 8192}; do
          sends=plain
          [[ ${SYNC_TP:-1} -gt 1 && ${SYNC_TP:-1} == "${SYNC_RANKS:-1}" ]] &&
-           sends=${SYNC_TP_SENDS:-full sharded}
+           sends=${SYNC_TP_SENDS:-full buffer sharded}
          for send in $sends; do
           sync_path=${SYNC_PATH:-direct} tag=mb$mb path=$PYTHONPATH profile=() switch=1
           [[ $sync_path != direct ]] && tag=mb$mb-$sync_path
           [[ $send != plain ]] && tag=$tag-$send
           [[ $send == full ]] && switch=0
+          [[ $send == buffer ]] && switch=buffer
           [[ $tree == after && ${SYNC_RANKS:-1} -gt 1 && ${SYNC_PROFILE:-1} == 1 ]] &&
             profile=(--profile-sync)
           [[ $tree == before ]] && tag=$tag-before path=$SYNC_BEFORE_TREE:$PYTHONPATH

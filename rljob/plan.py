@@ -415,8 +415,11 @@ SGLANG_WEIGHT_SYNC_DEFAULT = "direct"
 
 
 # RLJOB_TP_SHARDED_SYNC=0 sends full buckets to one TP engine over all the ranks, instead of
-# shard to shard (rljob_worker/tp_shards.py, tp_sharded_sync below).
+# shard to shard (rljob_worker/tp_shards.py, tp_sharded_sync below); =buffer sends shard to
+# shard with each rank's own blocks cast into the bucket's buffer, as before the engine read
+# them where the trainer stores them (tp_own_as_stored).
 TP_SHARDED_SYNC_ENV = "RLJOB_TP_SHARDED_SYNC"
+TP_SHARDED_SYNC_BUFFER = "buffer"
 
 SYNC_SWITCHES = (FLAT_SHARDS_ENV, SGLANG_WEIGHT_SYNC_ENV, TP_SHARDED_SYNC_ENV)
 
@@ -523,6 +526,25 @@ def tp_sharded_sync(spec: RLJobSpec, world: int) -> bool:
     return sharded is not None and on_unless_zero(sharded)
 
 
+def own_as_stored(value: str) -> bool:
+    """RLJOB_TP_SHARDED_SYNC's value ("" where unset) as the worker reads it: whether a sync
+    that goes shard to shard hands the engine each rank's own blocks where the trainer stores
+    them (anything but 0 and "buffer")."""
+    return on_unless_zero(value) and value.strip().lower() != TP_SHARDED_SYNC_BUFFER
+
+
+def tp_own_as_stored(spec: RLJobSpec, world: int) -> bool:
+    """Whether a shard-to-shard sync (tp_sharded_sync) reads each rank's own blocks from the
+    trainer's fp32 buffer (the policy's shards in one buffer, RLJOB_FLAT_SHARDS not 0), so the
+    bucket's buffer holds only what crosses between ranks (rljob_worker/tp_shards.py)."""
+    if not tp_sharded_sync(spec, world):
+        return False
+    flat, sharded = _switch(spec, FLAT_SHARDS_ENV), _switch(spec, TP_SHARDED_SYNC_ENV)
+    if flat is None or not flat_shards_on(flat):
+        return False
+    return sharded is not None and own_as_stored(sharded)
+
+
 def with_process_switches(spec: RLJobSpec, environ: Mapping[str, str]) -> RLJobSpec:
     """`spec` with the sync switches as literal values, as `environ` (a rank's own environment,
     every valueFrom and envFrom resolved, and whatever the process was started with) has
@@ -578,6 +600,7 @@ def gather_bytes(spec: RLJobSpec, shape: ModelShape, world: int) -> int:
     sizes = [(name, math.prod(dims) * dtype) for name, dims in shapes.items()]
     by_name = dict(sizes)
     sharded = tp_sharded_sync(spec, world)
+    own = not tp_own_as_stored(spec, world)
 
     def bucket(names: list[str]) -> tuple[int, int, bool]:
         """(what the bucket holds while gathered, what stays held while it is handed over,
@@ -586,7 +609,8 @@ def gather_bytes(spec: RLJobSpec, shape: ModelShape, world: int) -> int:
         if world == 1:
             return b, b, False
         if sharded:  # one buffer a bucket, held whole until the next one's is made
-            held = shard_bucket_bytes([(n, shapes[n]) for n in names], shape, world, dtype)
+            named = [(n, shapes[n]) for n in names]
+            held = shard_bucket_bytes(named, shape, world, dtype, own=own)
             if held is not None:
                 return held, held, True
         return math.ceil(b / world) + 2 * b, b, False
@@ -610,20 +634,26 @@ SHARD_ALIGN_BYTES = 16
 
 
 def shard_bucket_bytes(
-    named: Sequence[tuple[str, Sequence[int]]], shape: ModelShape, world: int, dtype: int
+    named: Sequence[tuple[str, Sequence[int]]],
+    shape: ModelShape,
+    world: int,
+    dtype: int,
+    *,
+    own: bool = True,
 ) -> int | None:
     """One rank's buffer of a bucket sent shard to shard (rljob_worker/tp_shards.py: its own
-    blocks, and the blocks it receives from and sends to each other rank, each aligned to
-    SHARD_ALIGN_BYTES); None where a tensor of it goes by the full gather."""
-    own = region = 0
+    blocks unless the engine reads them where the trainer stores them, `own` False, and the
+    blocks it receives from and sends to each other rank, each aligned to SHARD_ALIGN_BYTES;
+    at least one alignment's bytes); None where a tensor of it goes by the full gather."""
+    owned = region = 0
     for name, dims in named:
         kind = shard_kind(name, dims, shape.heads, shape.kv_heads, world)
         if kind is None:
             return None
         block = shard_aligned(shard_block_numel(dims, kind, world) * dtype)
-        own += block
+        owned += block if own else 0
         region += 0 if kind == SHARD_ROWS else block
-    return own + 2 * (world - 1) * region
+    return max(owned + 2 * (world - 1) * region, SHARD_ALIGN_BYTES)
 
 
 def shard_block_numel(shape: Sequence[int], kind: str, world: int) -> int:

@@ -248,13 +248,23 @@ def _tp_rank_main(
             if sharded:
                 out["shard_world"] = engine.shard_world
                 kinds: dict[str, int] = {}
-                for piece in trainer.shard_buckets(1 << 20, torch.bfloat16, engine.shard_world):
+                stored: set[str | None] = set()
+                pieces = trainer.shard_buckets(
+                    1 << 20, torch.bfloat16, engine.shard_world,
+                    own_as_stored=engine.shard_own_as_stored,
+                )  # fmt: skip
+                for piece in pieces:
                     assert isinstance(piece, ShardedBucket), "every bucket goes shard to shard"
-                    for entry in parse_payload(piece.name).entries:
+                    payload = parse_payload(piece.name)
+                    stored.add(payload.stored)
+                    for entry in payload.entries:
                         kinds[entry.kind] = kinds.get(entry.kind, 0) + 1
                     engine.update_weights_sharded(piece)
                     del piece
                 out["kinds"] = kinds
+                # Where every bucket's own blocks came from: the trainer's fp32 buffer as it is
+                # (the policy's shards in one buffer), or the bucket's buffer.
+                out.setdefault("own_as_stored", set()).update(str(s) for s in stored)
             engine.flush_cache()
             out["flattened"] = engine.flattened_buckets
             out["direct"] = engine.direct_buckets
@@ -322,6 +332,8 @@ def test_tp2_weights_equal_the_trainers_after_every_update_and_answers_part_only
             assert out[rank]["shard_world"] == RANKS
             # The row-parallel weights go by columns and most others by the rank's own rows.
             assert out[rank]["kinds"].get("cols", 0) > 0 and out[rank]["kinds"].get("rows", 0) > 0
+            # Each rank's own blocks read where the trainer stores them, in fp32 (the default).
+            assert out[rank]["own_as_stored"] == {"float32"}, out[rank]["own_as_stored"]
 
     # 1. Weights: every parameter, on every rank's read of both TP ranks' shards, bit for bit.
     checks = [

@@ -143,6 +143,7 @@ class SGLangEngineStandIn:
         self.weights_version = 0
         self.cached_versions: set[int] = set()
         self.direct_loads = 0  # buckets loaded through rljob's loader (the direct path)
+        self.direct_names: list[list[str]] = []  # each such load's names, in order
 
     def __getattr__(self, method: str) -> Any:
         contract = self.contract
@@ -282,18 +283,21 @@ class SGLangEngineStandIn:
         the loader cuts the bucket's tensors out of it (sglang_direct.unpack)."""
         from rljob_worker.engines.sglang_direct import unpack
         from rljob_worker.tp_shards import PAYLOAD_PREFIX as SHARDED_PREFIX
+        from rljob_worker.tp_shards import STORED_NAME
 
         assert self.contract.direct_loader is not None
         declared = self.calls[0][1].get(self.contract.direct_loader[0]) or []
         assert load_format in declared, f"load_format {load_format!r} is not a declared loader"
         tp_size = self.calls[0][1].get("tp_size", 1)
         self.direct_loads += 1
+        self.direct_names.append([name for name, _ in named_tensors])
         for name, value in named_tensors:
             if isinstance(value, LocalSerializedTensorStandIn):
                 buffers = [value.get(rank) for rank in range(tp_size)]
             else:
                 buffers = [value] * tp_size
-            if name.startswith(SHARDED_PREFIX):  # a bucket sent shard to shard: each its own
+            # A bucket sent shard to shard, and its own blocks as stored: each rank its own.
+            if name.startswith(SHARDED_PREFIX) or name == STORED_NAME:
                 self.loaded[name] = [buffer.clone() for buffer in buffers]
                 continue
             per_rank = [unpack(name, buffer) for buffer in buffers]

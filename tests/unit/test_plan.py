@@ -39,6 +39,7 @@ from rljob.plan import (
     reserved_bytes,
     stage_peaks,
     sync_as_stored,
+    tp_own_as_stored,
     tp_sharded_sync,
     with_process_switches,
 )
@@ -211,11 +212,14 @@ def _tp_spec(world: int, **env: str) -> RLJobSpec:
     )  # fmt: skip
 
 
-def test_a_sync_shard_to_shard_holds_a_rank_half_and_what_crosses_between_the_two() -> None:
+def test_a_sync_shard_to_shard_holds_what_crosses_between_the_two_and_its_own_half_in_a_buffer() -> (
+    None
+):
     """One engine over both ranks (TP 2 = FSDP 2), the whole 3B model in one bucket: each rank
-    holds its own half of every tensor (a quarter of o_proj and down_proj: its rows, its
-    columns) and, received and sent, its half of the norms and a quarter of o_proj and
-    down_proj; the full gather holds half a bucket sent, the whole received and the output."""
+    holds, received and sent, its half of the norms and a quarter of o_proj and down_proj; with
+    RLJOB_TP_SHARDED_SYNC=buffer also its own half of every tensor (a quarter of o_proj and
+    down_proj: its rows, its columns), which by default the engine reads where the trainer
+    stores it; the full gather holds half a bucket sent, the whole received and the output."""
     h, i, layers = 2048, 11008, 36
     embed = 151936 * h  # 151936 = 64 x 2374: split as FSDP's rows (tied: one tensor)
     qkv = h * h + h + 2 * (256 * h + 256)  # 2 KV heads of 128: one per rank
@@ -227,8 +231,15 @@ def test_a_sync_shard_to_shard_holds_a_rank_half_and_what_crosses_between_the_tw
     # and everything else already are; none padded.
     crossing = (layers * (cols // 4 + norms // 2) + h // 2) * 2
     sharded = _tp_spec(2)
-    assert tp_sharded_sync(sharded, 2)
-    assert gather_bytes(sharded, SHAPE_3B, 2) == own + 2 * crossing
+    assert tp_sharded_sync(sharded, 2) and tp_own_as_stored(sharded, 2)
+    assert gather_bytes(sharded, SHAPE_3B, 2) == 2 * crossing
+    buffered = _tp_spec(2, **{TP_SHARDED_SYNC_ENV: "buffer"})
+    assert tp_sharded_sync(buffered, 2) and not tp_own_as_stored(buffered, 2)
+    assert gather_bytes(buffered, SHAPE_3B, 2) == own + 2 * crossing
+    # The own blocks lie in the trainer's one buffer only with RLJOB_FLAT_SHARDS on.
+    apart = _tp_spec(2, **{FLAT_SHARDS_ENV: "0"})
+    assert tp_sharded_sync(apart, 2) and not tp_own_as_stored(apart, 2)
+    assert gather_bytes(apart, SHAPE_3B, 2) == own + 2 * crossing
     whole = SHAPE_3B.parameters * 2
     full = _tp_spec(2, **{TP_SHARDED_SYNC_ENV: "0"})
     assert not tp_sharded_sync(full, 2)
@@ -257,11 +268,14 @@ def test_the_plans_shard_to_shard_buffer_is_the_one_the_trainer_lays_out() -> No
                 if len(known) < len(kinds):
                     assert shard_bucket_bytes(named, shape, world, 2) is None
                     continue
-                laid = shard_layout(
-                    [(n, s, k) for (n, s), k in zip(named, known, strict=True)], world,
-                    torch.bfloat16,
-                )  # fmt: skip
+                tensors = [(n, s, k) for (n, s), k in zip(named, known, strict=True)]
+                laid = shard_layout(tensors, world, torch.bfloat16)
                 assert shard_bucket_bytes(named, shape, world, 2) == laid.total_bytes
+                # The own blocks read where the trainer stores them: the buffer crosses only.
+                offsets = [0] * len(tensors)  # where they lie does not size the buffer
+                stored = shard_layout(tensors, world, torch.bfloat16, (offsets, torch.float32))
+                assert stored.own_bytes == 0
+                assert shard_bucket_bytes(named, shape, world, 2, own=False) == stored.total_bytes
 
 
 @pytest.mark.parametrize(
@@ -272,14 +286,24 @@ def test_the_plans_shard_to_shard_buffer_is_the_one_the_trainer_lays_out() -> No
         (2, 1, {}, False),  # an engine per card: each needs the whole model
         (2, 2, {SGLANG_WEIGHT_SYNC_ENV: "flattened_bucket"}, False),  # not rljob's loader
         (2, 2, {TP_SHARDED_SYNC_ENV: "0"}, False),
+        (2, 2, {TP_SHARDED_SYNC_ENV: "buffer"}, True),
+        (2, 2, {TP_SHARDED_SYNC_ENV: " Buffer "}, True),
         (1, 1, {}, False),
     ],
 )
 def test_the_plan_counts_a_shard_to_shard_sync_only_where_the_worker_sends_one(
     world: int, tp: int, env: dict[str, str], sharded: bool
 ) -> None:
+    from rljob_worker.tp_shards import BUFFER, OFF, STORED, sharded_sync_mode
+
     spec = _tp_spec(tp, **env)
     assert tp_sharded_sync(spec, world) is sharded
+    # The own blocks as stored exactly where the worker's mode says so (it reads the same env).
+    mode = sharded_sync_mode(env)
+    assert tp_own_as_stored(spec, world) is (sharded and mode == STORED)
+    assert mode == (OFF if env.get(TP_SHARDED_SYNC_ENV, "").strip() == "0" else
+                    BUFFER if env.get(TP_SHARDED_SYNC_ENV, "").strip().lower() == "buffer"
+                    else STORED)  # fmt: skip
 
 
 def test_a_shard_to_shard_switch_from_a_secret_counts_full_buckets_until_the_rank_reads_it() -> (

@@ -133,7 +133,11 @@ def test_the_plan_holds_the_weight_sync_of_7b_over_two_h200s_from_above(point: s
             "training": {"microBatchSize": 4},
             "resources": {"gpusPerWorker": 2},
             "offload": "Always",
-            "env": [{"name": TP_SHARDED_SYNC_ENV, "value": "0" if send == "full" else "1"}],
+            # The sharded runs had each rank's own blocks cast into the bucket's buffer (before
+            # the engine read them as stored): RLJOB_TP_SHARDED_SYNC=buffer plans that.
+            "env": [
+                {"name": TP_SHARDED_SYNC_ENV, "value": "0" if send == "full" else "buffer"}
+            ],
         }
     )  # fmt: skip
     total = result["environment"]["device_total_bytes"]

@@ -80,10 +80,16 @@ class RecordingTrainer:
         yield [("a", torch.zeros(2, dtype=dtype)), ("b", torch.ones(2, dtype=dtype))]
 
     def shard_buckets(
-        self, bucket_bytes: int, dtype: torch.dtype, shard_world: int
+        self,
+        bucket_bytes: int,
+        dtype: torch.dtype,
+        shard_world: int,
+        *,
+        own_as_stored: bool = True,
     ) -> Iterator[ShardedBucket]:
         # As train.shard_bucket gives it: a payload name and this rank's bytes.
-        self.log.append(f"gather sharded over {shard_world}")
+        stored = ", own blocks as stored" if own_as_stored else ""
+        self.log.append(f"gather sharded over {shard_world}{stored}")
         yield ShardedBucket(["a", "b"], "rljob-tp-bucket:{}", torch.zeros(4, dtype=torch.uint8))
 
 
@@ -186,6 +192,7 @@ class ShardedRecordingEngine(RecordingEngine):
     TensorParallelEngine over every rank does."""
 
     shard_world = 2
+    shard_own_as_stored = True
 
     def update_weights_sharded(self, bucket: ShardedBucket) -> None:
         self.log.append(f"sharded update:{'+'.join(bucket.names)}")
@@ -197,8 +204,14 @@ def test_an_engine_over_every_rank_is_sent_buckets_shard_to_shard_unless_a_hook_
     machine, _, log = _machine(WakeUp.STAGED)
     machine.engine = ShardedRecordingEngine(log)
     machine.run_iteration(0)
-    assert "gather sharded over 2" in log and "sharded update:a+b" in log
+    assert "gather sharded over 2, own blocks as stored" in log and "sharded update:a+b" in log
     assert "update:a+b" not in log
+    # The engine's choice (every rank's switch) decides whether the own blocks go as stored.
+    machine, _, log = _machine(WakeUp.STAGED)
+    machine.engine = engine = ShardedRecordingEngine(log)
+    engine.shard_own_as_stored = False
+    machine.run_iteration(0)
+    assert "gather sharded over 2" in log and "sharded update:a+b" in log
     # A hook that reads each bucket's full tensors (--verify-weights) gets full buckets.
     machine, _, log = _machine(WakeUp.STAGED)
     machine.engine = ShardedRecordingEngine(log)

@@ -4,6 +4,8 @@ rank's buffer filled by its plan, the exchange done by hand (what all_to_all_sin
 then each TP rank's engine model (a stand-in: sglang's model classes need CUDA) loaded from its
 rank's buffer and compared with what sglang's TP layout gives that rank
 (support.sglang_standin.sglang_shards, written from sglang's layers independently of both).
+Both ways the own blocks go: in the buffer, and as stored (each rank's shards in one fp32
+buffer, as the policy's are, read from there by the loader).
 The real exchange between gloo ranks is tests/worker/test_tp_shards_exchange.py.
 """
 
@@ -35,30 +37,43 @@ CONFIG_SPLIT_VOCAB = {**CONFIG, "vocab_size": 256}
 
 def _plans(
     full: dict[str, torch.Tensor], config: dict[str, Any], world: int, names: list[str],
-    kinds: list[str] | None = None,
+    kinds: list[str] | None = None, stored: bool = False,
 ) -> list[ShardPlan]:  # fmt: skip
     """Each rank's plan of the bucket `names`: its shards are the fp32 master weights' dim-0
-    chunks, as FSDP2 holds them; `kinds` as send_kind gives them unless told."""
+    chunks, as FSDP2 holds them (`stored`: views of one buffer of the rank's, back to back,
+    as sharded_load.to_empty_flat lays them out, and the own blocks read from there); `kinds`
+    as send_kind gives them unless told."""
     layout = DenseLayout.from_config(config, world)
     if kinds is None:
         found = [send_kind(n, full[n].shape, layout) for n in names]
         assert None not in found
         kinds = [k for k in found if k is not None]
     master = {n: full[n].float() for n in names}
-    return [
-        make_shard_plan(
-            names,
-            [master[n] for n in names],
-            [master[n].chunk(world)[rank] for n in names],
-            kinds,
-            torch.bfloat16,
-            rank,
-            world,
-            None,
-            [],
-        )
-        for rank in range(world)
-    ]
+    plans = []
+    for rank in range(world):
+        locals_ = [master[n].chunk(world)[rank] for n in names]
+        if stored:
+            whole = torch.cat([t.reshape(-1) for t in locals_])
+            starts = [0, *torch.tensor([t.numel() for t in locals_]).cumsum(0).tolist()]
+            locals_ = [
+                whole[a:b].view(t.shape)
+                for a, b, t in zip(starts, starts[1:], locals_, strict=False)
+            ]
+        plans.append(
+            make_shard_plan(
+                names, [master[n] for n in names], locals_, kinds, torch.bfloat16, rank, world,
+                None, [], own_as_stored=stored,
+            )
+        )  # fmt: skip
+    assert all((plan.stored is not None) is stored for plan in plans)
+    return plans
+
+
+def _load(model: Any, plan: ShardPlan, buffer: torch.Tensor, world: int) -> list[Any]:
+    """copy_bucket of TP rank plan.rank's bucket: the buffer, and the stored own blocks where
+    the plan reads them so."""
+    stored = None if plan.stored is None else plan.stored.view(torch.uint8)
+    return copy_bucket(model, plan.payload, buffer, (plan.rank, world), stored)
 
 
 def _exchanged(plans: list[ShardPlan]) -> list[torch.Tensor]:
@@ -84,21 +99,22 @@ def _buckets(names: list[str], count: int) -> list[list[str]]:
     return [names[i : i + step] for i in range(0, len(names), step)]
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["buffer", "stored"])
 @pytest.mark.parametrize("config", [CONFIG, CONFIG_SPLIT_VOCAB], ids=["padded", "split"])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_tp_rank_holds_its_share_from_its_own_shards_and_what_the_others_sent(
-    world: int, tied: bool, config: dict[str, Any]
+    world: int, tied: bool, config: dict[str, Any], stored: bool
 ) -> None:
     config = {**config, "tie_word_embeddings": tied}
     full = full_weights(config)
     models = [engine_model(full, config, rank, world) for rank in range(world)]
     for names in _buckets(list(full), 3):
-        plans = _plans(full, config, world, names)
+        plans = _plans(full, config, world, names, stored=stored)
         # The payload names every rank's buffer by the same layout (the TP engine checks it).
         assert len({plan.payload for plan in plans}) == 1
         for rank, buffer in enumerate(_exchanged(plans)):
-            assert copy_bucket(models[rank], plans[rank].payload, buffer, tp=(rank, world)) == []
+            assert _load(models[rank], plans[rank], buffer, world) == []
     for rank in range(world):
         assert_holds(models[rank], expected_shards(full, config, rank, world))
 
@@ -127,6 +143,12 @@ def test_only_row_parallel_columns_and_whole_tensors_cross_between_ranks() -> No
     own = sum(t.numel() // 2 // (2 if kinds[n] == COLS else 1) * 2 for n, t in full.items())
     assert plan.layout.own_bytes == own + 32
     assert plan.layout.payload_bytes == own + 32 + 720
+    # Own blocks as stored: the engine's bytes are what it received alone, the buffer that
+    # and what the rank sent; the own shards (fp32, 6,088 elements) travel as they lie.
+    stored = _plans(full, config, 2, list(full), stored=True)[0]
+    assert stored.layout.own_bytes == 0 and stored.layout.payload_bytes == 720
+    assert stored.layout.total_bytes == 2 * 720
+    assert stored.stored is not None and stored.stored.numel() == 6_088
 
 
 @pytest.mark.parametrize(
@@ -191,26 +213,31 @@ def test_a_kind_that_leaves_rows_of_a_part_unsent_is_refused_naming_the_tensor()
     config = {**CONFIG, "tie_word_embeddings": False}
     full = full_weights(config)
     names = ["model.layers.0.self_attn.k_proj.weight"]
-    plans = _plans(full, config, 4, names, kinds=[ROWS])
-    buffer = _exchanged(plans)[1]
-    model = engine_model(full, config, 1, 4)
-    with pytest.raises(
-        EngineWeightsError, match=r"k_proj.weight: the sharded sync gave TP rank 1 2 of the 4 rows"
-    ):
-        copy_bucket(model, plans[1].payload, buffer, tp=(1, 4))  # fmt: skip
+    for stored in (False, True):
+        plans = _plans(full, config, 4, names, kinds=[ROWS], stored=stored)
+        buffer = _exchanged(plans)[1]
+        model = engine_model(full, config, 1, 4)
+        with pytest.raises(
+            EngineWeightsError,
+            match=r"k_proj.weight: the sharded sync gave TP rank 1 2 of the 4 rows",
+        ):
+            _load(model, plans[1], buffer, 4)
 
 
 def test_a_tensor_the_rules_do_not_place_reaches_sglangs_loader_whole_if_sent_whole() -> None:
     config = {**CONFIG, "tie_word_embeddings": False}
     full = full_weights(config)
     extra = {"model.extra.weight": torch.randn(4, 16).bfloat16(), **full}
-    plans = _plans(extra, config, 2, ["model.extra.weight"])
-    assert plans[0].layout.entries[0].kind == ALL
-    for rank, buffer in enumerate(_exchanged(plans)):
-        model = engine_model(full, config, rank, 2)
-        rest = copy_bucket(model, plans[rank].payload, buffer, tp=(rank, 2))
-        assert [name for name, _ in rest] == ["model.extra.weight"]
-        assert torch.equal(rest[0][1], extra["model.extra.weight"])
+    for stored in (False, True):
+        plans = _plans(extra, config, 2, ["model.extra.weight"], stored=stored)
+        assert plans[0].layout.entries[0].kind == ALL
+        for rank, buffer in enumerate(_exchanged(plans)):
+            model = engine_model(full, config, rank, 2)
+            rest = _load(model, plans[rank], buffer, 2)
+            assert [name for name, _ in rest] == ["model.extra.weight"]
+            # Joined from every rank's rows in the engine's dtype (the own ones cast from fp32).
+            assert rest[0][1].dtype == torch.bfloat16
+            assert torch.equal(rest[0][1], extra["model.extra.weight"])
     rows = _plans(extra, config, 2, ["model.extra.weight"], kinds=[ROWS])
     with pytest.raises(
         EngineWeightsError, match="do not place it and the sharded sync sent it as 'rows'"
@@ -233,7 +260,46 @@ def test_a_bucket_sharded_over_other_ranks_than_the_engines_is_refused() -> None
 def test_the_switch_turns_the_shard_to_shard_sync_off_only_when_zero() -> None:
     assert tp_shards.sharded_sync_enabled({})
     assert tp_shards.sharded_sync_enabled({tp_shards.ENV: "1"})
+    assert tp_shards.sharded_sync_enabled({tp_shards.ENV: "buffer"})
     assert not tp_shards.sharded_sync_enabled({tp_shards.ENV: " 0 "})
+    assert tp_shards.sharded_sync_mode({}) == tp_shards.STORED
+    assert tp_shards.sharded_sync_mode({tp_shards.ENV: " Buffer"}) == tp_shards.BUFFER
+    # The policy's shards kept apart: no storage holds a bucket's, the own blocks go in the
+    # buffer (as the memory plan counts it, rljob.plan.tp_own_as_stored).
+    assert tp_shards.sharded_sync_mode({"RLJOB_FLAT_SHARDS": "0"}) == tp_shards.BUFFER
+    assert tp_shards.sharded_sync_mode({"RLJOB_FLAT_SHARDS": "0", tp_shards.ENV: "0"}) == "off"
+    # The ranks agree on the least of their modes: one rank's 0 or buffer decides for all.
+    agreed = tp_shards.agreed_mode
+    assert agreed([tp_shards.STORED, tp_shards.STORED]) == tp_shards.STORED
+    assert agreed([tp_shards.STORED, tp_shards.BUFFER]) == tp_shards.BUFFER
+    assert agreed([tp_shards.BUFFER, tp_shards.OFF, tp_shards.STORED]) == tp_shards.OFF
+
+
+def test_a_bucket_read_as_stored_needs_its_stored_source_and_no_other_takes_one() -> None:
+    config = {**CONFIG_SPLIT_VOCAB, "tie_word_embeddings": False}
+    full = full_weights(config)
+    names = ["model.layers.0.mlp.down_proj.weight"]
+    stored = _plans(full, config, 2, names, stored=True)
+    model = engine_model(full, config, 0, 2)
+    with pytest.raises(EngineWeightsError, match="are read as stored and did not come"):
+        copy_bucket(model, stored[0].payload, _exchanged(stored)[0], (0, 2))
+    buffered = _plans(full, config, 2, names)
+    with pytest.raises(EngineWeightsError, match="came unasked"):
+        copy_bucket(model, buffered[0].payload, _exchanged(buffered)[0], (0, 2),
+                    torch.zeros(16, dtype=torch.uint8))  # fmt: skip
+
+
+def test_shards_apart_are_cast_into_the_buffer_even_when_asked_as_stored() -> None:
+    """The own blocks go as stored only where a bucket's shards lie in one storage."""
+    config = {**CONFIG_SPLIT_VOCAB, "tie_word_embeddings": False}
+    full = {n: t.float() for n, t in full_weights(config).items()}
+    names = list(full)[:4]
+    layout = DenseLayout.from_config(config, 2)
+    kinds = [send_kind(n, full[n].shape, layout) or ALL for n in names]
+    apart = make_shard_plan(names, [full[n] for n in names],
+                            [full[n].chunk(2)[0].clone() for n in names], kinds, torch.bfloat16,
+                            0, 2, None, [], own_as_stored=True)  # fmt: skip
+    assert apart.stored is None and apart.layout.stored is None and apart.layout.own_bytes > 0
 
 
 def test_a_parameter_given_new_storage_is_planned_again_and_takes_the_next_sync() -> None:
@@ -257,9 +323,10 @@ def test_a_parameter_given_new_storage_is_planned_again_and_takes_the_next_sync(
         if target is not None:
             held[target].data = torch.zeros_like(held[target].data)
         full = full_weights(config, seed=seed)
-        plans = _plans(full, config, 2, names, kinds)
-        assert copy_bucket(model, plans[1].payload, _exchanged(plans)[1], tp=(1, 2)) == []
-        assert_holds(model, expected_shards(full, config, 1, 2))
+        for stored in (False, True):
+            plans = _plans(full, config, 2, names, kinds, stored=stored)
+            assert _load(model, plans[1], _exchanged(plans)[1], 2) == []
+            assert_holds(model, expected_shards(full, config, 1, 2))
 
 
 @pytest.mark.parametrize(
@@ -279,3 +346,33 @@ def test_a_parameter_given_new_storage_is_planned_again_and_takes_the_next_sync(
 )
 def test_only_the_dense_decoders_own_names_go_by_rows_or_columns(name: str, kind: str) -> None:
     assert send_kind(name, (16, 16), DenseLayout.from_config(CONFIG, 2)) == kind
+
+
+def test_the_loader_takes_the_stored_own_blocks_handed_just_before_their_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """sglang_direct.load as sglang's schedulers call it: one list of named tensors, the
+    stored own blocks under tp_shards.STORED_NAME just before their bucket, then a bucket
+    without them (its own blocks in its buffer)."""
+    from rljob_worker.engines import sglang_direct
+
+    config = {**CONFIG_SPLIT_VOCAB, "tie_word_embeddings": False}
+    full = full_weights(config)
+    names = list(full)
+    half = len(names) // 2
+    for rank in range(2):
+        monkeypatch.setattr(sglang_direct, "_tp_rank_and_size", lambda rank=rank: (rank, 2))
+        model = engine_model(full_weights(config, seed=9), config, rank, 2)
+        stored = _plans(full, config, 2, names[:half], stored=True)
+        buffered = _plans(full, config, 2, names[half:])
+        own = stored[rank].stored
+        assert own is not None
+        sglang_direct.load(
+            model,
+            [
+                (tp_shards.STORED_NAME, own.view(torch.uint8)),
+                (stored[rank].payload, _exchanged(stored)[rank]),
+                (buffered[rank].payload, _exchanged(buffered)[rank]),
+            ],
+        )
+        assert_holds(model, expected_shards(full, config, rank, 2))

@@ -91,8 +91,10 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     # "flattened": the installed sglang has the flattened-bucket path (one payload per bucket).
     # "direct": rljob's loader in the schedulers (one buffer per rank and bucket).
     # "sharded", "sharded_apart": the direct path, buckets sent shard to shard (tp_shards), all
-    # ranks under one payload name, or rank 1 under another.
-    direct = scenario in ("direct", "sharded", "sharded_apart")
+    # ranks under one payload name, or rank 1 under another; "sharded_stored": as "sharded",
+    # each rank's own blocks as stored beside its buffer; "sharded_buffer": as that, with rank 1
+    # alone asking for the own blocks in the buffer (RLJOB_TP_SHARDED_SYNC=buffer).
+    direct = scenario in ("direct", "sharded", "sharded_apart", "sharded_stored", "sharded_buffer")
     handoff = HANDOFF_DIRECT_STAND_IN if direct else HANDOFF_STAND_IN
     if scenario == "flattened":
         handoff = HANDOFF_FLAT_STAND_IN
@@ -108,6 +110,8 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
     os.environ.pop("RLJOB_TP_SHARDED_SYNC", None)
     if scenario == "sharded_apart" and rank == 1:
         os.environ["RLJOB_TP_SHARDED_SYNC"] = "0"
+    if scenario == "sharded_buffer" and rank == 1:
+        os.environ["RLJOB_TP_SHARDED_SYNC"] = "buffer"
     try:
         node = f"node-{rank}" if scenario == "spans_nodes" else "node-a"
         engine = make_engine(_spec(), device="cuda:0", node=node)
@@ -127,14 +131,21 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
             engine.resume([TAG_WEIGHTS])
             assert isinstance(engine, ShardedWeights)  # a TensorParallelEngine
             out["shard_world"] = engine.shard_world
+            out["own_as_stored"] = engine.shard_own_as_stored
             if scenario.startswith("sharded"):
                 # Each rank's own buffer under the bucket's one name (rank 1 apart: another).
-                layout = '{"world":2,"entries":[]}' if rank == 0 or scenario == "sharded" else "x"
+                layout = (
+                    '{"world":2,"entries":[]}' if rank == 0 or scenario != "sharded_apart" else "x"
+                )
+                stored = None
+                if scenario == "sharded_stored":
+                    stored = torch.full((6,), 100 * iteration + rank, dtype=torch.uint8)
                 engine.update_weights_sharded(
                     ShardedBucket(
-                        [], PAYLOAD_PREFIX + layout, torch.full((4,), 10 * iteration + rank)
+                        [], PAYLOAD_PREFIX + layout, torch.full((4,), 10 * iteration + rank),
+                        stored,
                     )
-                )
+                )  # fmt: skip
             else:
                 # Distinct tensors per rank show which rank's tensor each TP scheduler loaded.
                 engine.update_weights(
@@ -164,6 +175,7 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
         out["visible_after"] = os.environ.get("CUDA_VISIBLE_DEVICES")
         out["flattened_loads"] = built[0].flattened_loads if built else None
         out["direct_loads"] = built[0].direct_loads if built else None
+        out["direct_names"] = built[0].direct_names if built else None
         out["resumed_at"] = resumed_at
     except Exception as exc:
         out["error"] = (type(exc).__name__, str(exc))
@@ -238,13 +250,38 @@ def test_a_bucket_sent_shard_to_shard_gives_tp_rank_i_rank_is_buffer_under_one_n
 
     out = _run("sharded")
     assert "error" not in out[0] and "error" not in out[1], out
-    # The engine spans both ranks with rljob's loader: the trainer may send shard to shard.
+    # The engine spans both ranks with rljob's loader: the trainer may send shard to shard,
+    # and with no rank's switch at "buffer", its own blocks as stored.
     assert out[0]["shard_world"] == out[1]["shard_world"] == 2
+    assert out[0]["own_as_stored"] is out[1]["own_as_stored"] is True
     assert out[0]["direct_loads"] == ITERATIONS
     name = PAYLOAD_PREFIX + '{"world":2,"entries":[]}'
     for iteration in range(ITERATIONS):
         loaded = out[0]["loaded"][iteration]
         assert loaded[name] == [[10 * iteration] * 4, [10 * iteration + 1] * 4]
+
+
+def test_a_bucket_with_its_own_blocks_as_stored_gives_tp_rank_i_rank_is_two_tensors() -> None:
+    """The stored own blocks travel just before the bucket's buffer (tp_shards.STORED_NAME),
+    each TP rank getting its rank's, within the same load."""
+    from rljob_worker.tp_shards import PAYLOAD_PREFIX, STORED_NAME
+
+    out = _run("sharded_stored")
+    assert "error" not in out[0] and "error" not in out[1], out
+    assert out[0]["own_as_stored"] is out[1]["own_as_stored"] is True
+    name = PAYLOAD_PREFIX + '{"world":2,"entries":[]}'
+    assert out[0]["direct_names"] == [[STORED_NAME, name]] * ITERATIONS
+    for iteration in range(ITERATIONS):
+        loaded = out[0]["loaded"][iteration]
+        assert loaded[STORED_NAME] == [[100 * iteration] * 6, [100 * iteration + 1] * 6]
+        assert loaded[name] == [[10 * iteration] * 4, [10 * iteration + 1] * 4]
+
+
+def test_one_ranks_switch_to_buffer_keeps_every_ranks_own_blocks_in_the_buffer() -> None:
+    out = _run("sharded_buffer")
+    assert "error" not in out[0] and "error" not in out[1], out
+    assert out[0]["shard_world"] == out[1]["shard_world"] == 2
+    assert out[0]["own_as_stored"] is out[1]["own_as_stored"] is False
 
 
 def test_ranks_that_send_a_sharded_bucket_under_different_layouts_fail_together() -> None:

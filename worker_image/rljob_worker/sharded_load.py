@@ -310,6 +310,12 @@ def load_sharded(
         prepare(model)
     shard(model)
     if not flat or to_empty_flat(model, device) is None:
+        if flat:
+            log.warning(
+                "the policy's shards could not be laid out in one buffer: the weight sync "
+                "casts into a buffer of its own, which the memory plan (RLJOB_FLAT_SHARDS on) "
+                "did not count"
+            )
         model.to_empty(device=device)
     rebuild_buffers(model, device)
     largest = fill_shards(model, path)

@@ -110,7 +110,12 @@ class TrainerLike(Protocol):
         self, bucket_bytes: int, dtype: torch.dtype, *, engine_casts: bool = False
     ) -> Iterator[Bucket]: ...
     def shard_buckets(
-        self, bucket_bytes: int, dtype: torch.dtype, shard_world: int
+        self,
+        bucket_bytes: int,
+        dtype: torch.dtype,
+        shard_world: int,
+        *,
+        own_as_stored: bool = True,
     ) -> Iterator[Bucket | ShardedBucket]: ...
 
 
@@ -289,7 +294,12 @@ class StageMachine:
         sharded = self.engine if isinstance(self.engine, ShardedWeights) else None
         shard_world = sharded.shard_world if sharded and self.after_weight_update is None else None
         buckets: Iterator[Bucket | ShardedBucket] = iter(
-            self.trainer.shard_buckets(self.bucket_bytes, self.engine_dtype, shard_world)
+            self.trainer.shard_buckets(
+                self.bucket_bytes,
+                self.engine_dtype,
+                shard_world,
+                own_as_stored=bool(sharded and sharded.shard_own_as_stored),
+            )
             if shard_world
             else self.trainer.weight_buckets(
                 self.bucket_bytes, self.engine_dtype, engine_casts=casts

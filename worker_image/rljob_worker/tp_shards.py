@@ -24,6 +24,15 @@ gather), which the TP engine checks; rljob's loader in each scheduler
 region_source) and checks that the blocks cover every row its part needs. Block sizes and
 alignment are the memory plan's arithmetic (rljob.plan.shard_block_numel, shard_aligned), so
 its count of these buffers is theirs.
+
+Own blocks as stored (the default where the policy's shards lie in one buffer,
+sharded_load.to_empty_flat): the rank's own blocks are not cast into the bucket's buffer at all.
+The engine gets, beside the buffer's received region, the trainer's fp32 storage of the bucket's
+shards (a view, sent as weight_sync.ipc_alias), and each entry's `own` is the byte offset of the
+rank's whole local shard there (the same on every rank: the shards lie at the same offsets of
+each rank's buffer); the loader's copy out of it is the cast. The buffer then holds only what
+crosses between ranks, and the trainer's cast only what it sends. RLJOB_TP_SHARDED_SYNC=buffer
+keeps the own blocks in the buffer (the figures before this).
 """
 
 from __future__ import annotations
@@ -35,11 +44,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rljob.plan import (
+    FLAT_SHARDS_ENV,
+    SHARD_ALIGN_BYTES,
     SHARD_ALL,
     SHARD_COLS,
     SHARD_ROWS,
     TP_SHARDED_SYNC_ENV,
+    flat_shards_on,
     on_unless_zero,
+    own_as_stored,
     shard_aligned,
     shard_block_numel,
     shard_kind,
@@ -56,12 +69,40 @@ ROWS, COLS, ALL = SHARD_ROWS, SHARD_COLS, SHARD_ALL
 ENV = TP_SHARDED_SYNC_ENV
 # A sharded bucket travels under this prefix and its layout as JSON (ShardPayload.name).
 PAYLOAD_PREFIX = "rljob-tp-bucket:"
+# Its own blocks as stored travel just before it, as one more tensor under this name. Every
+# such view starts at its storage's start, so torch's receiving side keys each by the same CUDA
+# IPC handle and offset: a scheduler must drop one before the next is rebuilt (one bucket a
+# request, and sglang_direct.load keeps nothing), or it would get the cached, shorter storage.
+STORED_NAME = "rljob-tp-stored"
+# The sync's modes (RLJOB_TP_SHARDED_SYNC): full buckets; shard to shard with the own blocks in
+# the buffer; shard to shard with the own blocks read where the trainer stores them.
+OFF, BUFFER, STORED = "off", "buffer", "stored"
+
+
+def sharded_sync_mode(environ: Any = os.environ) -> str:
+    """RLJOB_TP_SHARDED_SYNC=0: OFF, every bucket full (the bench's before; a model whose TP
+    layout the kinds misjudge); =buffer, or the policy's shards kept apart (RLJOB_FLAT_SHARDS=0:
+    no storage holds a bucket's shards), BUFFER; else STORED (a bucket whose shards do not lie
+    in one storage still keeps its own blocks in the buffer, stored_source)."""
+    value = str(environ.get(ENV, ""))
+    if not on_unless_zero(value):
+        return OFF
+    flat = flat_shards_on(str(environ.get(FLAT_SHARDS_ENV, "")))
+    return STORED if own_as_stored(value) and flat else BUFFER
 
 
 def sharded_sync_enabled(environ: Any = os.environ) -> bool:
-    """RLJOB_TP_SHARDED_SYNC=0 sends every bucket full (the bench's before; a model whose TP
-    layout the kinds misjudge). Unset or anything else: shard to shard where it applies."""
-    return on_unless_zero(str(environ.get(ENV, "")))
+    """Whether buckets may go shard to shard at all (sharded_sync_mode not OFF)."""
+    return sharded_sync_mode(environ) != OFF
+
+
+def agreed_mode(modes: Sequence[str]) -> str:
+    """The mode every rank can send in, from each rank's own (sharded_sync_mode): the least of
+    them, so no rank's environment alone picks a collective the others do not join."""
+    for mode in (OFF, BUFFER):
+        if mode in modes:
+            return mode
+    return STORED
 
 
 def send_kind(name: str, shape: Sequence[int], layout: DenseLayout) -> str | None:
@@ -92,17 +133,22 @@ class ShardEntry:
 @dataclass(frozen=True)
 class ShardPayload:
     """What a sharded bucket's payload name carries to the engine's loader: the ranks it is
-    sharded over and its entries (each block's byte offsets)."""
+    sharded over, its entries (each block's byte offsets) and, where the own blocks are read
+    as stored, the stored source's dtype (`stored`; each entry's `own` is then the byte offset
+    of the rank's whole local shard in that source, which travels as STORED_NAME)."""
 
     world: int
     entries: tuple[ShardEntry, ...]
+    stored: str | None
 
     def name(self) -> str:
         """The payload name: the layout as JSON (rank-independent)."""
         entries = [
             [e.name, list(e.shape), e.dtype, e.kind, e.own, list(e.received)] for e in self.entries
         ]
-        body = {"world": self.world, "entries": entries}
+        body: dict[str, Any] = {"world": self.world, "entries": entries}
+        if self.stored is not None:
+            body["stored"] = self.stored
         return PAYLOAD_PREFIX + json.dumps(body, separators=(",", ":"))
 
 
@@ -117,19 +163,36 @@ class ShardLayout(ShardPayload):
 
     @property
     def own_bytes(self) -> int:
-        return self.payload_bytes - (self.world - 1) * self.region_bytes
+        """The own region's bytes (0 where the own blocks are read as stored)."""
+        return 0 if self.stored is not None else self.payload_bytes - self.sent_bytes
+
+    @property
+    def sent_bytes(self) -> int:
+        return (self.world - 1) * self.region_bytes
 
 
 def shard_layout(
-    tensors: Sequence[tuple[str, Sequence[int], str]], world: int, dtype: torch.dtype
+    tensors: Sequence[tuple[str, Sequence[int], str]],
+    world: int,
+    dtype: torch.dtype,
+    stored: tuple[Sequence[int], torch.dtype] | None = None,
 ) -> ShardLayout:
-    """The buffer of a bucket of (name, full shape, kind) in `dtype` over `world` ranks."""
+    """The buffer of a bucket of (name, full shape, kind) in `dtype` over `world` ranks.
+    `stored`: the own blocks are read as stored, each tensor's whole local shard at these byte
+    offsets of a source of that dtype; the buffer has no own region then. Its payload region
+    and the whole buffer take at least SHARD_ALIGN_BYTES (a bucket of ROWS alone crosses
+    nothing, and the engine is still handed a buffer to open)."""
     size = dtype.itemsize
     dtype_name = str(dtype).removeprefix("torch.")
     own_at, at = [], 0
-    for _, shape, kind in tensors:
-        own_at.append(at)
-        at = shard_aligned(at + shard_block_numel(shape, kind, world) * size)
+    if stored is not None:
+        own_at = [int(offset) for offset in stored[0]]
+        if len(own_at) != len(tensors):
+            raise ValueError(f"{len(own_at)} stored offsets for {len(tensors)} tensors")
+    else:
+        for _, shape, kind in tensors:
+            own_at.append(at)
+            at = shard_aligned(at + shard_block_numel(shape, kind, world) * size)
     own_end = at
     region_at: list[int | None] = []
     at = 0
@@ -154,7 +217,15 @@ def shard_layout(
         for (name, shape, kind), own, offset in zip(tensors, own_at, region_at, strict=True)
     )
     payload = own_end + (world - 1) * region
-    return ShardLayout(world, entries, region, payload, payload + (world - 1) * region)
+    stored_name = None if stored is None else str(stored[1]).removeprefix("torch.")
+    return ShardLayout(
+        world,
+        entries,
+        stored_name,
+        region,
+        max(payload, SHARD_ALIGN_BYTES),
+        max(payload + (world - 1) * region, SHARD_ALIGN_BYTES),
+    )
 
 
 def parse_payload(name: str) -> ShardPayload:
@@ -164,16 +235,24 @@ def parse_payload(name: str) -> ShardPayload:
         ShardEntry(n, tuple(shape), dtype, kind, int(own), tuple(received))
         for n, shape, dtype, kind, own, received in body["entries"]
     )
-    return ShardPayload(int(body["world"]), entries)
+    return ShardPayload(int(body["world"]), entries, body.get("stored"))
 
 
 class ShardedBucket:
     """One bucket of the shard-to-shard sync on one rank: the payload name (the same on every
-    rank) and this rank's buffer as the engine gets it (uint8: its own and received blocks).
-    `names` are the bucket's tensors; no full tensor exists on any rank."""
+    rank) and this rank's buffer as the engine gets it (uint8: its own and received blocks, or
+    the received ones alone where `stored` is the trainer's storage of the own shards, uint8,
+    to be sent as weight_sync.ipc_alias). `names` are the bucket's tensors; no full tensor
+    exists on any rank."""
 
-    def __init__(self, names: Sequence[str], name: str, buffer: torch.Tensor) -> None:
-        self.names, self.name, self.buffer = list(names), name, buffer
+    def __init__(
+        self,
+        names: Sequence[str],
+        name: str,
+        buffer: torch.Tensor,
+        stored: torch.Tensor | None = None,
+    ) -> None:
+        self.names, self.name, self.buffer, self.stored = list(names), name, buffer, stored
 
 
 @dataclass(frozen=True)
@@ -189,14 +268,18 @@ class _Pair:
 @dataclass(frozen=True)
 class ShardPlan:
     """One bucket's shard-to-shard send on one rank, worked out once per trainer: the buffer's
-    split into every block (gaps included), the copies that fill the own and sent blocks from
-    the rank's shards (contiguous ones as weight_sync.copy_pairs launches them, column slices
+    split into every block (gaps included), the copies that fill the sent blocks (and the own
+    ones, unless read as stored: `stored`) from the rank's shards (contiguous ones as weight_sync.copy_pairs launches them, column slices
     one by one), and the exchange's ranges. Holds while its params and local shards are the
     same objects at the same addresses and layouts (train.SendPlan.holds)."""
 
     layout: ShardLayout
     payload: str
     dtype: torch.dtype
+    # Where the own blocks are read as stored: the trainer's storage from its start to the end
+    # of the last local shard, in their dtype (a view over the storage: it follows the
+    # offload's resize of it to 0 and back), else None.
+    stored: torch.Tensor | None
     sizes: tuple[int, ...]
     flat: tuple[_Pair, ...]
     flat_copies: tuple[tuple[int, ...], tuple[int, ...]]
@@ -220,15 +303,21 @@ def make_shard_plan(
     world: int,
     group: dist.ProcessGroup | None,
     layouts: list[tuple[torch.dtype, torch.Size, tuple[int, ...], int]],
+    own_as_stored: bool = False,
 ) -> ShardPlan:
     """The plan of one bucket (see ShardPlan) for FSDP rank `rank` of `world` (the ranks of
     `group`): each local shard is rows [rank*R/W, (rank+1)*R/W) of its full tensor
-    `params[i].shape`."""
+    `params[i].shape`. `own_as_stored`: the own blocks are read where the shards lie, if they
+    lie in one storage (stored_source), else cast into the buffer as without it."""
     from rljob_worker.weight_sync import split_copies
 
     shapes = [tuple(int(d) for d in p.shape) for p in params]
+    as_stored = stored_source(locals_) if own_as_stored else None
     layout = shard_layout(
-        [(n, s, k) for n, s, k in zip(names, shapes, kinds, strict=True)], world, dtype
+        [(n, s, k) for n, s, k in zip(names, shapes, kinds, strict=True)],
+        world,
+        dtype,
+        None if as_stored is None else (as_stored[1], as_stored[0].dtype),
     )
     size = dtype.itemsize
     # Every block's byte range, then the split (in elements) that cuts the buffer into them.
@@ -240,7 +329,8 @@ def make_shard_plan(
         if entry.kind == COLS:
             width = entry.shape[1] // world
             own = local.narrow(1, rank * width, width)
-            ranges.append((entry.own, entry.own + numel * size, own, (rows, width)))
+            if as_stored is None:
+                ranges.append((entry.own, entry.own + numel * size, own, (rows, width)))
             for index, received in enumerate(entry.received):
                 # Sent region `index` goes to that rank: its column block of this rank's rows.
                 to = region_source(index, rank)
@@ -249,7 +339,8 @@ def make_shard_plan(
                 ranges.append((start, start + numel * size, part, (rows, width)))
         else:
             whole = local.reshape(-1) if local.is_contiguous() else local
-            ranges.append((entry.own, entry.own + numel * size, whole, None))
+            if as_stored is None:
+                ranges.append((entry.own, entry.own + numel * size, whole, None))
             for received in entry.received:
                 start = sent_at + received - layout.own_bytes
                 ranges.append((start, start + numel * size, whole, None))
@@ -272,6 +363,7 @@ def make_shard_plan(
         layout=layout,
         payload=layout.name(),
         dtype=dtype,
+        stored=None if as_stored is None else as_stored[0],
         sizes=tuple(sizes),
         flat=tuple(flat),
         flat_copies=split_copies([p.source.numel() * size for p in flat]),
@@ -285,9 +377,35 @@ def make_shard_plan(
     )
 
 
+def stored_source(
+    locals_: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """Where the local shards lie in one storage, contiguous and of one dtype (the policy's
+    shards in one buffer): that storage from its start to the last shard's end, as a flat view
+    in their dtype, and each shard's byte offset in it; else None. From the storage's start,
+    not the first shard's: CUDA IPC shares an allocation by its base address (torch's
+    getBaseAllocation takes no pointer inside a block), and the offsets are the same on every
+    rank (each rank's buffer lays the shards out alike)."""
+    import torch
+
+    if not locals_ or len({t.dtype for t in locals_}) != 1:
+        return None
+    if not all(t.is_contiguous() for t in locals_):
+        return None
+    storage = locals_[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in locals_):
+        return None
+    end = max(int(t.storage_offset()) + t.numel() for t in locals_)
+    view = torch.empty(0, dtype=locals_[0].dtype, device=locals_[0].device).set_(
+        storage, 0, (end,), (1,)
+    )
+    unit = locals_[0].element_size()
+    return view, tuple(int(t.storage_offset()) * unit for t in locals_)
+
+
 def fill(plan: ShardPlan, device: torch.device) -> torch.Tensor:
-    """A new buffer (in the plan's dtype) with this rank's own blocks and the blocks it sends,
-    cast from its shards."""
+    """A new buffer (in the plan's dtype) with the blocks this rank sends and, unless the plan
+    reads them as stored, its own blocks, cast from its shards."""
     import torch
 
     from rljob_worker.weight_sync import copy_pairs
@@ -295,9 +413,10 @@ def fill(plan: ShardPlan, device: torch.device) -> torch.Tensor:
     buffer = torch.empty(plan.layout.total_bytes // plan.dtype.itemsize, dtype=plan.dtype,
                          device=device)  # fmt: skip
     pieces = buffer.split(list(plan.sizes))
-    copy_pairs(
-        [pieces[p.piece] for p in plan.flat], [p.source for p in plan.flat], plan.flat_copies
-    )
+    if plan.flat:  # none where a bucket's own blocks go as stored and it sends nothing flat
+        copy_pairs(
+            [pieces[p.piece] for p in plan.flat], [p.source for p in plan.flat], plan.flat_copies
+        )
     for pair in plan.sliced:
         pieces[pair.piece].view(pair.shape or pair.source.shape).copy_(pair.source)
     return buffer
@@ -326,6 +445,8 @@ def exchange(plan: ShardPlan, buffer: torch.Tensor) -> None:
 def send(plan: ShardPlan, device: torch.device) -> ShardedBucket:
     """Fill a new buffer by the plan and exchange its blocks (collective: every rank sends the
     same bucket in the same order)."""
+    import torch
+
     from rljob_worker.weight_sync import byte_view
 
     layout = plan.layout
@@ -333,6 +454,12 @@ def send(plan: ShardPlan, device: torch.device) -> ShardedBucket:
     if layout.world > 1 and layout.region_bytes:
         exchange(plan, buffer)
     storage = buffer.untyped_storage()
+    stored = None
+    if plan.stored is not None:
+        stored = plan.stored.view(torch.uint8)  # from the storage's start (stored_source)
     return ShardedBucket(
-        [e.name for e in layout.entries], plan.payload, byte_view(storage, layout.payload_bytes)
+        [e.name for e in layout.entries],
+        plan.payload,
+        byte_view(storage, layout.payload_bytes),
+        stored,
     )

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -273,15 +273,20 @@ def _still_planned(
 def shard_bucket(
     params: Sequence[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
-    plans: dict[tuple[str, ...], tp_shards.ShardPlan],
+    plans: dict[tuple[tuple[str, ...], bool], tp_shards.ShardPlan],
     layout: DenseLayout,
+    own_as_stored: bool = True,
 ) -> tp_shards.ShardedBucket | None:
     """The bucket sent shard to shard (tp_shards) to an engine whose TP ranks are this job's
     FSDP ranks (layout.tp_size of them), through its ShardPlan (made on first use); None where
     it cannot go so (a tensor not a Shard(0) DTensor over that many ranks, or whose rows they do
     not divide: gather_full then). The answer depends on shapes and placements only, the same
-    on every rank. Collective: every rank calls it with the same names in the same order."""
-    key = tuple(name for name, _ in params)
+    on every rank. `own_as_stored`: the engine reads this rank's own blocks where its shards
+    lie, where they lie in one storage (tp_shards.stored_source), as every rank's do with the
+    policy's shards in one buffer. Collective: every rank calls it with the same names in the
+    same order and the same `own_as_stored`."""
+    names = tuple(name for name, _ in params)
+    key = (names, own_as_stored)
     tensors = [tensor for _, tensor in params]
     plan = plans.get(key)
     if (
@@ -303,9 +308,9 @@ def shard_bucket(
         world, rank = mesh.size(), mesh.get_local_rank()
         locals_ = [_local_shard(t) for t in dtensors]
         shapes = [t.shape for t in dtensors]
-        _check_rows(key, shapes, locals_, world, rank)
+        _check_rows(names, shapes, locals_, world, rank)
         plans[key] = plan = tp_shards.make_shard_plan(
-            key,
+            names,
             dtensors,
             locals_,
             [kind for kind in kinds if kind is not None],
@@ -314,6 +319,7 @@ def shard_bucket(
             world,
             mesh.get_group(),
             [_layout(local) for local in locals_],
+            own_as_stored,
         )
     with torch.no_grad():
         return tp_shards.send(plan, plan.locals_[0].device)
@@ -522,6 +528,37 @@ def _storages(tensors: Sequence[torch.Tensor]) -> list[torch.UntypedStorage]:
 _HOST_ALIGN_BYTES = 64
 
 
+class ParamPaths:
+    """A module's named parameters as named_parameters() gives them now, read through each
+    one's owning module and attribute, found by one named_parameters() walk and kept: a dict
+    lookup a parameter instead of the walk over every module (0.83-0.97 ms at 3B on an H200's
+    host, most of the one-card sync's host time before its bucket: docs/weight-sync-figures.md).
+    What is read is the object registered now (FSDP2 swaps a module's parameter between its
+    sharded and unsharded forms, and a parameter may be replaced); an attribute that no longer
+    holds a parameter makes a new walk. Tied parameters appear once, under the walk's name."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._paths: list[tuple[str, dict[str, Any], str]] | None = None
+
+    def read(self) -> dict[str, torch.Tensor]:
+        if self._paths is not None:
+            found = {name: owner.get(attr) for name, owner, attr in self._paths}
+            if all(p is not None for p in found.values()):
+                return found  # type: ignore[return-value]
+        return self._walk()
+
+    def _walk(self) -> dict[str, torch.Tensor]:
+        named: dict[str, torch.Tensor] = dict(self.module.named_parameters())
+        modules = dict(self.module.named_modules())
+        paths = []
+        for name in named:
+            prefix, _, attr = name.rpartition(".")
+            paths.append((name, modules[prefix]._parameters, attr))
+        self._paths = paths
+        return named
+
+
 class _HostCopies:
     """Empties device storages into host buffers and refills them in place.
 
@@ -705,7 +742,8 @@ class Trainer:
         # Each weight-sync bucket's gather, worked out on the first sync (gather_full), and its
         # shard-to-shard send (shard_bucket).
         self._send_plans: dict[tuple[str, ...], SendPlan] = {}
-        self._shard_plans: dict[tuple[str, ...], tp_shards.ShardPlan] = {}
+        self._shard_plans: dict[tuple[tuple[str, ...], bool], tp_shards.ShardPlan] = {}
+        self._param_paths = ParamPaths(self.model)
 
     # -- training ----------------------------------------------------------------------------
 
@@ -835,7 +873,7 @@ class Trainer:
         caller drops each bucket before asking for the next. Collective: every rank gathers the
         same bucket in the same order.
         """
-        params = dict(self.model.named_parameters())
+        params = self._param_paths.read()
         plans = self._send_plans
         if engine_casts and self.mesh.size() == 1:
             with torch.no_grad():
@@ -849,14 +887,20 @@ class Trainer:
         )
 
     def shard_buckets(
-        self, bucket_bytes: int, dtype: torch.dtype, shard_world: int
+        self,
+        bucket_bytes: int,
+        dtype: torch.dtype,
+        shard_world: int,
+        *,
+        own_as_stored: bool = True,
     ) -> Iterator[Bucket | tp_shards.ShardedBucket]:
         """weight_buckets for one tensor-parallel engine over all of this trainer's ranks,
         `shard_world` of them (TensorParallelEngine.shard_world): each bucket that can goes
         shard to shard (shard_bucket: a tp_shards.ShardedBucket, only what TP cuts across
-        FSDP's rows crossing between ranks), the others by the full gather; all of them full
-        where the engine or the model does not allow it (_shard_layout). Collective, as
-        weight_buckets."""
+        FSDP's rows crossing between ranks; `own_as_stored`, the engine's
+        shard_own_as_stored, the own blocks read where the shards lie), the others by the
+        full gather; all of them full where the engine or the model does not allow it
+        (_shard_layout). Collective, as weight_buckets."""
         layout = self._shard_layout(shard_world)
         if layout is None:
             yield from self.weight_buckets(bucket_bytes, dtype)
@@ -864,10 +908,10 @@ class Trainer:
         plans, full_plans = self._shard_plans, self._send_plans
 
         def send(bucket: list[tuple[str, torch.Tensor]]) -> Bucket | tp_shards.ShardedBucket:
-            sent = shard_bucket(bucket, dtype, plans, layout)
+            sent = shard_bucket(bucket, dtype, plans, layout, own_as_stored)
             return sent if sent is not None else gather_full(bucket, dtype, full_plans)
 
-        params = dict(self.model.named_parameters())
+        params = self._param_paths.read()
         yield from self._in_buckets(params, bucket_bytes, dtype, send)
 
     def _in_buckets(

@@ -139,6 +139,13 @@ class ShardedWeights(Protocol):
         this engine takes only full tensors."""
         ...
 
+    @property
+    def shard_own_as_stored(self) -> bool:
+        """Whether a sharded bucket may carry each rank's own blocks where its shards lie
+        (tp_shards: the trainer's storage, cast by the engine's loader) instead of in its
+        buffer."""
+        ...
+
     def update_weights_sharded(self, bucket: ShardedBucket) -> None:
         """Load one bucket sent shard to shard; collective over the engine's ranks."""
         ...

@@ -238,9 +238,15 @@ class _BucketPlan:
     # A sharded bucket's (tp_shards) column slices of whole-row blocks, each copied on its own:
     # (destination rows, the block's byte start, its rows, its other dims, dtype, first column,
     # columns); and the tensors the rules do not place, joined from every rank's rows for
-    # sglang's own loader: (name, full shape, dtype, each source rank's block's byte start).
+    # sglang's own loader: (name, full shape, dtype, each source rank's block as (whether it
+    # lies in the stored source, its byte start, its dtype)).
     sliced: tuple[tuple[torch.Tensor, int, int, tuple[int, ...], torch.dtype, int, int], ...] = ()
-    joined: tuple[tuple[str, tuple[int, ...], torch.dtype, tuple[int, ...]], ...] = ()
+    joined: tuple[
+        tuple[str, tuple[int, ...], torch.dtype, tuple[tuple[bool, int, torch.dtype], ...]], ...
+    ] = ()
+    # A sharded bucket whose own blocks are read as stored: the plan of the copies out of that
+    # source (its flat copies and column slices), which travels beside the buffer.
+    stored: _BucketPlan | None = None
 
 
 # RLJOB_SGLANG_DIRECT_STRICT=1 (the schedulers inherit the rank's environment): a tensor the rules
@@ -458,7 +464,8 @@ def _flat_plan(fast: list[_Fast], watched: Sequence[torch.Tensor] = (), **rest: 
 
 def _plan_sharded(targets: _Targets, name: str) -> _BucketPlan:
     """The plan of one sharded bucket (tp_shards: this TP rank's own blocks and those received
-    from every other rank, in one buffer): each block copied into the rows of this rank's part
+    from every other rank, in one buffer, or the own ones in the trainer's storage beside it,
+    payload.stored: the plan's `stored` sub-plan copies out of that): each block copied into the rows of this rank's part
     it holds, flat where its rows are whole (ROWS and ALL blocks into row parts, a COLS block
     into a row-parallel part's rows), a column slice otherwise. Raises where the blocks do not
     cover every row of this rank's part (kinds that disagree with the rules), where a tensor
@@ -476,21 +483,24 @@ def _plan_sharded(targets: _Targets, name: str) -> _BucketPlan:
             f"a bucket sharded over {world} ranks reached TP rank {rank} of an engine of "
             f"{targets.tp_size} TP ranks"
         )
-    fast: list[_Fast] = []
-    sliced: list[tuple[torch.Tensor, int, int, tuple[int, ...], torch.dtype, int, int]] = []
-    joined: list[tuple[str, tuple[int, ...], torch.dtype, tuple[int, ...]]] = []
+    stored_dtype = None if payload.stored is None else getattr(torch, payload.stored)
+    # Each list twice: [0] for the bucket's buffer, [1] for the stored source (own as stored).
+    fast: tuple[list[_Fast], list[_Fast]] = ([], [])
+    sliced: tuple[list[_Sliced], list[_Sliced]] = ([], [])
+    joined: list[tuple[str, tuple[int, ...], torch.dtype, tuple[tuple[bool, int, Any], ...]]] = []
     watched: list[torch.Tensor] = []  # the parameters the sliced copies write
     for index, entry in enumerate(payload.entries):
         dtype = getattr(torch, entry.dtype)
-        size, rows = dtype.itemsize, entry.shape[0] // world
-        rest = entry.shape[1:]
-        row_bytes = math.prod(rest) * size
-        blocks = [(rank, entry.own)] + [
-            (tp_shards.region_source(i, rank), at) for i, at in enumerate(entry.received)
+        rows, rest = entry.shape[0] // world, entry.shape[1:]
+        # (source rank, byte start, whether in the stored source, its dtype): the own block
+        # first, as stored (the rank's whole local shard) where the payload says so.
+        blocks = [(rank, entry.own, stored_dtype is not None, stored_dtype or dtype)] + [
+            (tp_shards.region_source(i, rank), at, False, dtype)
+            for i, at in enumerate(entry.received)
         ]
         plan = _rule(targets, entry.name, entry.shape)
         if plan is None:
-            starts = dict(blocks)
+            starts = {source: (in_stored, at, d) for source, at, in_stored, d in blocks}
             if entry.kind != tp_shards.ALL or sorted(starts) != list(range(world)):
                 raise EngineWeightsError(
                     f"{entry.name} {entry.shape}: the direct rules do not place it and the "
@@ -505,19 +515,22 @@ def _plan_sharded(targets: _Targets, name: str) -> _BucketPlan:
             data = param.data
             if copy.src_dim == 0:
                 need, covered = copy.length, 0
-                for source, at in blocks if entry.kind != tp_shards.COLS else []:
+                for source, at, in_stored, block_dtype in (
+                    blocks if entry.kind != tp_shards.COLS else []
+                ):
                     low = max(source * rows, copy.src_start)
                     high = min((source + 1) * rows, copy.src_start + copy.length)
                     if low >= high:
                         continue
                     dest = data.narrow(0, (copy.dst_start or 0) + low - copy.src_start, high - low)
-                    _fits(entry.name, dest, (high - low, *rest), dtype, rank)
+                    _fits(entry.name, dest, (high - low, *rest), block_dtype, rank)
+                    row_bytes = math.prod(rest) * block_dtype.itemsize
                     begin = at + (low - source * rows) * row_bytes
-                    fast.append(
+                    fast[in_stored].append(
                         (
                             begin,
                             begin + (high - low) * row_bytes,
-                            dtype,
+                            block_dtype,
                             dest.view(-1),
                             param,
                             index,
@@ -527,22 +540,28 @@ def _plan_sharded(targets: _Targets, name: str) -> _BucketPlan:
             else:  # a row-parallel part: its columns of every row
                 need, covered = entry.shape[0], 0
                 width = entry.shape[1] // world
-                for source, at in blocks:
+                if entry.kind == tp_shards.COLS and (copy.src_start, copy.length) != (
+                    rank * width,
+                    width,
+                ):
+                    raise EngineWeightsError(
+                        f"{entry.name}: TP rank {rank}'s part is columns "
+                        f"{copy.src_start}+{copy.length}, the sharded sync sent "
+                        f"{rank * width}+{width}"
+                    )
+                for source, at, in_stored, block_dtype in blocks:
                     dest = data.narrow(0, source * rows, rows)
-                    if entry.kind == tp_shards.COLS:
-                        if (copy.src_start, copy.length) != (rank * width, width):
-                            raise EngineWeightsError(
-                                f"{entry.name}: TP rank {rank}'s part is columns "
-                                f"{copy.src_start}+{copy.length}, the sharded sync sent "
-                                f"{rank * width}+{width}"
-                            )
-                        _fits(entry.name, dest, (rows, width), dtype, rank)
-                        fast.append(
-                            (at, at + rows * width * size, dtype, dest.view(-1), param, index)
-                        )
+                    if entry.kind == tp_shards.COLS and not in_stored:
+                        # A block of this rank's columns alone: flat into its rows.
+                        _fits(entry.name, dest, (rows, width), block_dtype, rank)
+                        end = at + rows * width * block_dtype.itemsize
+                        fast[False].append((at, end, block_dtype, dest.view(-1), param, index))
                     else:
-                        _fits(entry.name, dest, (rows, copy.length, *rest[1:]), dtype, rank)
-                        sliced.append((dest, at, rows, rest, dtype, copy.src_start, copy.length))
+                        # Whole rows (an ALL block, or the own shard as stored): its columns.
+                        _fits(entry.name, dest, (rows, copy.length, *rest[1:]), block_dtype, rank)
+                        sliced[in_stored].append(
+                            (dest, at, rows, rest, block_dtype, copy.src_start, copy.length)
+                        )
                         watched.append(param)
                     covered += rows
             if covered != need:
@@ -550,11 +569,28 @@ def _plan_sharded(targets: _Targets, name: str) -> _BucketPlan:
                     f"{entry.name}: the sharded sync gave TP rank {rank} {covered} of the {need} "
                     f"rows its part of {copy.target} needs (sent as {entry.kind!r})"
                 )
-    fast.sort(key=lambda f: f[0])
-    for before, after in itertools.pairwise(fast):
-        if after[0] < before[1]:
-            raise EngineWeightsError(f"a sharded bucket's blocks overlap at byte {after[0]}")
-    return _flat_plan(fast, watched, slow=[], sliced=tuple(sliced), joined=tuple(joined))
+    for copies in fast:
+        copies.sort(key=lambda f: f[0])
+        for before, after in itertools.pairwise(copies):
+            if after[0] < before[1]:
+                raise EngineWeightsError(f"a sharded bucket's blocks overlap at byte {after[0]}")
+    stored = None
+    if stored_dtype is not None:
+        stored = _flat_plan(fast[True], slow=[], sliced=tuple(sliced[True]))
+        watched += [f[4] for f in fast[True]]
+    return _flat_plan(
+        fast[False],
+        watched,
+        slow=[],
+        sliced=tuple(sliced[False]),
+        joined=tuple(joined),
+        stored=stored,
+    )
+
+
+# A column slice of a block's whole rows: (destination rows, the block's byte start, its rows,
+# its other dims, dtype, first column, columns).
+_Sliced = tuple["torch.Tensor", int, int, tuple[int, ...], "torch.dtype", int, int]
 
 
 def _fits(
@@ -571,11 +607,16 @@ def _fits(
 
 
 def copy_bucket(
-    model: Any, name: str, buffer: torch.Tensor, tp: tuple[int, int] | None = None
+    model: Any,
+    name: str,
+    buffer: torch.Tensor,
+    tp: tuple[int, int] | None = None,
+    stored: torch.Tensor | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """copy_into for one bucket as the adapter sends it (its payload name and uint8 buffer),
     through the bucket's plan (_BucketPlan): one split of the buffer and the flat copies'
-    launches. Returns what the rules do not place, as copy_into does."""
+    launches. `stored`: a sharded bucket's own blocks as the trainer stores them (uint8), where
+    its payload says they travel so. Returns what the rules do not place, as copy_into does."""
     import torch
 
     from rljob_worker.tp_shards import PAYLOAD_PREFIX as SHARDED_PREFIX
@@ -585,6 +626,41 @@ def copy_bucket(
     if plan is None or any(p.data_ptr() != address for p, address in plan.guards):
         sharded = name.startswith(SHARDED_PREFIX)
         plan = targets.buckets[name] = (_plan_sharded if sharded else _plan_bucket)(targets, name)
+    if (plan.stored is None) != (stored is None):
+        raise EngineWeightsError(
+            "a sharded bucket's own blocks "
+            + ("are read as stored and did not come" if stored is None else "came unasked")
+        )
+    _copy_planned(plan, buffer)
+    if plan.stored is not None:
+        assert stored is not None
+        _copy_planned(plan.stored, stored)
+
+    def block(in_stored: bool, at: int, rows: int, rest: tuple[int, ...], dtype: Any) -> Any:
+        source = stored if in_stored else buffer
+        assert source is not None
+        return _block(source, at, rows, rest, dtype)
+
+    joined = [
+        (
+            name,
+            torch.cat(
+                [
+                    block(in_stored, at, shape[0] // len(starts), shape[1:], block_dtype).to(dtype)
+                    for in_stored, at, block_dtype in starts
+                ]
+            ),
+        )
+        for name, shape, dtype, starts in plan.joined
+    ]
+    if not plan.slow:
+        return joined
+    return joined + copy_into(model, _views(plan.slow, buffer), tp)
+
+
+def _copy_planned(plan: _BucketPlan, buffer: torch.Tensor) -> None:
+    """A plan's flat copies out of `buffer` (one split, copy_pairs' launches) and its column
+    slices."""
     if plan.dests:
         whole = _typed(buffer, plan.dtype)
         if whole is None:  # this buffer cannot be viewed in the plan's dtype: split its bytes
@@ -594,18 +670,6 @@ def copy_bucket(
         copy_pairs(plan.dests, sources, plan.copies)
     for dest, at, rows, rest, dtype, first, columns in plan.sliced:
         dest.copy_(_block(buffer, at, rows, rest, dtype).narrow(1, first, columns))
-    joined = [
-        (
-            name,
-            torch.cat(
-                [_block(buffer, at, shape[0] // len(starts), shape[1:], dtype) for at in starts]
-            ),
-        )
-        for name, shape, dtype, starts in plan.joined
-    ]
-    if not plan.slow:
-        return joined
-    return joined + copy_into(model, _views(plan.slow, buffer), tp)
 
 
 def _block(
@@ -649,14 +713,22 @@ def _sources(whole: torch.Tensor, plan: _BucketPlan, bytewise: bool) -> list[tor
 
 def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """sglang's custom weight loader (see the module's text): each (name, buffer) is one bucket
-    from the adapter. Waits for its copies before returning, so the sender may reuse the buffer
-    once the call is answered."""
+    from the adapter, but a sharded bucket's own blocks as stored (tp_shards.STORED_NAME),
+    which go with the bucket after them. Waits for its copies before returning, so the sender
+    may reuse the buffer once the call is answered."""
     import torch
+
+    from rljob_worker.tp_shards import STORED_NAME
 
     started, entered = time.perf_counter(), time.time()
     rest: list[tuple[str, torch.Tensor]] = []
+    stored = None  # a sharded bucket's own blocks as stored, handed just before it
     for name, buffer in named_tensors:
-        rest += copy_bucket(model, name, buffer)
+        if name == STORED_NAME:
+            stored = buffer
+            continue
+        rest += copy_bucket(model, name, buffer, stored=stored)
+        stored = None
     launched = time.perf_counter()
     if rest:
         model.load_weights(rest)
@@ -675,14 +747,21 @@ def record_timing(
 ) -> None:
     """The loader's line of the weight sync's timings (weight_sync.TIMINGS_ENV): `entered` is
     the wall time the call began, the rest perf_counter() readings."""
+    from rljob_worker.tp_shards import STORED_NAME
+
     if not os.environ.get(TIMINGS_ENV, "").strip():
         return
+    # A sharded bucket's stored own blocks are a view of the trainer's storage from its start,
+    # not bytes moved: counted apart, and not as a bucket.
+    buckets = [b for name, b in named_tensors if name != STORED_NAME]
+    stored = [b for name, b in named_tensors if name == STORED_NAME]
     line = {
         "call": "loader",
         "start": entered,
         "end": entered + (done - started),
-        "buckets": len(named_tensors),
-        "bytes": sum(int(b.numel()) * b.element_size() for _, b in named_tensors),
+        "buckets": len(buckets),
+        "bytes": sum(int(b.numel()) * b.element_size() for b in buckets),
+        "stored_view_bytes": sum(int(b.numel()) * b.element_size() for b in stored),
         "launch_seconds": launched - started,
         "seconds": done - started,
         "fallback_tensors": fallbacks,

@@ -83,6 +83,7 @@ from rljob_worker.engines.sglang_weights import (
     WeightShards,
     read_weights,
 )
+from rljob_worker.tp_shards import STORED_NAME
 from rljob_worker.weight_sync import (
     GatheredBucket,
     flatten,
@@ -609,16 +610,23 @@ class SGLangEngine(ColocatedEngine):
         assert self._contract.flattened_bucket is not None
         self._load(list(payloads), self._contract.flattened_bucket[2])
 
-    def update_weights_direct(self, name: str, buffer: torch.Tensor | Any) -> None:
+    def update_weights_direct(
+        self, name: str, buffer: torch.Tensor | Any, stored: torch.Tensor | Any = None
+    ) -> None:
         """Load one bucket through rljob's loader in the schedulers: `buffer` is its flat buffer
         (every TP rank opens the same) or a TensorHandoff.local_tensor of one per TP rank, and
-        `name` its layout (sglang_direct.payload_name)."""
+        `name` its layout (sglang_direct.payload_name, or a tp_shards payload). `stored`: a
+        sharded bucket's own blocks as the trainer stores them (a local_tensor of one per TP
+        rank), handed just before it under tp_shards.STORED_NAME."""
         if not self._direct:
             raise SGLangEngineError(
                 "update_weights_direct on an engine started without rljob's direct loader "
                 f"({WEIGHT_SYNC_ENV}=direct must be set before the engine starts)"
             )
-        self._load([(name, buffer)], DIRECT_LOADER)
+        if stored is None:
+            self._load([(name, buffer)], DIRECT_LOADER)
+        else:
+            self._load([(STORED_NAME, stored), (name, buffer)], DIRECT_LOADER)
 
     def _load(self, named_tensors: list[Any], load_format: str | None) -> None:
         self._require_resident((TAG_WEIGHTS,), "update_weights")

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch.distributed as dist
 
 from rljob_worker.engines.base import ColocatedEngine, Completion, SamplingParams
+from rljob_worker.weight_sync import ipc_alias
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +64,7 @@ class GroupEngine(Protocol):
 
     def update_weights_flattened(self, payloads: Sequence[bytes]) -> None: ...
 
-    def update_weights_direct(self, name: str, buffer: Any) -> None: ...
+    def update_weights_direct(self, name: str, buffer: Any, stored: Any = None) -> None: ...
 
     def flush_cache(self) -> None: ...
 
@@ -179,11 +180,14 @@ class TensorParallelEngine(ColocatedEngine):
         kv_capacity_tokens: int,
         released_tags: frozenset[str],
         shard_to_shard: bool = False,
+        own_as_stored: bool = False,
     ) -> None:
         self.layout = layout
-        # Every rank of the job allows the shard-to-shard sync (make_tensor_parallel_engine
-        # asked them all): one rank's environment alone never decides a collective's kind.
+        # Every rank of the job allows the shard-to-shard sync, and reading the own blocks as
+        # stored (make_tensor_parallel_engine asked them all): one rank's environment alone
+        # never decides a collective's kind or a payload's layout.
         self._shard_to_shard = shard_to_shard
+        self._own_as_stored = shard_to_shard and own_as_stored
         self._group = group
         self._engine = engine
         self._handoff = handoff
@@ -210,11 +214,25 @@ class TensorParallelEngine(ColocatedEngine):
             return None
         return len(layout.group)
 
+    @property
+    def shard_own_as_stored(self) -> bool:
+        """Whether the trainer may hand its own blocks where its shards lie (tp_shards' own
+        blocks as stored): every rank's RLJOB_TP_SHARDED_SYNC allows it."""
+        return self._own_as_stored
+
     def update_weights_sharded(self, bucket: ShardedBucket) -> None:
         """Every rank hands over its own buffer of the bucket (its own blocks and those it
-        received); the leader gives TP rank i rank i's, under the payload name, which must be
-        every rank's (the layout's byte offsets are rank-independent)."""
-        self._load_direct(bucket.name, self._handoff.serialize(bucket.buffer), bucket)
+        received, or the received ones and, as stored, the storage of its own shards); the
+        leader gives TP rank i rank i's, under the payload name, which must be every rank's (the
+        layout's byte offsets are rank-independent)."""
+        if bucket.stored is None:
+            self._load_direct(bucket.name, self._handoff.serialize(bucket.buffer), bucket)
+            return
+        # The trainer's own storage goes as an alias (weight_sync.ipc_alias): the loader is done
+        # with it when the leader reports the bucket loaded, and the alias is kept till then.
+        alias = ipc_alias(bucket.stored)
+        mine = (self._handoff.serialize(alias), self._handoff.serialize(bucket.buffer))
+        self._load_direct(bucket.name, mine, (bucket, alias))
 
     def generate_with_logprobs(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
@@ -348,15 +366,22 @@ class TensorParallelEngine(ColocatedEngine):
 
     def _load_direct(self, name: str, mine: Any, keep: Any) -> None:
         """One buffer a rank (`mine`, serialized) under payload `name` into rljob's loader: the
-        leader hands TP rank i rank i's. `keep` (what the buffer belongs to) is referenced by
-        this call until the leader reports the bucket loaded: an IPC handle is only good while
-        its tensor lives."""
+        leader hands TP rank i rank i's. `mine` may be a pair (the stored own shards, the
+        buffer), each handed so. `keep` (what the buffers belong to) is referenced by this call
+        until the leader reports the bucket loaded: an IPC handle is only good while its tensor
+        lives."""
         gathered = self._gather_on_leader([name], mine)
 
         def load(engine: GroupEngine) -> None:
             assert gathered is not None
             self._check_same(gathered, [name])
-            buffers = self._handoff.local_tensor(values=[payload for _, payload in gathered])
+            payloads = [payload for _, payload in gathered]
+            if isinstance(mine, tuple):
+                stored = self._handoff.local_tensor(values=[p[0] for p in payloads])
+                buffers = self._handoff.local_tensor(values=[p[1] for p in payloads])
+                engine.update_weights_direct(name, buffers, stored=stored)
+                return
+            buffers = self._handoff.local_tensor(values=payloads)
             engine.update_weights_direct(name, buffers)
 
         self._on_leader("update_weights", load)
@@ -456,18 +481,18 @@ def make_tensor_parallel_engine(
     `build(tp_size)` starts the group's engine on the leader (inside visible_gpus of the group,
     base GPU 0); the other ranks wait for its KV capacity, or its error.
     """
-    from rljob_worker.tp_shards import sharded_sync_enabled
+    from rljob_worker.tp_shards import OFF, STORED, agreed_mode, sharded_sync_mode
 
     world, rank = dist.get_world_size(), dist.get_rank()
     placed: list[Any] = [None] * world
-    dist.all_gather_object(placed, (node, physical_gpu_id(device), sharded_sync_enabled()))
+    dist.all_gather_object(placed, (node, physical_gpu_id(device), sharded_sync_mode()))
     layout = tensor_parallel_layout(rank, [n for n, _, _ in placed], tp_size)
     # Every rank creates every group, in the same order (new_group is collective).
     groups = [dist.new_group(list(g), backend="gloo") for g in layout.groups]
     group = groups[layout.groups.index(layout.group)]
     assert isinstance(group, dist.ProcessGroup), "this rank is in its own group"
     gpu_ids = [placed[r][1] for r in layout.group]
-    shard_to_shard = all(allowed for _, _, allowed in placed)
+    mode = agreed_mode([m for _, _, m in placed])
     built: list[GroupEngine] = []
 
     def start() -> tuple[int, frozenset[str]]:
@@ -495,5 +520,6 @@ def make_tensor_parallel_engine(
         handoff,
         int(kv_capacity_tokens),
         frozenset(released),
-        shard_to_shard=shard_to_shard,
+        shard_to_shard=mode != OFF,
+        own_as_stored=mode == STORED,
     )
