@@ -11,7 +11,8 @@
 #   hack/sglang-gpu-set.sh pack   download the locks (hashes checked), unpack them for cp312
 #                                 manylinux x86_64, and write .gl/sglang/: zstd archives split into
 #                                 pieces under 60 MiB, the zstandard wheel that unpacks them there,
-#                                 and MANIFEST (sha256 of every file)
+#                                 and MANIFEST (sha256 of every file); and .whl/ (xgrammar, and
+#                                 pydantic with its dependencies: bench/gpu_steps.sh deps)
 #
 # On the GPU machine, hack/sglang-gpu-install.sh takes each carried piece and, once all are
 # there, joins, checks and unpacks them into a directory that goes on PYTHONPATH.
@@ -162,8 +163,18 @@ EOF
   done
   cp "$wheels"/zstandard-*.whl "$OUT/"
   (cd "$OUT" && sha256sum -- * > MANIFEST)
+  # .whl/: what `bench/gpu_steps.sh deps` installs first, carried with the first call:
+  # xgrammar (0.5.17's server_args imports it; the rest of `extra` is not needed) and pydantic
+  # with its dependencies at the lock's versions, so rljob's own modules import before SGLang's
+  # pieces are in (a fresh checkout's first `deps` failed without them, 2026-12-03).
+  rm -rf .whl && mkdir -p .whl
+  cp "$wheels"/xgrammar-*.whl .whl/
+  local pins
+  pins=$(grep -oE '^(pydantic|pydantic-core|annotated-types|typing-inspection|typing-extensions)==[^ ]+' requirements/ci.txt)
+  # shellcheck disable=SC2086  # one pin a word
+  py -m pip download -q --no-deps --dest .whl "${TARGET[@]}" $pins
   du -sh "$stage/core" "$stage/extra" "$stage/ray"
-  ls -l "$OUT"
+  ls -l "$OUT" .whl
 }
 
 case "${1:-}" in
