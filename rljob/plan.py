@@ -420,6 +420,9 @@ SGLANG_WEIGHT_SYNC_DEFAULT = "direct"
 # them where the trainer stores them (tp_own_as_stored).
 TP_SHARDED_SYNC_ENV = "RLJOB_TP_SHARDED_SYNC"
 TP_SHARDED_SYNC_BUFFER = "buffer"
+# Its modes (tp_sync_mode): full buckets; shard to shard with the own blocks in the buffer;
+# shard to shard with the own blocks read where the trainer stores them.
+TP_SYNC_OFF, TP_SYNC_BUFFER, TP_SYNC_STORED = "off", "buffer", "stored"
 
 SYNC_SWITCHES = (FLAT_SHARDS_ENV, SGLANG_WEIGHT_SYNC_ENV, TP_SHARDED_SYNC_ENV)
 
@@ -526,11 +529,16 @@ def tp_sharded_sync(spec: RLJobSpec, world: int) -> bool:
     return sharded is not None and on_unless_zero(sharded)
 
 
-def own_as_stored(value: str) -> bool:
-    """RLJOB_TP_SHARDED_SYNC's value ("" where unset) as the worker reads it: whether a sync
-    that goes shard to shard hands the engine each rank's own blocks where the trainer stores
-    them (anything but 0 and "buffer")."""
-    return on_unless_zero(value) and value.strip().lower() != TP_SHARDED_SYNC_BUFFER
+def tp_sync_mode(sharded: str, flat: str) -> str:
+    """The shard-to-shard sync's mode from RLJOB_TP_SHARDED_SYNC's and RLJOB_FLAT_SHARDS's
+    values ("" where unset), as a rank reads them (rljob_worker.tp_shards.sharded_sync_mode) and
+    the plan counts it (tp_own_as_stored): 0, TP_SYNC_OFF; "buffer", or the policy's shards kept
+    apart (no storage holds a bucket's own shards), TP_SYNC_BUFFER; else TP_SYNC_STORED."""
+    if not on_unless_zero(sharded):
+        return TP_SYNC_OFF
+    if sharded.strip().lower() == TP_SHARDED_SYNC_BUFFER or not flat_shards_on(flat):
+        return TP_SYNC_BUFFER
+    return TP_SYNC_STORED
 
 
 def tp_own_as_stored(spec: RLJobSpec, world: int) -> bool:
@@ -540,9 +548,9 @@ def tp_own_as_stored(spec: RLJobSpec, world: int) -> bool:
     if not tp_sharded_sync(spec, world):
         return False
     flat, sharded = _switch(spec, FLAT_SHARDS_ENV), _switch(spec, TP_SHARDED_SYNC_ENV)
-    if flat is None or not flat_shards_on(flat):
+    if flat is None or sharded is None:
         return False
-    return sharded is not None and own_as_stored(sharded)
+    return tp_sync_mode(sharded, flat) == TP_SYNC_STORED
 
 
 def with_process_switches(spec: RLJobSpec, environ: Mapping[str, str]) -> RLJobSpec:

@@ -72,8 +72,7 @@ def _plans(
 def _load(model: Any, plan: ShardPlan, buffer: torch.Tensor, world: int) -> list[Any]:
     """copy_bucket of TP rank plan.rank's bucket: the buffer, and the stored own blocks where
     the plan reads them so."""
-    stored = None if plan.stored is None else plan.stored.view(torch.uint8)
-    return copy_bucket(model, plan.payload, buffer, (plan.rank, world), stored)
+    return copy_bucket(model, plan.payload, buffer, (plan.rank, world), plan.stored)
 
 
 def _exchanged(plans: list[ShardPlan]) -> list[torch.Tensor]:
@@ -148,7 +147,7 @@ def test_only_row_parallel_columns_and_whole_tensors_cross_between_ranks() -> No
     stored = _plans(full, config, 2, list(full), stored=True)[0]
     assert stored.layout.own_bytes == 0 and stored.layout.payload_bytes == 720
     assert stored.layout.total_bytes == 2 * 720
-    assert stored.stored is not None and stored.stored.numel() == 6_088
+    assert stored.stored is not None and stored.stored.numel() == 6_088 * 4  # bytes
 
 
 @pytest.mark.parametrize(
@@ -258,10 +257,11 @@ def test_a_bucket_sharded_over_other_ranks_than_the_engines_is_refused() -> None
 
 
 def test_the_switch_turns_the_shard_to_shard_sync_off_only_when_zero() -> None:
-    assert tp_shards.sharded_sync_enabled({})
-    assert tp_shards.sharded_sync_enabled({tp_shards.ENV: "1"})
-    assert tp_shards.sharded_sync_enabled({tp_shards.ENV: "buffer"})
-    assert not tp_shards.sharded_sync_enabled({tp_shards.ENV: " 0 "})
+    off = tp_shards.OFF
+    assert tp_shards.sharded_sync_mode({}) != off
+    assert tp_shards.sharded_sync_mode({tp_shards.ENV: "1"}) != off
+    assert tp_shards.sharded_sync_mode({tp_shards.ENV: "buffer"}) != off
+    assert tp_shards.sharded_sync_mode({tp_shards.ENV: " 0 "}) == off
     assert tp_shards.sharded_sync_mode({}) == tp_shards.STORED
     assert tp_shards.sharded_sync_mode({tp_shards.ENV: " Buffer"}) == tp_shards.BUFFER
     # The policy's shards kept apart: no storage holds a bucket's, the own blocks go in the
@@ -370,7 +370,7 @@ def test_the_loader_takes_the_stored_own_blocks_handed_just_before_their_bucket(
         sglang_direct.load(
             model,
             [
-                (tp_shards.STORED_NAME, own.view(torch.uint8)),
+                (tp_shards.STORED_NAME, own),
                 (stored[rank].payload, _exchanged(stored)[rank]),
                 (buffered[rank].payload, _exchanged(buffered)[rank]),
             ],

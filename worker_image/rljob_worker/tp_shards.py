@@ -50,12 +50,13 @@ from rljob.plan import (
     SHARD_COLS,
     SHARD_ROWS,
     TP_SHARDED_SYNC_ENV,
-    flat_shards_on,
-    on_unless_zero,
-    own_as_stored,
+    TP_SYNC_BUFFER,
+    TP_SYNC_OFF,
+    TP_SYNC_STORED,
     shard_aligned,
     shard_block_numel,
     shard_kind,
+    tp_sync_mode,
 )
 
 if TYPE_CHECKING:
@@ -74,26 +75,18 @@ PAYLOAD_PREFIX = "rljob-tp-bucket:"
 # IPC handle and offset: a scheduler must drop one before the next is rebuilt (one bucket a
 # request, and sglang_direct.load keeps nothing), or it would get the cached, shorter storage.
 STORED_NAME = "rljob-tp-stored"
-# The sync's modes (RLJOB_TP_SHARDED_SYNC): full buckets; shard to shard with the own blocks in
-# the buffer; shard to shard with the own blocks read where the trainer stores them.
-OFF, BUFFER, STORED = "off", "buffer", "stored"
+# The sync's modes (rljob.plan.tp_sync_mode, the memory plan's rule too): full buckets; shard to
+# shard with the own blocks in the buffer; shard to shard with the own blocks read where the
+# trainer stores them.
+OFF, BUFFER, STORED = TP_SYNC_OFF, TP_SYNC_BUFFER, TP_SYNC_STORED
 
 
 def sharded_sync_mode(environ: Any = os.environ) -> str:
-    """RLJOB_TP_SHARDED_SYNC=0: OFF, every bucket full (the bench's before; a model whose TP
-    layout the kinds misjudge); =buffer, or the policy's shards kept apart (RLJOB_FLAT_SHARDS=0:
-    no storage holds a bucket's shards), BUFFER; else STORED (a bucket whose shards do not lie
-    in one storage still keeps its own blocks in the buffer, stored_source)."""
-    value = str(environ.get(ENV, ""))
-    if not on_unless_zero(value):
-        return OFF
-    flat = flat_shards_on(str(environ.get(FLAT_SHARDS_ENV, "")))
-    return STORED if own_as_stored(value) and flat else BUFFER
-
-
-def sharded_sync_enabled(environ: Any = os.environ) -> bool:
-    """Whether buckets may go shard to shard at all (sharded_sync_mode not OFF)."""
-    return sharded_sync_mode(environ) != OFF
+    """This rank's mode from its environment (rljob.plan.tp_sync_mode): RLJOB_TP_SHARDED_SYNC=0
+    OFF, every bucket full (the bench's before; a model whose TP layout the kinds misjudge);
+    =buffer, or RLJOB_FLAT_SHARDS=0, BUFFER; else STORED (a bucket whose shards do not lie in
+    one storage still keeps its own blocks in the buffer, stored_source)."""
+    return tp_sync_mode(str(environ.get(ENV, "")), str(environ.get(FLAT_SHARDS_ENV, "")))
 
 
 def agreed_mode(modes: Sequence[str]) -> str:
@@ -277,8 +270,8 @@ class ShardPlan:
     payload: str
     dtype: torch.dtype
     # Where the own blocks are read as stored: the trainer's storage from its start to the end
-    # of the last local shard, in their dtype (a view over the storage: it follows the
-    # offload's resize of it to 0 and back), else None.
+    # of the last local shard, as bytes (a view over the storage: it follows the offload's
+    # resize of it to 0 and back), else None.
     stored: torch.Tensor | None
     sizes: tuple[int, ...]
     flat: tuple[_Pair, ...]
@@ -317,7 +310,7 @@ def make_shard_plan(
         [(n, s, k) for n, s, k in zip(names, shapes, kinds, strict=True)],
         world,
         dtype,
-        None if as_stored is None else (as_stored[1], as_stored[0].dtype),
+        None if as_stored is None else (as_stored[1], locals_[0].dtype),
     )
     size = dtype.itemsize
     # Every block's byte range, then the split (in elements) that cuts the buffer into them.
@@ -328,8 +321,8 @@ def make_shard_plan(
         rows = entry.shape[0] // world
         if entry.kind == COLS:
             width = entry.shape[1] // world
-            own = local.narrow(1, rank * width, width)
             if as_stored is None:
+                own = local.narrow(1, rank * width, width)
                 ranges.append((entry.own, entry.own + numel * size, own, (rows, width)))
             for index, received in enumerate(entry.received):
                 # Sent region `index` goes to that rank: its column block of this rank's rows.
@@ -381,12 +374,12 @@ def stored_source(
     locals_: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """Where the local shards lie in one storage, contiguous and of one dtype (the policy's
-    shards in one buffer): that storage from its start to the last shard's end, as a flat view
-    in their dtype, and each shard's byte offset in it; else None. From the storage's start,
+    shards in one buffer): that storage's bytes from its start to the last shard's end
+    (weight_sync.byte_view), and each shard's byte offset in them; else None. From the storage's start,
     not the first shard's: CUDA IPC shares an allocation by its base address (torch's
     getBaseAllocation takes no pointer inside a block), and the offsets are the same on every
     rank (each rank's buffer lays the shards out alike)."""
-    import torch
+    from rljob_worker.weight_sync import byte_view
 
     if not locals_ or len({t.dtype for t in locals_}) != 1:
         return None
@@ -395,12 +388,9 @@ def stored_source(
     storage = locals_[0].untyped_storage()
     if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in locals_):
         return None
-    end = max(int(t.storage_offset()) + t.numel() for t in locals_)
-    view = torch.empty(0, dtype=locals_[0].dtype, device=locals_[0].device).set_(
-        storage, 0, (end,), (1,)
-    )
     unit = locals_[0].element_size()
-    return view, tuple(int(t.storage_offset()) * unit for t in locals_)
+    end = max(int(t.storage_offset()) + t.numel() for t in locals_)
+    return byte_view(storage, end * unit), tuple(int(t.storage_offset()) * unit for t in locals_)
 
 
 def fill(plan: ShardPlan, device: torch.device) -> torch.Tensor:
@@ -426,7 +416,7 @@ def regions(layout: ShardLayout, buffer: torch.Tensor) -> tuple[torch.Tensor, to
     """(received, sent): the buffer's two exchange regions, each W-1 regions back to back in
     rank order without this rank (region_source)."""
     size = buffer.element_size()
-    own, span = layout.own_bytes // size, (layout.world - 1) * layout.region_bytes // size
+    own, span = layout.own_bytes // size, layout.sent_bytes // size
     return buffer.narrow(0, own, span), buffer.narrow(0, own + span, span)
 
 
@@ -445,8 +435,6 @@ def exchange(plan: ShardPlan, buffer: torch.Tensor) -> None:
 def send(plan: ShardPlan, device: torch.device) -> ShardedBucket:
     """Fill a new buffer by the plan and exchange its blocks (collective: every rank sends the
     same bucket in the same order)."""
-    import torch
-
     from rljob_worker.weight_sync import byte_view
 
     layout = plan.layout
@@ -454,12 +442,9 @@ def send(plan: ShardPlan, device: torch.device) -> ShardedBucket:
     if layout.world > 1 and layout.region_bytes:
         exchange(plan, buffer)
     storage = buffer.untyped_storage()
-    stored = None
-    if plan.stored is not None:
-        stored = plan.stored.view(torch.uint8)  # from the storage's start (stored_source)
     return ShardedBucket(
         [e.name for e in layout.entries],
         plan.payload,
         byte_view(storage, layout.payload_bytes),
-        stored,
+        plan.stored,
     )

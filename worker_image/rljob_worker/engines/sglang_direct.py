@@ -747,10 +747,10 @@ def record_timing(
 ) -> None:
     """The loader's line of the weight sync's timings (weight_sync.TIMINGS_ENV): `entered` is
     the wall time the call began, the rest perf_counter() readings."""
-    from rljob_worker.tp_shards import STORED_NAME
-
     if not os.environ.get(TIMINGS_ENV, "").strip():
         return
+    from rljob_worker.tp_shards import STORED_NAME
+
     # A sharded bucket's stored own blocks are a view of the trainer's storage from its start,
     # not bytes moved: counted apart, and not as a bucket.
     buckets = [b for name, b in named_tensors if name != STORED_NAME]

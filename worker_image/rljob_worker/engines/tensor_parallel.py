@@ -225,14 +225,14 @@ class TensorParallelEngine(ColocatedEngine):
         received, or the received ones and, as stored, the storage of its own shards); the
         leader gives TP rank i rank i's, under the payload name, which must be every rank's (the
         layout's byte offsets are rank-independent)."""
+        mine = self._handoff.serialize(bucket.buffer)
         if bucket.stored is None:
-            self._load_direct(bucket.name, self._handoff.serialize(bucket.buffer), bucket)
+            self._load_direct(bucket.name, mine, bucket)
             return
         # The trainer's own storage goes as an alias (weight_sync.ipc_alias): the loader is done
         # with it when the leader reports the bucket loaded, and the alias is kept till then.
         alias = ipc_alias(bucket.stored)
-        mine = (self._handoff.serialize(alias), self._handoff.serialize(bucket.buffer))
-        self._load_direct(bucket.name, mine, (bucket, alias))
+        self._load_direct(bucket.name, mine, (bucket, alias), self._handoff.serialize(alias))
 
     def generate_with_logprobs(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
@@ -364,25 +364,24 @@ class TensorParallelEngine(ColocatedEngine):
                     f"{self.layout.leader}: {str(theirs)[:300]} != {str(names)[:300]}"
                 )
 
-    def _load_direct(self, name: str, mine: Any, keep: Any) -> None:
+    def _load_direct(self, name: str, mine: Any, keep: Any, stored: Any = None) -> None:
         """One buffer a rank (`mine`, serialized) under payload `name` into rljob's loader: the
-        leader hands TP rank i rank i's. `mine` may be a pair (the stored own shards, the
-        buffer), each handed so. `keep` (what the buffers belong to) is referenced by this call
-        until the leader reports the bucket loaded: an IPC handle is only good while its tensor
-        lives."""
-        gathered = self._gather_on_leader([name], mine)
+        leader hands TP rank i rank i's, and so each rank's `stored` (a sharded bucket's own
+        shards as stored, serialized) where the bucket has them (its payload name says so, and
+        every rank sent that name). `keep` (what the buffers belong to) is referenced by this
+        call until the leader reports the bucket loaded: an IPC handle is only good while its
+        tensor lives."""
+        gathered = self._gather_on_leader([name], (mine, stored))
 
         def load(engine: GroupEngine) -> None:
             assert gathered is not None
             self._check_same(gathered, [name])
             payloads = [payload for _, payload in gathered]
-            if isinstance(mine, tuple):
-                stored = self._handoff.local_tensor(values=[p[0] for p in payloads])
-                buffers = self._handoff.local_tensor(values=[p[1] for p in payloads])
-                engine.update_weights_direct(name, buffers, stored=stored)
-                return
-            buffers = self._handoff.local_tensor(values=payloads)
-            engine.update_weights_direct(name, buffers)
+            buffers = self._handoff.local_tensor(values=[p[0] for p in payloads])
+            own = None
+            if stored is not None:
+                own = self._handoff.local_tensor(values=[p[1] for p in payloads])
+            engine.update_weights_direct(name, buffers, stored=own)
 
         self._on_leader("update_weights", load)
 
