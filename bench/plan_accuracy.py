@@ -1,4 +1,4 @@
-"""Plan accuracy: rljob/plan.py's per-stage prediction against every stored bench point.
+"""Plan accuracy: rljob.plan's per-stage prediction against every stored bench point.
 
 Reads bench/results/colocate.json and bench/results/raw/*.json (bench/colocate.py's output),
 rebuilds each point's spec from the run's settings, and writes bench/results/plan-accuracy.md

@@ -1,7 +1,7 @@
 """`rljob plan MANIFEST`: the memory plan of an RLJob manifest as a per-stage table or JSON.
 
-The shell around rljob/plan.py: reads the manifest and the GPU's memory (given, or read from
-the local GPU through torch when it is installed), prints; the arithmetic is all in plan.py.
+The shell around rljob/plan/: reads the manifest and the GPU's memory (given, or read from
+the local GPU through torch when it is installed), prints; the arithmetic is all in rljob/plan/.
 """
 
 from __future__ import annotations

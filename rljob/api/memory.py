@@ -23,7 +23,7 @@ DEFAULT_PLAN_MARGIN = 0.015
 
 
 class MemoryPlanSpec(_Spec):
-    """What to do when the memory plan (rljob/plan.py) says the job will not fit its GPUs."""
+    """What to do when the memory plan (rljob/plan/) says the job will not fit its GPUs."""
 
     on_misfit: MisfitAction = Field(
         default=MisfitAction.WARN,

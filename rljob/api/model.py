@@ -48,7 +48,7 @@ HEADS_DIVIDE_RULES: tuple[CrossFieldRule, ...] = (
 
 
 class ModelShapeSpec(_Spec):
-    """The model's architecture as its config.json names it, for the memory plan (rljob/plan.py)
+    """The model's architecture as its config.json names it, for the memory plan (rljob/plan/)
     where the operator cannot read config.json (a Hugging Face id or a path in the pod)."""
 
     model_config = ConfigDict(json_schema_extra=_cel_rules(*HEADS_DIVIDE_RULES))

@@ -46,7 +46,7 @@ MAX_PLAN_CANDIDATES = 8
 
 
 class AutoStatus(_Spec):
-    """What rollout Auto chose, against what, and why (rljob/plan.py auto_choice)."""
+    """What rollout Auto chose, against what, and why (rljob/plan/auto.py auto_choice)."""
 
     margin: float = Field(description="spec.memoryPlan.margin as this attempt ran it.")
     limit_bytes: int = Field(ge=0, description="Capacity less the margin: no stage may pass it.")
@@ -71,7 +71,7 @@ class AutoStatus(_Spec):
 
 
 class PlanStatus(_Spec):
-    """`status.plan`, written by the job's driver before iteration 1 (rljob/plan.py)."""
+    """`status.plan`, written by the job's driver before iteration 1 (rljob/plan/memory_plan.py)."""
 
     capacity_bytes: int = Field(ge=0)
     wake_up: WakeUp

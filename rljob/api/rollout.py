@@ -34,8 +34,8 @@ class WakeUp(StrEnum):
 
 
 # `Auto` for rollout.memFractionStatic and rollout.wakeUp: the memory plan chooses on the card
-# the job got (rljob/plan.py auto_choice; docs/zero-tuning.md). The spec and the attempt's knobs
-# keep "Auto"; only the driver's resolved spec, which the stage machine and engine run, and
+# the job got (rljob/plan/auto.py auto_choice; docs/zero-tuning.md). The spec and the attempt's
+# knobs keep "Auto"; only the driver's resolved spec, which the stage machine and engine run, and
 # status.plan hold the numbers chosen.
 AUTO: Literal["Auto"] = "Auto"
 WakeUpSetting = WakeUp | Literal["Auto"]

@@ -1,5 +1,5 @@
 """rollout Auto (issue 35): the choice on tables of predicted peaks, on the real plan, at
-admission, and the OOM policy's retry by the measured overshoot (rljob/plan.py auto_choice,
+admission, and the OOM policy's retry by the measured overshoot (rljob/plan/auto.py auto_choice,
 rljob/oom_policy.py)."""
 
 from __future__ import annotations

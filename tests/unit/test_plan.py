@@ -1,4 +1,4 @@
-"""The memory plan's arithmetic (rljob/plan.py) and the OOM policy / plan admission
+"""The memory plan's arithmetic (rljob/plan/) and the OOM policy / plan admission
 (rljob/oom_policy.py), against hand-computed cases and the stored H100 measurements."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The memory plan's start-up row (rljob/plan.py LoadPeak) and the reference in the engine's
+"""The memory plan's start-up row (rljob/plan/load.py LoadPeak) and the reference in the engine's
 dtype, against hand-computed bytes; the 32B dry run's figures (bench/plans/qwen32b-*)."""
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from rljob import plan as plan_module
 from rljob.api import RLJobSpec, WakeUp, load_manifest
 from rljob.plan import (
     ALLOCATOR_SLACK_BYTES,
@@ -22,6 +21,7 @@ from rljob.plan import (
     auto_choice,
     mode_plan,
     parts,
+    rank_parts,
     shape_for,
 )
 from rljob.report import Stage
@@ -83,7 +83,7 @@ def test_a_tp2_engine_holds_its_communicators_and_its_pool_loses_the_fraction_of
     assert SGLANG_TP_RESIDENT_BYTES == 1_059_787_337
     spec = bench_spec(2, "staged", fraction)
     with_tp = parts(spec, SHAPE_3B, H200, 2)
-    monkeypatch.setattr(plan_module, "SGLANG_TP_RESIDENT_BYTES", 0)
+    monkeypatch.setattr(rank_parts, "SGLANG_TP_RESIDENT_BYTES", 0)
     without = parts(spec, SHAPE_3B, H200, 2)
     assert with_tp.context - without.context == 1_059_787_337
     assert without.kv_tokens - with_tp.kv_tokens in (fewer_tokens, fewer_tokens + 1)
@@ -95,7 +95,7 @@ def test_a_tp2_engine_holds_its_communicators_and_its_pool_loses_the_fraction_of
 def test_a_tp1_engine_holds_no_tp_communicators(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = bench_spec(1, "staged", 0.95)
     before = parts(spec, SHAPE_3B, H200, 2)
-    monkeypatch.setattr(plan_module, "SGLANG_TP_RESIDENT_BYTES", 0)
+    monkeypatch.setattr(rank_parts, "SGLANG_TP_RESIDENT_BYTES", 0)
     assert parts(spec, SHAPE_3B, H200, 2) == before
 
 

@@ -178,7 +178,7 @@ class StatusPublisher:
         self._held_ooms: list[OOMEvent] = []
         self._held_oom_count = 0
         self._announced: int | None = None
-        # status.plan: rank 0's memory plan (rljob/plan.py), set once it arrives.
+        # status.plan: rank 0's memory plan (rljob/plan/), set once it arrives.
         self.plan: PlanStatus | None = None
 
     @classmethod

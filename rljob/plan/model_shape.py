@@ -1,0 +1,127 @@
+"""The model's shape for the memory plan: a Qwen2/Llama-family decoder's sizes (ModelShape),
+the builtin tiny Qwen2's, and where a spec's shape comes from (shape_for).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rljob.api import BUILTIN_PREFIX, TINY_QWEN2, RLJobSpec
+
+# The builtin tiny Qwen2 (rljob_worker.model builds it from exactly these fields).
+TINY_QWEN2_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+}
+TINY_QWEN2_VOCAB_SIZE = 320
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Qwen2/Llama-family decoder's architecture (config.json's fields)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied_embeddings: bool
+    attention_bias: bool = True  # Qwen2 has q/k/v biases; Llama none
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
+        heads = int(config["num_attention_heads"])
+        return cls(
+            layers=int(config["num_hidden_layers"]),
+            hidden=int(config["hidden_size"]),
+            intermediate=int(config["intermediate_size"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            vocab=int(config["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=str(config.get("model_type", "qwen2")) == "qwen2",
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Parameter names and shapes in from_pretrained's order (weight-sync buckets)."""
+        h, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
+        bias = self.attention_bias
+        layer: list[tuple[str, tuple[int, ...]]] = [
+            ("self_attn.q_proj.weight", (h, h)),
+            *([("self_attn.q_proj.bias", (h,))] if bias else []),
+            ("self_attn.k_proj.weight", (kv, h)),
+            *([("self_attn.k_proj.bias", (kv,))] if bias else []),
+            ("self_attn.v_proj.weight", (kv, h)),
+            *([("self_attn.v_proj.bias", (kv,))] if bias else []),
+            ("self_attn.o_proj.weight", (h, h)),
+            ("mlp.gate_proj.weight", (i, h)),
+            ("mlp.up_proj.weight", (i, h)),
+            ("mlp.down_proj.weight", (h, i)),
+            ("input_layernorm.weight", (h,)),
+            ("post_attention_layernorm.weight", (h,)),
+        ]
+        shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab, h))]
+        for index in range(self.layers):
+            shapes += [(f"model.layers.{index}.{name}", shape) for name, shape in layer]
+        shapes.append(("model.norm.weight", (h,)))
+        if not self.tied_embeddings:
+            shapes.append(("lm_head.weight", (self.vocab, h)))
+        return shapes
+
+    def named_sizes(self) -> list[tuple[str, int]]:
+        """Parameter names and element counts in from_pretrained's order (weight-sync buckets)."""
+        return [(name, math.prod(shape)) for name, shape in self.named_shapes()]
+
+    @property
+    def parameters(self) -> int:
+        return sum(n for _, n in self.named_sizes())
+
+    @property
+    def layer_parameters(self) -> int:
+        return (self.parameters - self.root_parameters) // self.layers
+
+    @property
+    def root_parameters(self) -> int:
+        """Embeddings, final norm and an untied head: FSDP's root unit."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
+        kv_heads = max(self.kv_heads // tp, 1)  # replicated when there are fewer than tp
+        return 2 * self.layers * kv_heads * self.head_dim * dtype_bytes
+
+
+BUILTIN_MODEL_SHAPES: dict[str, ModelShape] = {
+    TINY_QWEN2: ModelShape.from_config(
+        {**TINY_QWEN2_CONFIG, "vocab_size": TINY_QWEN2_VOCAB_SIZE, "model_type": "qwen2"}
+    ),
+}
+
+
+def shape_for(spec: RLJobSpec, read_config: bool = True) -> ModelShape | None:
+    """The model's shape: builtin, spec.model.shape, else config.json in a local model.path
+    (read_config False: the operator, which never reads the pod's files)."""
+    path = spec.model.path
+    if path in BUILTIN_MODEL_SHAPES:
+        return BUILTIN_MODEL_SHAPES[path]
+    if spec.model.shape is not None:
+        return ModelShape.from_config(spec.model.shape.model_dump())
+    config = Path(path) / "config.json"
+    if read_config and not path.startswith(BUILTIN_PREFIX) and config.is_file():
+        return ModelShape.from_config(json.loads(config.read_text()))
+    return None
