@@ -74,6 +74,8 @@
 #   overlap-test #33: tests/gpu/test_overlap_staging_gpu.py (on = off bit for bit, on the card)
 #   writer-stalls #30: bench/writer_stalls.py, the checkpoint writer's stalls (CPU only)
 #   staging-probe #33: bench/staging_probe.py: which host calls make a side-stream copy end early
+#   alloc-probe  #33: bench/alloc_probe.py: a sync buffer's fill after empty_cache, from torch's
+#                cache, and held (torch only, one card)
 #   tp2          #31: 3B, one TP-2 engine over both cards, at Auto's choice on the card (two cards)
 #   tp2-next     #31/#35: the same at Auto's choice + 0.01, the sweep's next point (two cards)
 #   two-gpu      #31: tests/gpu/test_two_gpu_sglang.py (two cards; needs ray: carry its pieces)
@@ -325,13 +327,21 @@ fallback tensors {sum(x[\"fallback_tensors\"] for x in r)}')" "$out/$tag-loader.
         tail -30 "$out/$path.log"
       done ;;
     overlap)
-      colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --iterations 3 \
-        --overlap-staging off,on --no-alone --out "$out/small" > "$out/small.log" 2>&1
-      tail -12 "$out/small.log"
-      colocate --model qwen2.5-3b --workload realistic --micro-batch-size auto --modes staged \
-        --staged-fractions 0.9 --iterations 2 --overlap-staging off,on --no-alone --deadline-seconds 300 \
-        --out "$out/realistic" > "$out/realistic.log" 2>&1
-      tail -30 "$out/realistic.log" ;;
+      # OVERLAP_WORKLOADS="realistic" skips the small points; OVERLAP_DEADLINE=0 lets the
+      # realistic On point start however late (about 7 minutes a point at 3B on an H200:
+      # start it with bench/gpu_bg.sh).
+      if [[ ${OVERLAP_WORKLOADS:-small realistic} == *small* ]]; then
+        colocate --model qwen2.5-3b --modes staged --staged-fractions 0.9 --iterations 3 \
+          --overlap-staging off,on --no-alone --out "$out/small" > "$out/small.log" 2>&1
+        tail -12 "$out/small.log"
+      fi
+      if [[ ${OVERLAP_WORKLOADS:-small realistic} == *realistic* ]]; then
+        colocate --model qwen2.5-3b --workload realistic --micro-batch-size auto --modes staged \
+          --staged-fractions 0.9 --iterations 2 --overlap-staging off,on --no-alone \
+          --deadline-seconds "${OVERLAP_DEADLINE:-300}" --out "$out/realistic" \
+          > "$out/realistic.log" 2>&1
+        tail -30 "$out/realistic.log"
+      fi ;;
     realistic-ckpt | realistic-on)
       # #33 and #30: the 3B realistic workload, one card, 2 iterations (a point outlasts a
       # call: start it with bench/gpu_bg.sh). realistic-ckpt: overlapStaging Off with the
@@ -377,6 +387,9 @@ fallback tensors {sum(x[\"fallback_tensors\"] for x in r)}')" "$out/$tag-loader.
     staging-probe)
       python3 bench/staging_probe.py > "$out/probe.txt" 2>&1
       echo "staging_probe exit $?"; cat "$out/probe.txt" ;;
+    alloc-probe)
+      python3 bench/alloc_probe.py --out "$out" > "$out/probe.txt" 2>&1
+      echo "alloc_probe exit $?"; cat "$out/probe.txt" ;;
     tp2 | tp2-next)
       read -r wake fraction < <(auto auto-sglang-3b-tp2-two-gpu)
       [[ $step == tp2-next ]] && fraction=$(python3 -c "print(f'{$fraction + 0.01:.2f}')")

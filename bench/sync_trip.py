@@ -10,6 +10,9 @@ split into:
 
 - next_bucket: the stage waiting for the trainer's next bucket (the gather's host work, and the
   wait for it where the prefetch did not hide it);
+- serialize, tp_gather (TP > 1, one engine over several ranks: tensor_parallel.py): the bucket's
+  IPC handles made, then gathered from every rank of the group on its leader (gloo), which
+  waits there for the slowest rank's bucket;
 - way_in: an update request sent until the loader began in sglang's scheduler (the payload's
   pickling, the tokenizer manager, the scheduler's turn, the CUDA IPC open), per TP rank the
   last to begin;
@@ -17,6 +20,8 @@ split into:
   start to the last one done;
 - way_back: the loader done until the request was answered (the scheduler's barrier and the
   reply's trip back);
+- tp_answer (TP > 1): the leader's outcome broadcast to the group after each request to the
+  engine (each bucket's, and the flush's);
 - flush: the flush_cache request after the last bucket (none with sglang 0.5.17: the first
   update's request flushes in its scheduler, inside that request's way back);
 - synchronize: the stage's device synchronize;
@@ -35,7 +40,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PARTS = ("next_bucket", "way_in", "loader", "way_back", "flush", "synchronize", "other")
+PARTS = (
+    "next_bucket",
+    "serialize",
+    "tp_gather",
+    "way_in",
+    "loader",
+    "way_back",
+    "tp_answer",
+    "flush",
+    "synchronize",
+    "other",
+)
+# The spans summed as they are (the rest are worked out from the requests and their loaders).
+SPANS = ("next_bucket", "serialize", "tp_gather", "tp_answer", "flush", "synchronize")
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -75,7 +93,7 @@ def split(lines: list[dict[str, Any]]) -> list[dict[str, float]]:
             parts["way_in"] += last_in - update["start"]
             parts["loader"] += last_out - last_in
             parts["way_back"] += update["end"] - last_out
-        for name in ("next_bucket", "flush", "synchronize"):
+        for name in SPANS:
             parts[name] = sum(x["end"] - x["start"] for x in inside if x["call"] == name)
         total = sync["end"] - sync["start"]
         parts["other"] = total - sum(parts[p] for p in PARTS if p != "other")

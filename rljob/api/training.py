@@ -53,6 +53,7 @@ class TrainingSpec(_Spec):
         "weight sync runs (staged wake-up), and the params come back while the engine's "
         "weights are released. Results are bit-identical either way; the memory plan counts "
         "the optimizer state in wake_weights (staged) and no longer in sleep. "
-        "Auto: On where the worker has CUDA. Off (the default until the overlap is measured on "
-        "a GPU): each copy completes in its own stage.",
+        "Auto: On where the worker has CUDA. Off (the default: at a realistic 3B workload on "
+        "one H200, On took 0.9 s out of the staging stages of a 74 s iteration and did not "
+        "make the iteration shorter): each copy completes in its own stage.",
     )

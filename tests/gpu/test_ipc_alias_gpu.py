@@ -20,8 +20,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 MiB = 1 << 20
 
 
-def _receiver(inbox: Any, outbox: Any) -> None:
+def _receiver(inbox: Any, outbox: Any, sglang_reductions: bool) -> None:
     torch.cuda.set_device(0)
+    if sglang_reductions:
+        # An sglang engine started in the sender's process (an earlier test in the same pytest
+        # run) swaps torch's CUDA tensor reducer for sglang's, whose rebuild needs the same
+        # patch on the receiving side: sglang's schedulers apply it, a plain process must too.
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
     received = inbox.get()  # rebuilt from the IPC handle, held until told
     outbox.put(float(received.view(torch.float32).double().sum()))
     inbox.get()
@@ -35,7 +42,8 @@ def _freed_while_held(alias: bool) -> tuple[float, float, int]:
 
     context = torch.multiprocessing.get_context("spawn")
     inbox, outbox = context.Queue(), context.Queue()
-    child = context.Process(target=_receiver, args=(inbox, outbox))
+    patched = hasattr(torch.multiprocessing.reductions, "_rebuild_cuda_tensor_original")
+    child = context.Process(target=_receiver, args=(inbox, outbox, patched))
     child.start()
     try:
         kept = torch.randn(16 * MiB // 4, device="cuda")  # the trainer's buffer, fp32

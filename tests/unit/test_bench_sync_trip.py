@@ -85,3 +85,25 @@ def test_at_tp_2_only_the_rank_that_sent_requests_counts_each_skipping_its_own_f
     middle = bench.medians(syncs, skip=1)
     assert middle["buckets"] == 1 and middle["flush"] == pytest.approx(0.005)
     assert middle["loader"] == pytest.approx(0.007)
+
+
+def test_at_tp_2_the_groups_collectives_are_parts_of_their_own() -> None:
+    """Through a TP-2 engine the leader also serializes the bucket's handles, gathers every
+    rank's, and broadcasts each request's outcome: each its own part, out of `other`."""
+    bench = bench_module("sync_trip.py", "bench_sync_trip")
+    lines = [
+        *one_sync(0, flush_ms=0),
+        span("serialize", 5, 5.5),  # inside the update span's gap: before the request
+        span("tp_gather", 31, 31.75),  # after the update: nothing else overlaps it
+        span("tp_answer", 42, 44),
+        span("tp_answer", 44, 45),  # the flush's broadcast
+        span("tp_gather", 60, 61),  # after the sync ended: not this sync's
+    ]
+    (sync,) = bench.split(lines)
+    assert sync["serialize"] == pytest.approx(0.0005)
+    assert sync["tp_gather"] == pytest.approx(0.00075)
+    assert sync["tp_answer"] == pytest.approx(0.003)
+    # 50 - next_bucket 6 - way_in 9 - loader 7 - way_back 9 - synchronize 2 - the three parts
+    assert sync["other"] == pytest.approx((50 - 6 - 9 - 7 - 9 - 2 - 0.5 - 0.75 - 3) / 1e3)
+    table = bench.render([sync], skip=0)
+    assert "| tp_answer | 3.00 | 6.0% |" in table

@@ -9,8 +9,10 @@ rank 1's tensors really cross into rank 0's process as handles. Each rank sees o
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import tempfile
 import time
 from datetime import timedelta
 from typing import Any
@@ -112,6 +114,12 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
         os.environ["RLJOB_TP_SHARDED_SYNC"] = "0"
     if scenario == "sharded_buffer" and rank == 1:
         os.environ["RLJOB_TP_SHARDED_SYNC"] = "buffer"
+    # "sharded_stored" also writes the weight sync's spans (bench/sync_trip.py's file).
+    from rljob_worker.weight_sync import TIMINGS_ENV
+
+    os.environ.pop(TIMINGS_ENV, None)
+    if scenario == "sharded_stored":
+        os.environ[TIMINGS_ENV] = tempfile.mkstemp(suffix=".jsonl")[1]
     try:
         node = f"node-{rank}" if scenario == "spans_nodes" else "node-a"
         engine = make_engine(_spec(), device="cuda:0", node=node)
@@ -177,6 +185,9 @@ def _rank_main(rank: int, init_method: str, scenario: str, results: Any) -> None
         out["direct_loads"] = built[0].direct_loads if built else None
         out["direct_names"] = built[0].direct_names if built else None
         out["resumed_at"] = resumed_at
+        if os.environ.get(TIMINGS_ENV):
+            with open(os.environ[TIMINGS_ENV]) as spans:
+                out["spans"] = [json.loads(line)["call"] for line in spans]
     except Exception as exc:
         out["error"] = (type(exc).__name__, str(exc))
         out["failed_at"] = time.monotonic()
@@ -275,6 +286,13 @@ def test_a_bucket_with_its_own_blocks_as_stored_gives_tp_rank_i_rank_is_two_tens
         loaded = out[0]["loaded"][iteration]
         assert loaded[STORED_NAME] == [[100 * iteration] * 6, [100 * iteration + 1] * 6]
         assert loaded[name] == [[10 * iteration] * 4, [10 * iteration + 1] * 4]
+    # The group's own parts of a sync, for bench/sync_trip.py: each rank serialized its handles
+    # and joined the gather once a bucket, and heard the leader's answer after the update and
+    # the flush (and after every other request to the engine).
+    for rank in (0, 1):
+        spans = out[rank]["spans"]
+        assert spans.count("serialize") == spans.count("tp_gather") == ITERATIONS, spans
+        assert spans.count("tp_answer") >= 2 * ITERATIONS, spans
 
 
 def test_one_ranks_switch_to_buffer_keeps_every_ranks_own_blocks_in_the_buffer() -> None:

@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch.distributed as dist
 
 from rljob_worker.engines.base import ColocatedEngine, Completion, SamplingParams
-from rljob_worker.weight_sync import ipc_alias
+from rljob_worker.weight_sync import ipc_alias, record_span
 
 if TYPE_CHECKING:
     import torch
@@ -225,14 +226,18 @@ class TensorParallelEngine(ColocatedEngine):
         received, or the received ones and, as stored, the storage of its own shards); the
         leader gives TP rank i rank i's, under the payload name, which must be every rank's (the
         layout's byte offsets are rank-independent)."""
+        serializing = time.time()  # the spans are for bench/sync_trip.py (TIMINGS_ENV)
         mine = self._handoff.serialize(bucket.buffer)
         if bucket.stored is None:
+            record_span("serialize", serializing, time.time())
             self._load_direct(bucket.name, mine, bucket)
             return
         # The trainer's own storage goes as an alias (weight_sync.ipc_alias): the loader is done
         # with it when the leader reports the bucket loaded, and the alias is kept till then.
         alias = ipc_alias(bucket.stored)
-        self._load_direct(bucket.name, mine, (bucket, alias), self._handoff.serialize(alias))
+        stored = self._handoff.serialize(alias)
+        record_span("serialize", serializing, time.time())
+        self._load_direct(bucket.name, mine, (bucket, alias), stored)
 
     def generate_with_logprobs(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
@@ -351,8 +356,10 @@ class TensorParallelEngine(ColocatedEngine):
         must have sent the same names."""
         layout = self.layout
         gathered: list[Any] | None = [None] * len(layout.group) if layout.is_leader else None
+        gathering = time.time()
         with _peers(layout, "update_weights"):
             dist.gather_object((names, mine), gathered, dst=layout.leader, group=self._group)
+        record_span("tp_gather", gathering, time.time())
         return gathered
 
     def _check_same(self, gathered: list[Any], names: list[str]) -> None:
@@ -462,8 +469,10 @@ def _lead(
             with _peers(layout, what):
                 dist.broadcast_object_list(message, src=layout.leader, group=group)
             raise
+    answering = time.time()
     with _peers(layout, what):
         dist.broadcast_object_list(message, src=layout.leader, group=group)
+    record_span("tp_answer", answering, time.time())
     return message[0], message[1]
 
 
