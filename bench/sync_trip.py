@@ -9,7 +9,10 @@ The file holds JSON lines on one host's wall clock: the stage's spans (`sync`, e
 split into:
 
 - next_bucket: the stage waiting for the trainer's next bucket (the gather's host work, and the
-  wait for it where the prefetch did not hide it);
+  wait for it where the prefetch did not hide it); of it, apart (weight_sync.prefetched),
+  `bucket_issue` (a bucket's gather called: the host's work, its kernels enqueued) and
+  `bucket_kernels` (the host waiting for a bucket's kernels, collectives with the other ranks
+  included), shown as rows of their own but not added again;
 - serialize, tp_gather (TP > 1, one engine over several ranks: tensor_parallel.py): the bucket's
   IPC handles made, then gathered from every rank of the group on its leader (gloo), which
   waits there for the slowest rank's bucket;
@@ -54,6 +57,8 @@ PARTS = (
 )
 # The spans summed as they are (the rest are worked out from the requests and their loaders).
 SPANS = ("next_bucket", "serialize", "tp_gather", "tp_answer", "flush", "synchronize")
+# Inside next_bucket: shown on their own, not part of the sum.
+OF_NEXT_BUCKET = ("bucket_issue", "bucket_kernels")
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -93,7 +98,7 @@ def split(lines: list[dict[str, Any]]) -> list[dict[str, float]]:
             parts["way_in"] += last_in - update["start"]
             parts["loader"] += last_out - last_in
             parts["way_back"] += update["end"] - last_out
-        for name in SPANS:
+        for name in SPANS + OF_NEXT_BUCKET:
             parts[name] = sum(x["end"] - x["start"] for x in inside if x["call"] == name)
         total = sync["end"] - sync["start"]
         parts["other"] = total - sum(parts[p] for p in PARTS if p != "other")
@@ -126,6 +131,10 @@ def render(syncs: list[dict[str, float]], skip: int) -> str:
     for part in PARTS:
         share = middle[part] / middle["sync"] if middle["sync"] else 0.0
         rows.append(f"| {part} | {middle[part] * 1e3:.2f} | {share:.1%} |")
+        if part == "next_bucket":
+            for sub in OF_NEXT_BUCKET:
+                share = middle[sub] / middle["sync"] if middle["sync"] else 0.0
+                rows.append(f"| - of it, {sub} | {middle[sub] * 1e3:.2f} | {share:.1%} |")
     return "\n".join(rows)
 
 

@@ -98,12 +98,19 @@ def test_at_tp_2_the_groups_collectives_are_parts_of_their_own() -> None:
         span("tp_answer", 42, 44),
         span("tp_answer", 44, 45),  # the flush's broadcast
         span("tp_gather", 60, 61),  # after the sync ended: not this sync's
+        span("bucket_issue", 0.5, 2),  # inside the first next_bucket (0 to 5 ms)
+        span("bucket_kernels", 2, 4.5),
     ]
     (sync,) = bench.split(lines)
     assert sync["serialize"] == pytest.approx(0.0005)
     assert sync["tp_gather"] == pytest.approx(0.00075)
     assert sync["tp_answer"] == pytest.approx(0.003)
+    # Parts of next_bucket, shown apart and not counted twice.
+    assert sync["bucket_issue"] == pytest.approx(0.0015)
+    assert sync["bucket_kernels"] == pytest.approx(0.0025)
+    assert sync["next_bucket"] == pytest.approx(0.006)
     # 50 - next_bucket 6 - way_in 9 - loader 7 - way_back 9 - synchronize 2 - the three parts
     assert sync["other"] == pytest.approx((50 - 6 - 9 - 7 - 9 - 2 - 0.5 - 0.75 - 3) / 1e3)
     table = bench.render([sync], skip=0)
     assert "| tp_answer | 3.00 | 6.0% |" in table
+    assert "| - of it, bucket_kernels | 2.50 | 5.0% |" in table

@@ -74,6 +74,8 @@ def test_every_weight_sync_leaves_its_spans_for_the_split(result: dict) -> None:
     assert len(syncs) == len(pids) * (ITERATIONS + 1)
     for sync in syncs:
         assert sync["buckets"] == 0 and sync["next_bucket"] > 0
+        # Of the wait for each bucket: its gather's host work and the wait for its kernels.
+        assert 0 < sync["bucket_issue"] + sync["bucket_kernels"] <= sync["next_bucket"]
         assert sync["other"] >= 0
         assert sum(sync[p] for p in trip.PARTS) == pytest.approx(sync["sync"])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
@@ -252,19 +253,19 @@ def prefetched(gathers: Iterable[Callable[[], T]], ahead: bool = True) -> Iterat
     """
     if not ahead:
         for gather in gathers:
-            result = gather()
-            _ready_marker()()
+            result = _issued(gather)
+            _waited(_ready_marker())
             yield result
             del result
         return
     pending: tuple[T, Callable[[], None]] | None = None
     for gather in gathers:
-        result = gather()
+        result = _issued(gather)
         ready = _ready_marker()
         if pending is not None:
             previous, wait = pending
             pending = None
-            wait()
+            _waited(wait)
             yield previous
             del previous
         pending = (result, ready)
@@ -272,8 +273,25 @@ def prefetched(gathers: Iterable[Callable[[], T]], ahead: bool = True) -> Iterat
     if pending is not None:
         previous, wait = pending
         pending = None
-        wait()
+        _waited(wait)
         yield previous
+
+
+def _issued(gather: Callable[[], T]) -> T:
+    """A bucket's gather called: its host work, the kernels only enqueued (span
+    `bucket_issue`, see TIMINGS_ENV)."""
+    issuing = time.time()
+    result = gather()
+    record_span("bucket_issue", issuing, time.time())
+    return result
+
+
+def _waited(wait: Callable[[], None]) -> None:
+    """The host waiting for a bucket's kernels, collectives with the other ranks included
+    (span `bucket_kernels`)."""
+    waiting = time.time()
+    wait()
+    record_span("bucket_kernels", waiting, time.time())
 
 
 # RLJOB_SGLANG_DIRECT_TIMINGS=<file> (sglang's schedulers inherit the rank's environment): the
