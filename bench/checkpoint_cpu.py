@@ -142,7 +142,7 @@ LOADS = ("idle", "python", "torch")
 def _host_state(
     total_bytes: int, tensors: int, shared: bool
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """`tensors` fp32 tensors that are views of one host allocation, as train._HostCopies
+    """`tensors` fp32 tensors that are views of one host allocation, as host_copies._HostCopies
     holds the offload's copies (`shared`: the allocation in shared memory, for a child)."""
     host = torch.empty(total_bytes, dtype=torch.uint8)
     if shared:

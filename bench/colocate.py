@@ -187,14 +187,14 @@ def profile_weight_sync(
     """Seconds of the weight-sync path by part, with the model's shapes sharded over `ranks` GPUs.
 
     fp32 shards into bf16 engine tensors: (a) per tensor, a DTensor cast, full_tensor and copy_
-    (what Trainer.weight_buckets did before train.gather_full), (b) train.gather_full per
+    (what Trainer.weight_buckets did before sync_send.gather_full), (b) sync_send.gather_full per
     `bucket_mb` MiB bucket (the run's --bucket-mb) and the engine's copy_ (what it does now),
     (c) the rank's own shards without DTensor (local cast-and-copy per tensor; with one rank,
     the same bytes as the engine's), (d) one flat copy of all the engine bytes (the HBM floor)
     and, with more than one rank, (e) the all-gathers alone, one per bucket, as gather_full
     sends them (NCCL between the GPUs). With one engine over all the ranks (`tp` == `ranks`),
     also the shard-to-shard send (rljob_worker/tp_shards.py) per bucket: (f) whole (the trainer's
-    train.shard_bucket), (g) its buffers' fill alone (the casts), (h) its exchange alone (one
+    sync_send.shard_bucket), (g) its buffers' fill alone (the casts), (h) its exchange alone (one
     all_to_all_single a bucket) and, for comparison, (i) the same bytes as an all-gather.
     Median of `repeats` after a warm-up, as rank 0 saw them. One rank runs in this process; more
     run in their own processes on cuda:0..ranks-1, as the loop's ranks do.
@@ -220,7 +220,8 @@ def _profile_rank(
     from torch.distributed.tensor import Shard, distribute_tensor
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rljob_worker.train import flat_all_gather, flat_chunk_elements, gather_full, plan_buckets
+    from rljob_worker.sync_send import flat_all_gather, flat_chunk_elements, gather_full
+    from rljob_worker.train import plan_buckets
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -314,7 +315,8 @@ def _profile_shard_send(
     Shard(0) over `world` ranks, named as `meta`) in `bucket_mb` MiB buckets."""
     from rljob_worker import tp_shards
     from rljob_worker.engines.sglang_weights import DenseLayout
-    from rljob_worker.train import flat_all_gather, plan_buckets, shard_bucket
+    from rljob_worker.sync_send import flat_all_gather, shard_bucket
+    from rljob_worker.train import plan_buckets
 
     layout = DenseLayout.from_config(config, world)
     named = {name: shard for (name, _), shard in zip(meta, shards, strict=True)}

@@ -12,7 +12,7 @@ milliseconds a call; both must leave the model holding the same parameters. On a
 loader's own seconds come from `bench/gpu_steps.sh sync-buckets` instead.
 
 Beside it, the sender's host work for the same tensors (`sender`): one rank's
-`train.gather_full` of FSDP2-style Shard(0) DTensors (a one-rank gloo group; the cast into one
+`sync_send.gather_full` of FSDP2-style Shard(0) DTensors (a one-rank gloo group; the cast into one
 flat buffer) and the hand-off's `flatten` and `payload_name`, the parts of a weight sync outside
 the engine that a GPU run counts in the sync less the hand-off, or inside the hand-off.
 """
@@ -82,7 +82,7 @@ def sender(layers: int, repeats: int) -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from rljob_worker.train import gather_full
+    from rljob_worker.sync_send import gather_full
 
     config = {**CONFIG, "num_hidden_layers": layers, "tie_word_embeddings": True}
     full = full_weights(config)

@@ -66,7 +66,7 @@ def probe(
     engine_casts: bool = False,
 ) -> list[dict[str, float]]:
     from rljob.plan import plan_buckets
-    from rljob_worker.train import _gather_planned, gather_full
+    from rljob_worker.sync_send import _gather_planned, gather_full
 
     dtype = torch.bfloat16
     cuda = trainer.device.type == "cuda"

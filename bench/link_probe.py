@@ -4,7 +4,7 @@ With one engine per card, each rank's engine needs the whole model, so each rank
 other ranks' shards over the GPUs' link (NVLink) before its engine can load them: bytes the HBM
 floor does not count. This times that link two ways, each with nothing else on the cards:
 
-- `all_gather`: torch.distributed's flat all-gather (the call train.gather_full makes) of a
+- `all_gather`: torch.distributed's flat all-gather (the call sync_send.gather_full makes) of a
   receive buffer of each size in `--mb`, one process per rank as the loop's ranks run;
 - `peer_copy` (CUDA only, two or more visible cards, from rank 0's process): a copy of what one
   rank receives in a 2-rank all-gather of that size (half of it) from card 1 to card 0 (copy
@@ -72,7 +72,7 @@ def _row(kind: str, nbytes: int, seconds: float, world: int) -> dict[str, Any]:
 def probe_rank(rank: int, world: int, init_method: str, backend: str, sizes_mb: list[int],
                repeats: int) -> list[dict[str, Any]]:  # fmt: skip
     """This rank's part: the all-gather of each size (every rank calls it); rank 0's rows."""
-    from rljob_worker.train import flat_all_gather
+    from rljob_worker.sync_send import flat_all_gather
 
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":

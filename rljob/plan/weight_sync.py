@@ -36,7 +36,7 @@ def plan_buckets(sizes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[li
 
 
 # The worker's switches that decide whether a one-rank sync needs any buffer (sync_as_stored):
-# RLJOB_FLAT_SHARDS=0 keeps the policy's shards apart (rljob_worker.train reads this name), and
+# RLJOB_FLAT_SHARDS=0 keeps the policy's shards apart (rljob_worker.sync_send reads this name), and
 # RLJOB_SGLANG_WEIGHT_SYNC other than "direct" hands sglang the engine's dtype
 # (rljob_worker/engines/sglang_handoff.py; a test checks that both agree).
 FLAT_SHARDS_ENV = "RLJOB_FLAT_SHARDS"

@@ -1,4 +1,4 @@
-"""Weight sync's multi-rank gather on a GPU: train.gather_full's CUDA path over a real
+"""Weight sync's multi-rank gather on a GPU: sync_send.gather_full's CUDA path over a real
 collective, on the one GPU a single-GPU machine has.
 
 Two processes share cuda:0 and join a gloo group (gloo all-gathers CUDA tensors through host

@@ -1,4 +1,4 @@
-"""Inside a rank of a weight-gather test: run train.gather_full and describe what it gave, for
+"""Inside a rank of a weight-gather test: run sync_send.gather_full and describe what it gave, for
 the CPU (tests/worker) and GPU (tests/gpu) tests to assert on alike."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 
 @contextlib.contextmanager
 def counted_all_gathers() -> Iterator[list[int]]:
-    """Count the flat all-gathers gather_full makes (train.FLAT_ALL_GATHER, each call appended
+    """Count the flat all-gathers gather_full makes (sync_send.FLAT_ALL_GATHER, each call appended
     to the yielded list) while still running them; the real function is back on exit."""
     import torch.distributed as dist
 
-    from rljob_worker.train import FLAT_ALL_GATHER
+    from rljob_worker.sync_send import FLAT_ALL_GATHER
 
     calls: list[int] = []
     real = getattr(dist, FLAT_ALL_GATHER)
@@ -37,10 +37,10 @@ def gather_and_describe(
     bit-for-bit equality per tensor, shapes, dtypes, devices, and the all-gathers it made."""
     import torch
 
-    from rljob_worker import train
+    from rljob_worker import sync_send
 
     with counted_all_gathers() as gathers:
-        got = train.gather_full(named, torch.bfloat16)
+        got = sync_send.gather_full(named, torch.bfloat16)
     return {
         "names": [name for name, _ in got],
         "equal": [torch.equal(g, e) for (_, g), e in zip(got, expected, strict=True)],

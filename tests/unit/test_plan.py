@@ -325,7 +325,7 @@ def test_a_shard_to_shard_switch_from_a_secret_counts_full_buckets_until_the_ran
 
 def test_the_plans_sync_switches_are_the_workers() -> None:
     from rljob_worker.engines import sglang_handoff
-    from rljob_worker.train import FLAT_SHARDS_ENV as WORKER_FLAT_SHARDS_ENV
+    from rljob_worker.sync_send import FLAT_SHARDS_ENV as WORKER_FLAT_SHARDS_ENV
 
     assert WORKER_FLAT_SHARDS_ENV == FLAT_SHARDS_ENV
     assert sglang_handoff.WEIGHT_SYNC_ENV == SGLANG_WEIGHT_SYNC_ENV

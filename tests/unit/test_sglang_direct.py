@@ -345,7 +345,7 @@ def test_on_the_direct_path_each_bucket_is_one_buffer_for_rljobs_declared_loader
 
 
 def test_a_gathered_bucket_goes_as_its_worked_out_buffer_without_a_view_per_tensor() -> None:
-    """train.gather_full's planned buckets carry their layout (GatheredBucket): the direct
+    """sync_send.gather_full's planned buckets carry their layout (GatheredBucket): the direct
     hand-off sends that buffer and name as they are and never makes the per-tensor views."""
     engine, sgl = _adapter(HANDOFF_DIRECT_STAND_IN, SUPPORTED_SGLANG_VERSIONS[-1])
     full = full_weights({**CONFIG, "tie_word_embeddings": False})

@@ -87,7 +87,7 @@ class RecordingTrainer:
         *,
         own_as_stored: bool = True,
     ) -> Iterator[ShardedBucket]:
-        # As train.shard_bucket gives it: a payload name and this rank's bytes.
+        # As sync_send.shard_bucket gives it: a payload name and this rank's bytes.
         stored = ", own blocks as stored" if own_as_stored else ""
         self.log.append(f"gather sharded over {shard_world}{stored}")
         yield ShardedBucket(["a", "b"], "rljob-tp-bucket:{}", torch.zeros(4, dtype=torch.uint8))

@@ -1,6 +1,6 @@
-"""The training state's copies (staging.Staging, train._HostCopies) on the CPU: what each start
-and wait records, that an offload started early frees only when finished, and that a load left
-pending is refused a second start until someone waited for it."""
+"""The training state's copies (staging.Staging, host_copies._HostCopies) on the CPU: what each
+start and wait records, that an offload started early frees only when finished, and that a load
+left pending is refused a second start until someone waited for it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rljob.api import OverlapStaging, RLJobSpec
+from rljob_worker.host_copies import _HostCopies
 from rljob_worker.staging import Staging, overlap_staging
-from rljob_worker.train import _HostCopies
 
 CPU = torch.device("cpu")
 

@@ -66,7 +66,7 @@ def _mixed_bucket() -> list[tuple[str, torch.Tensor]]:
 
 
 def _one_buffer_bucket() -> list[tuple[str, torch.Tensor]]:
-    """What train.gather_full gives on more than one rank: views of one buffer, each tensor at
+    """What sync_send.gather_full gives on more than one rank: views of one buffer, each tensor at
     the start of its padded block (gaps between them)."""
     buffer = torch.randn(64).bfloat16()
     return [

@@ -15,7 +15,8 @@ def _probe_rank_main(rank: int, init_method: str, engine_casts: bool, results: A
     import torch
 
     from rljob_worker.model import resolve_model_path
-    from rljob_worker.train import Trainer, gather_full
+    from rljob_worker.sync_send import gather_full
+    from rljob_worker.train import Trainer
 
     bench = bench_module("gather_probe.py", "bench_gather_probe")
     with gloo_rank(rank, 1, init_method, results) as out:

@@ -31,8 +31,8 @@ from rljob_worker.checkpoint import (
     load,
 )
 from rljob_worker.checkpoint_writer import host_state_dict
+from rljob_worker.host_copies import _HostCopies
 from rljob_worker.staging import Staging
-from rljob_worker.train import _HostCopies
 
 pytestmark = pytest.mark.worker
 

@@ -44,7 +44,8 @@ def _rank_main(
 
     from rljob_worker.policy_update import Experience
     from rljob_worker.sharded_load import flat_shards
-    from rljob_worker.train import FLAT_SHARDS_ENV, Trainer, flat_chunk_elements
+    from rljob_worker.sync_send import FLAT_SHARDS_ENV, flat_chunk_elements
+    from rljob_worker.train import Trainer
     from rljob_worker.weight_sync import GatheredBucket
 
     def raw(bucket: Any) -> list[tuple[str, str, bytes]]:

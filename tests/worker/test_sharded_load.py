@@ -40,7 +40,8 @@ def _rank_main(rank: int, init_method: str, world: int, sharded_dir: str, result
     from torch.utils._pytree import tree_flatten
 
     from rljob_worker.model import load_causal_lm, resolve_model_path
-    from rljob_worker.train import Trainer, _shard, flat_chunk_elements
+    from rljob_worker.sync_send import flat_chunk_elements
+    from rljob_worker.train import Trainer, _shard
 
     class Fp32Shapes(TorchDispatchMode):
         """Shapes of every plain (not DTensor, not meta) fp32 tensor an op allocates: views

@@ -1,4 +1,4 @@
-"""The weight sync shard to shard (train.shard_bucket, rljob_worker.tp_shards) between real gloo
+"""The weight sync shard to shard (sync_send.shard_bucket, rljob_worker.tp_shards) between real gloo
 ranks: FSDP2-style Shard(0) DTensors of a small dense decoder's fp32 master weights, each
 bucket one all_to_all_single, and each rank's buffer loaded by rljob's loader
 (sglang_direct.copy_bucket) into that TP rank's engine model (a stand-in: sglang's model
@@ -41,8 +41,8 @@ def _rank_main(rank: int, init_method: str, args: tuple[int, bool], results: Any
     from rljob.plan import shard_block_numel
     from rljob_worker.engines.sglang_direct import copy_bucket
     from rljob_worker.engines.sglang_weights import DenseLayout
+    from rljob_worker.sync_send import shard_bucket
     from rljob_worker.tp_shards import parse_payload
-    from rljob_worker.train import shard_bucket
 
     world, flat = args
     with gloo_rank(rank, world, init_method, results) as out:

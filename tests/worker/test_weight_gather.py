@@ -99,7 +99,7 @@ def _overlap_rank_main(rank: int, init_method: str, world: int, results: Any) ->
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from rljob.plan import plan_buckets
-    from rljob_worker.train import gather_full
+    from rljob_worker.sync_send import gather_full
     from rljob_worker.weight_sync import flatten, prefetched
 
     with gloo_rank(rank, world, init_method, results) as out:
@@ -153,7 +153,7 @@ def _planned_rank_main(
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from rljob_worker import weight_sync
-    from rljob_worker.train import gather_full
+    from rljob_worker.sync_send import gather_full
     from rljob_worker.weight_sync import GatheredBucket, flatten
 
     os.environ.pop(weight_sync.LARGE_COPY_ENV, None)  # the threshold is this test's

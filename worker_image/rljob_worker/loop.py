@@ -46,8 +46,9 @@ from rljob_worker.model import load_tokenizer, resolve_model_path, stop_token_id
 from rljob_worker.reward import Scorer
 from rljob_worker.stages import StageMachine
 from rljob_worker.staging import Staging, overlap_staging
+from rljob_worker.sync_send import Bucket
 from rljob_worker.task import Problem, Task, make_task
-from rljob_worker.train import Bucket, Experience, Trainer, TrainStats
+from rljob_worker.train import Experience, Trainer, TrainStats
 
 log = logging.getLogger(__name__)
 

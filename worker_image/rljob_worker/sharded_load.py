@@ -94,9 +94,9 @@ def _fsdp_params(model: torch.nn.Module) -> list[Any]:
 def to_empty_flat(model: torch.nn.Module, device: torch.device) -> torch.Tensor | None:
     """model.to_empty(device=device), every FSDP2 shard a view of one zeroed buffer: the
     shards back to back in parameter order, each padded to its full dim-0 chunk as FSDP2 pads
-    it (train.flat_chunk_elements), which is also the layout of the weight sync's send buffer.
+    it (sync_send.flat_chunk_elements), which is also the layout of the weight sync's send buffer.
     So the sync's cast of a bucket is one copy, and on one rank the buffer is the bucket itself
-    (train.gather_full). Returns the buffer; None (nothing done) where the model is not all
+    (sync_send.gather_full). Returns the buffer; None (nothing done) where the model is not all
     Shard(0) DTensors of one dtype, or FSDP2's bookkeeping is not where this reads it.
 
     FSDP2 keeps each shard twice: the DTensor parameter's local tensor (the rank's rows) and

@@ -25,8 +25,9 @@ from rljob_worker.engines.base import (
 )
 from rljob_worker.memory import MemoryMeter
 from rljob_worker.staging import Staging
+from rljob_worker.sync_send import Bucket
 from rljob_worker.tp_shards import ShardedBucket
-from rljob_worker.train import Bucket, Experience, TrainStats
+from rljob_worker.train import Experience, TrainStats
 from rljob_worker.weight_sync import record_span
 
 # Staged awake (docs/design.md, "The stage machine"): the engine's weights come back while the

@@ -2,7 +2,7 @@
 tensor parallel size equal to the FSDP world, TP rank r's part of most weights is FSDP rank r's
 own dim-0 shard, so only what TP cuts the other way crosses the link between the cards.
 
-The full sync (train.gather_full) all-gathers every tensor to every rank, and each TP scheduler
+The full sync (sync_send.gather_full) all-gathers every tensor to every rank, and each TP scheduler
 then cuts its part out of the full tensor: at 7B over two cards each rank receives its peer's
 7.6 GB, which alone takes 3.6-4.1x the HBM floor of the sync (docs/weight-sync.md). Here each
 tensor of a bucket travels by its kind (send_kind):
@@ -264,7 +264,7 @@ class ShardPlan:
     split into every block (gaps included), the copies that fill the sent blocks (and the own
     ones, unless read as stored: `stored`) from the rank's shards (contiguous ones as weight_sync.copy_pairs launches them, column slices
     one by one), and the exchange's ranges. Holds while its params and local shards are the
-    same objects at the same addresses and layouts (train.SendPlan.holds)."""
+    same objects at the same addresses and layouts (sync_send.SendPlan.holds)."""
 
     layout: ShardLayout
     payload: str

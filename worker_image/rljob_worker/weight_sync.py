@@ -4,7 +4,7 @@ while the previous one is handed to the engine.
 A bucket of full tensors goes to sglang as one buffer and a list of (name, shape, dtype, byte
 range) entries (sglang's `load_format="flattened_bucket"`): one CUDA IPC handle per bucket
 instead of one per tensor, which is what the per-tensor hand-off spends its time on. The
-trainer's gather already writes a bucket into one buffer (train.gather_full), so the flat view
+trainer's gather already writes a bucket into one buffer (sync_send.gather_full), so the flat view
 costs no copy; tensors that do not share one buffer are packed into a new one (one copy).
 """
 
@@ -52,7 +52,7 @@ class FlatBucket:
 
 class GatheredBucket(Sequence[tuple[str, torch.Tensor]]):
     """A bucket of (name, tensor) whose tensors already lie in one buffer, its layout worked out
-    where they were gathered (train.gather_full's plans): flatten() gives `flat` back as it is,
+    where they were gathered (sync_send.gather_full's plans): flatten() gives `flat` back as it is,
     without measuring every tensor again. The tensors, views of that buffer, are made on first
     use: the direct hand-off needs only `flat` (a view per tensor costs ~4 us of host time)."""
 
@@ -94,7 +94,7 @@ def byte_view(storage: torch.UntypedStorage, length: int) -> torch.Tensor:
 
 def flatten(named: Sequence[tuple[str, torch.Tensor]]) -> FlatBucket:
     """One buffer for the bucket `named`: a view where every tensor is contiguous in one
-    storage (train.gather_full's output), else the tensors packed into a new buffer, each at a
+    storage (sync_send.gather_full's output), else the tensors packed into a new buffer, each at a
     byte offset its dtype can be viewed at. Offsets are from the storage's start, so a view of
     any dtype stays aligned. A GatheredBucket's layout is known already: its `flat`."""
     if not named:

@@ -66,7 +66,7 @@ class Copy:
 def payload_name(bucket: FlatBucket) -> str:
     """The name a flat bucket travels under: its entries (name, shape, dtype, byte range).
 
-    A planned gather hands the same entries object every sync (train.SendPlan): its name is
+    A planned gather hands the same entries object every sync (sync_send.SendPlan): its name is
     kept (by the object's identity, which the kept pair pins) instead of written again."""
     kept = _NAMES.get(id(bucket.entries))
     if kept is not None and kept[0] is bucket.entries:
