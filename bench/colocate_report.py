@@ -103,9 +103,9 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
         return []
     if "error" in profile:
         return [f"- weight-sync profile failed: {profile['error']}"]
-    gathered = ""  # absent from runs before train.gather_full
+    gathered = ""  # absent from runs before the per-bucket gather (now sync_send.gather_full)
     if "gather_full_copy_seconds" in profile:
-        gathered = f" train.gather_full per bucket + copy {profile['gather_full_copy_seconds'] * 1e3:.1f} ms"
+        gathered = f" sync_send.gather_full per bucket + copy {profile['gather_full_copy_seconds'] * 1e3:.1f} ms"
         if "gather_full_copy_cold_seconds" in profile:  # and before the cold figure
             cold = profile["gather_full_copy_cold_seconds"] * 1e3
             gathered += f" ({cold:.1f} ms after emptying the allocator)"

@@ -66,7 +66,7 @@ def probe(
     engine_casts: bool = False,
 ) -> list[dict[str, float]]:
     from rljob.plan import plan_buckets
-    from rljob_worker.sync_send import _gather_planned, gather_full
+    from rljob_worker.sync_send import gather_full, gather_planned
 
     dtype = torch.bfloat16
     cuda = trainer.device.type == "cuda"
@@ -105,7 +105,7 @@ def probe(
             begin.record()
         started = time.perf_counter()
         out: Any = (
-            _gather_planned(bucket, dtype, trainer._send_plans, as_stored=True)
+            gather_planned(bucket, dtype, trainer._send_plans, as_stored=True)
             if engine_casts
             else gather_full(bucket, dtype, trainer._send_plans)
         )

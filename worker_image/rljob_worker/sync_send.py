@@ -96,7 +96,7 @@ def gather_full(
     """
     with torch.no_grad():
         if plans is not None and params:
-            planned = _gather_planned(params, dtype, plans)
+            planned = gather_planned(params, dtype, plans)
             if planned is not None:
                 return planned
         full: dict[str, torch.Tensor] = {}
@@ -311,7 +311,7 @@ def _local_shard(tensor: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def _gather_planned(
+def gather_planned(
     params: Sequence[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
     plans: dict[tuple[str, ...], SendPlan],

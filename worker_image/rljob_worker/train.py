@@ -42,9 +42,9 @@ from rljob_worker.staging import (
 from rljob_worker.sync_send import (
     Bucket,
     SendPlan,
-    _gather_planned,
     flat_shards_enabled,
     gather_full,
+    gather_planned,
     shard_bucket,
 )
 from rljob_worker.weight_sync import overlap_enabled, prefetched
@@ -314,7 +314,7 @@ class Trainer:
         plans = self._send_plans
         if engine_casts and self.mesh.size() == 1:
             with torch.no_grad():
-                whole = _gather_planned(list(params.items()), dtype, plans, as_stored=True)
+                whole = gather_planned(list(params.items()), dtype, plans, as_stored=True)
             if whole is not None:
                 yield from prefetched([lambda: whole], overlap_enabled())
                 return
