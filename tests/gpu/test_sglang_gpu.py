@@ -48,6 +48,15 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [7] * 9]
 # Bytes a release or resume may differ from its counterpart: the saver maps whole 2 MiB pages.
 PAGE_SLACK = 8 * MiB
+# Bytes one tag's resume may leave in the scheduler's torch cache for another tag's release to
+# return (20 MiB from the weights' resume to the KV cache's release, 0.5B shape, one H200,
+# 2026-12-04; none on an H100): the tags' sums still agree within PAGE_SLACK.
+TAG_MOVE = 32 * MiB
+# What a release leaves taken after a generation: sglang's token allocator re-creates its free
+# list (one int64 per KV token, TokenToKVPoolAllocator.clear) outside the saver's regions, and
+# the scheduler's cache keeps the generation's activations. Seen: 8 B a token + 34-37 MiB (the
+# builtin model's 82.6M tokens on an H100, 664 MiB; its 174.1M on an H200, 1364 MiB).
+KEPT_PER_KV_TOKEN, KEPT_BASE = 16, 128 * MiB
 
 
 def _free() -> int:
@@ -115,8 +124,9 @@ def test_release_and_resume_by_tag_give_back_every_byte(
               f"freed {({t: round(b / MiB) for t, b in freed.items()})} MiB")  # fmt: skip
         assert taken[TAG_KV_CACHE] >= kv_bytes - PAGE_SLACK
         assert taken[TAG_WEIGHTS] > 0
+        assert abs(sum(freed.values()) - sum(taken.values())) <= PAGE_SLACK, (taken, freed)
         for tag in ALL_TAGS:
-            assert abs(freed[tag] - taken[tag]) <= PAGE_SLACK, (tag, taken, freed)
+            assert abs(freed[tag] - taken[tag]) <= TAG_MOVE, (tag, taken, freed)
         assert asleep - _free() <= PAGE_SLACK
         # Then with a generation in between (CUDA graphs on; it may stop at EOS): only what the
         # scheduler's own allocator cached for it (activations, outside the saver's regions)
@@ -127,7 +137,8 @@ def test_release_and_resume_by_tag_give_back_every_byte(
         engine.release(list(ALL_TAGS))
         kept = asleep - _free()
         print(f"{which}: after a generation and a release, {kept / MiB:.0f} MiB stay taken")
-        assert kept <= GiB
+        # Far below the weights' bytes and the KV pool's (its 256+ bytes a token).
+        assert kept <= KEPT_BASE + KEPT_PER_KV_TOKEN * engine.kv_capacity_tokens
     finally:
         engine.shutdown()
 
@@ -334,10 +345,12 @@ def test_two_staged_and_two_single_iterations_with_cuda_graphs(
 def test_an_impossible_mem_fraction_static_is_a_clear_error_not_a_hang(
     qwen05b_dir: Path,
 ) -> None:
-    # 0.01 of the device (0.8 GiB) cannot hold the 1 GiB of weights, let alone a KV pool: sglang
-    # refuses at start-up, and the run ends with that error instead of waiting.
+    # 0.8 GiB of the device (0.01 of an H100, 0.0057 of an H200) cannot hold the 1 GiB of
+    # weights, let alone a KV pool: sglang refuses at start-up, and the run ends with that error
+    # instead of waiting. (0.01 of an H200, 1.4 GiB, held both and the run completed.)
+    fraction = round(0.8 * GiB / torch.cuda.mem_get_info()[1], 4)
     run = run_local(
-        _spec(qwen05b_dir, engine="sglang", wake_up=WakeUp.STAGED, fraction=0.01, iterations=1),
+        _spec(qwen05b_dir, engine="sglang", wake_up=WakeUp.STAGED, fraction=fraction, iterations=1),
         1,
         "cuda",
         grace_seconds=30,
@@ -345,4 +358,4 @@ def test_an_impossible_mem_fraction_static_is_a_clear_error_not_a_hang(
     print(f"\nerrors: {run.errors}")
     assert not run.ok
     message = " ".join(run.errors.values())
-    assert "starting sglang.Engine (memFractionStatic=0.01" in message
+    assert f"starting sglang.Engine (memFractionStatic={fraction}" in message
