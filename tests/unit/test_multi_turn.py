@@ -418,6 +418,55 @@ def test_a_chatml_template_gives_the_tool_turn_after_the_sampled_end_of_turn(
     assert tokenizer.decode(chat.tool_turn(["84"], False, 16).ids).startswith("<|im_end|>\n")
 
 
+END_OF_TURN_IS_EOS = QWEN_LIKE.replace("<|im_end|>", "<|endoftext|>")
+
+
+def test_a_turn_another_stop_id_ended_still_gets_the_templates_end_of_turn(
+    tokenizer: Any,
+) -> None:
+    # Qwen2.5-Instruct stops on its eos_token <|im_end|> (the template's end of turn) and on
+    # <|endoftext|>. Here the builtin's <|endoftext|> plays <|im_end|> and <|pad|> the other
+    # stop id. A tool call that the other stop id ended has not closed its turn: the tool turn
+    # must close it; only an end of turn the model sampled is left out of it.
+    class EndOfTurnIsEos:
+        chat_template = END_OF_TURN_IS_EOS
+        eos_token, eos_token_id = tokenizer.eos_token, tokenizer.eos_token_id
+
+        def apply_chat_template(self, messages: Any, **kwargs: Any) -> str:
+            kwargs.pop("tools", None)
+            return str(
+                tokenizer.apply_chat_template(messages, chat_template=END_OF_TURN_IS_EOS, **kwargs)
+            )
+
+        def __call__(self, text: str, add_special_tokens: bool) -> Any:
+            return tokenizer(text, add_special_tokens=add_special_tokens)
+
+    other_stop = tokenizer.convert_tokens_to_ids("<|pad|>")
+    (prompt,) = _prompts(tokenizer, 1)
+
+    def tool_turn_after(stop_id: int) -> str:
+        script = {prompt: [call("calculator", expression="2+2"), "Answer: 4"]}
+        engine = ScriptedEngine(_encode(tokenizer), script, stop_id)
+        tools = make_tools(MultiTurnSpec(tools=["builtin:calculator"]))
+        rollout = MultiTurnRollout(
+            EngineRouter([engine]),  # type: ignore[list-item]
+            ChatFormat(EndOfTurnIsEos(), tools.schemas),
+            tools,
+            LIMITS,
+            [tokenizer.eos_token_id, other_stop],
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        (t,) = asyncio.run(rollout.run([list(prompt)], SAMPLING))
+        assert t.ending is Ending.ANSWER and t.tool_calls == 1
+        return str(
+            tokenizer.decode([tok for tok, m in zip(t.response_ids, t.loss_mask, strict=True)
+                              if not m])
+        )  # fmt: skip
+
+    assert tool_turn_after(tokenizer.eos_token_id).startswith("\n<|im_start|>user\n")
+    assert tool_turn_after(other_stop).startswith("<|endoftext|>\n<|im_start|>user\n")
+
+
 def test_sticky_routing_keeps_prefixes_cached_where_random_does_not(tokenizer: Any) -> None:
     prompts = _prompts(tokenizer, 8)
     script = [

@@ -36,6 +36,7 @@ class ChatFormat:
         self.tools = list(tool_schemas)
         eos = tokenizer.eos_token
         self.eos_text: str = eos if isinstance(eos, str) else ""
+        self.eos_id: int | None = getattr(tokenizer, "eos_token_id", None)
         self._pieces: dict[int, list[str]] = {}
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
@@ -80,8 +81,8 @@ class ChatFormat:
         self, results: Sequence[str], ended_with_eos: bool, max_result_tokens: int
     ) -> ToolTurn:
         """Ids to append after a model turn that called tools: the rest of the assistant turn
-        (without the end-of-sequence text the model already sampled), the results, and the next
-        assistant header."""
+        (without the end-of-sequence text when the model sampled it: `ended_with_eos`, the turn's
+        last token is the tokenizer's eos_token), the results, and the next assistant header."""
         pieces = self._split(len(results))
         first = pieces[0]
         if ended_with_eos and self.eos_text and first.startswith(self.eos_text):
