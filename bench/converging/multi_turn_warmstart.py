@@ -116,7 +116,9 @@ def conversation(
         text = chat.tokenizer.decode(response, skip_special_tokens=True)
         calls = parse_tool_calls(text, tools.names)  # the rollout's parser and tools
         outcomes = [asyncio.run(tools.run(c)) for c in calls]
-        turn = chat.tool_turn([o.text for o in outcomes], True, MAX_TOOL_RESPONSE_LENGTH)
+        turn = chat.tool_turn(
+            [o.text for o in outcomes], chat.token_text(eos_id), MAX_TOOL_RESPONSE_LENGTH
+        )
         response.extend(turn.ids)
         mask.extend([0] * len(turn.ids))
         model_turn(answer_text(outcomes[0].text))

@@ -379,7 +379,8 @@ def test_a_conversation_counts_as_answered_by_a_tool_only_when_a_result_is_the_a
 
 def test_long_tool_results_are_cut_to_their_token_budget(tokenizer: Any) -> None:
     chat = ChatFormat(tokenizer, [])
-    turn = chat.tool_turn(["1234567890" * 10, "7"], ended_with_eos=True, max_result_tokens=3)
+    end = chat.token_text(tokenizer.eos_token_id)
+    turn = chat.tool_turn(["1234567890" * 10, "7"], sampled_end=end, max_result_tokens=3)
     assert turn.truncated_results == 1
     text = tokenizer.decode(turn.ids)
     assert text.startswith("\n<|tool|>\n") and text.endswith("\n7\n<|assistant|>\n")
@@ -411,11 +412,15 @@ def test_a_chatml_template_gives_the_tool_turn_after_the_sampled_end_of_turn(
             return tokenizer(text, add_special_tokens=add_special_tokens)
 
     chat = ChatFormat(ChatML(), [])
-    after_eos = tokenizer.decode(chat.tool_turn(["84", "45"], True, 16).ids)
+    after_eos = tokenizer.decode(chat.tool_turn(["84", "45"], "<|im_end|>", 16).ids)
     assert after_eos == ("\n<|im_start|>user\n<tool_response>\n84\n</tool_response>\n"
                          "<tool_response>\n45\n</tool_response><|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
     # A turn that did not sample the end of turn (the budget cut it) gets it from the template.
-    assert tokenizer.decode(chat.tool_turn(["84"], False, 16).ids).startswith("<|im_end|>\n")
+    assert tokenizer.decode(chat.tool_turn(["84"], "", 16).ids).startswith("<|im_end|>\n")
+    # Nor one that another stop token ended: its text is not the end of turn's.
+    assert tokenizer.decode(chat.tool_turn(["84"], "<|endoftext|>", 16).ids).startswith(
+        "<|im_end|>\n"
+    )
 
 
 END_OF_TURN_IS_EOS = QWEN_LIKE.replace("<|im_end|>", "<|endoftext|>")
@@ -440,6 +445,9 @@ def test_a_turn_another_stop_id_ended_still_gets_the_templates_end_of_turn(
 
         def __call__(self, text: str, add_special_tokens: bool) -> Any:
             return tokenizer(text, add_special_tokens=add_special_tokens)
+
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     other_stop = tokenizer.convert_tokens_to_ids("<|pad|>")
     (prompt,) = _prompts(tokenizer, 1)

@@ -67,7 +67,8 @@ def test_a_calling_conversation_is_the_rollouts_prompt_call_tool_turn_and_answer
     result = str(calculate(parsed.arguments["expression"]))
     assert (result == problem.answer) is (kind == "correct")
     # The tool turn is exactly ChatFormat's, after a turn that ended with end-of-sequence.
-    assert tool_ids == chat.tool_turn([result], True, warmstart.MAX_TOOL_RESPONSE_LENGTH).ids
+    sampled_end = chat.token_text(eos)
+    assert tool_ids == chat.tool_turn([result], sampled_end, warmstart.MAX_TOOL_RESPONSE_LENGTH).ids
     assert tokenizer.decode(answer_ids, skip_special_tokens=True) == f"Answer:\n{result}"
     # The answer's number is the tool result's own tokens (a copy, not a translation).
     number = chat.encode(result)

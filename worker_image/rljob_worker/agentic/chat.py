@@ -34,9 +34,6 @@ class ChatFormat:
             )
         self.tokenizer = tokenizer
         self.tools = list(tool_schemas)
-        eos = tokenizer.eos_token
-        self.eos_text: str = eos if isinstance(eos, str) else ""
-        self.eos_id: int | None = getattr(tokenizer, "eos_token_id", None)
         self._pieces: dict[int, list[str]] = {}
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
@@ -77,16 +74,24 @@ class ChatFormat:
             self._pieces[results] = [*pieces, text]
         return self._pieces[results]
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (a stop id's: Qwen's `<|im_end|>`)."""
+        text: str = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
     def tool_turn(
-        self, results: Sequence[str], ended_with_eos: bool, max_result_tokens: int
+        self, results: Sequence[str], sampled_end: str, max_result_tokens: int
     ) -> ToolTurn:
-        """Ids to append after a model turn that called tools: the rest of the assistant turn
-        (without the end-of-sequence text when the model sampled it: `ended_with_eos`, the turn's
-        last token is the tokenizer's eos_token), the results, and the next assistant header."""
+        """Ids to append after a model turn that called tools: the rest of the assistant turn,
+        the results, and the next assistant header. `sampled_end` is the text of the stop token
+        that ended the turn ("" where none did): where the template's end of turn begins with
+        it, the model already sampled that text and it is not added twice; any other stop
+        (Qwen2.5's `<|endoftext|>` where its turns end with `<|im_end|>`) leaves the turn open,
+        and the template's end of turn follows it."""
         pieces = self._split(len(results))
         first = pieces[0]
-        if ended_with_eos and self.eos_text and first.startswith(self.eos_text):
-            first = first[len(self.eos_text) :]
+        if sampled_end and first.startswith(sampled_end):
+            first = first[len(sampled_end) :]
         ids = self.encode(first)
         truncated = 0
         for result, piece in zip(results, pieces[1:], strict=True):

@@ -208,11 +208,10 @@ class MultiTurnRollout:
         t.tool_results += [o.text for o in outcomes]
         t.tool_errors += sum(o.error for o in outcomes)
         t.tool_timeouts += sum(o.timed_out for o in outcomes)
-        # The template's end of turn is left out only where the model sampled it: a turn that
-        # another stop id ended (Qwen2.5's <|endoftext|> beside its <|im_end|>) is still open.
-        sampled_eos_token = ended_with_eos and t.response_ids[-1] == self.chat.eos_id
+        # The template's end of turn is left out only as far as the model sampled it.
+        sampled_end = self.chat.token_text(t.response_ids[-1]) if ended_with_eos else ""
         turn = self.chat.tool_turn(
-            [o.text for o in outcomes], sampled_eos_token, self.limits.max_tool_response_length
+            [o.text for o in outcomes], sampled_end, self.limits.max_tool_response_length
         )
         t.truncated_tool_results += turn.truncated_results
         # Room for the tool turn and at least one more sampled token, or the conversation ends
