@@ -123,10 +123,11 @@ def test_staged_wake_up_calls_sglang_in_stage_order_for_two_iterations(release: 
     # awake), and 0.5.17 sends no flush of its own either (staged_iteration_calls); 0.5.23
     # flushes once, after its session.
     assert [kw["flush_cache"] for kw in updates] == [False, False]
-    # One sampling_params dict per request; the seed moves on per request.
+    # One sampling_params dict per request; each request its own seed (the batch's is 3).
+    seeds = [3 << 20, (3 << 20) + 1]
     assert generate["sampling_params"] == [
-        {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "sampling_seed": 3},
-        {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "sampling_seed": 4},
+        {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "sampling_seed": s}
+        for s in seeds
     ]
     assert release_call == {"tags": list(ALL_TAGS)}
     assert sgl.offloaded == set(ALL_TAGS)
@@ -1001,3 +1002,14 @@ def test_engines_of_one_process_answer_on_one_event_loop_when_given_it() -> None
             first.run_async(both([first, alone]))
     finally:
         signal.signal(signal.SIGQUIT, before)
+
+
+def test_request_seeds_of_neighbouring_batches_never_meet() -> None:
+    # The loop's batch seeds of neighbouring ranks and iterations differ by 1: seed + index
+    # gave batch 8's request 1 batch 9's request 0's seed.
+    from rljob_worker.engines.sglang_engine import request_seed
+
+    seeds = [request_seed(batch, index) for batch in range(8, 72) for index in range(512)]
+    assert len(set(seeds)) == len(seeds)
+    assert request_seed(8, 1) != request_seed(9, 0)
+    assert all(0 <= s < 1 << 63 for s in (request_seed(2**62, 3), request_seed(7, 2**21)))

@@ -132,16 +132,29 @@ __all__ = [
     "flattened_bucket_metadata",
     "installed_contract",
     "load_tensor_handoff",
+    "request_seed",
     "weight_sync_choice",
 ]
 
 T = TypeVar("T")
 
 
+# Requests a batch may hold with a seed of their own each (request_seed).
+REQUEST_SEED_BITS = 20
+
+
+def request_seed(seed: int, index: int) -> int:
+    """Request `index`'s sampling_seed in a batch of `seed`: the seed above REQUEST_SEED_BITS,
+    the index below, so no two (seed, index) pairs meet. The loop's batch seeds of neighbouring
+    ranks and iterations differ by 1 (loop.py), and seed + index would give rank r's request
+    k + 1 rank r + 1's request k's seed: the same random stream under a deterministic sampler."""
+    return ((seed << REQUEST_SEED_BITS) + index % (1 << REQUEST_SEED_BITS)) % (1 << 63)
+
+
 def _request_params(sampling: SamplingParams, index: int) -> dict[str, Any]:
-    """One request's sampling_params. A seed is offset per request: GRPO sends each prompt
-    group_size times, and one seed for all would make a deterministic sampler answer each copy
-    alike (sglang uses sampling_seed only with deterministic inference on)."""
+    """One request's sampling_params. A seed is its own per request (request_seed): GRPO sends
+    each prompt group_size times, and one seed for all would make a deterministic sampler answer
+    each copy alike (sglang uses sampling_seed only with deterministic inference on)."""
     params: dict[str, Any] = {
         "max_new_tokens": sampling.max_new_tokens,
         "temperature": sampling.temperature,
@@ -149,7 +162,7 @@ def _request_params(sampling: SamplingParams, index: int) -> dict[str, Any]:
         "top_k": sampling.top_k,
     }
     if sampling.seed is not None:
-        params["sampling_seed"] = sampling.seed + index
+        params["sampling_seed"] = request_seed(sampling.seed, index)
     return params
 
 
