@@ -45,7 +45,7 @@ def reconcile(
             write_status(namespace, name, Observing(spec, None, None, problems), logger, uid=uid)
             text = "; ".join(f"{path}: {msg}" for path, msg in problems)
             raise kopf.PermanentError(f"RLJob {name}: {text}")
-        run_spec = status.applied_after_update(spec, APPLIED.read(namespace, name))
+        run_spec = status.applied_after_update(spec, APPLIED.read(namespace, name, uid))
         if status.timed_out(body.get("status") or {}):
             run_spec = run_spec.model_copy(update={"suspend": True})
         owner = render.Owner(name=name, namespace=namespace, uid=uid)
@@ -109,7 +109,7 @@ def rayjob_changed(
             # The spec is parsed from the RLJob _write reads (one read, under the same lock).
             # A RayJob of an earlier OOM-policy attempt, or of an earlier RLJob of this name,
             # is ignored there (Observing).
-            applied = APPLIED.read(namespace, name)
+            applied = APPLIED.read(namespace, name, uid)
             observing = Observing(
                 None, applied, rayjob, rayjob_name=body["metadata"]["name"], source_uid=uid
             )
@@ -154,7 +154,7 @@ def _observe_causes(
             # nothing: keep what status says"): say so, or PodsReady keeps the cleared cause.
             cleared = CAUSES.current(namespace, job, uid) is None
             observing = Observing(
-                None, APPLIED.read(namespace, job), rayjob, causes_cleared=cleared
+                None, APPLIED.read(namespace, job, uid), rayjob, causes_cleared=cleared
             )
             write_status(namespace, job, observing, logger, uid=uid)
     except (ApiException, HTTPError) as exc:
@@ -204,7 +204,7 @@ def _time_out(owner: render.Owner, logger: kopf.Logger) -> None:
     namespace, name = owner.namespace, owner.name
     try:
         with LOCKS.hold(namespace, name):
-            applied = APPLIED.read(namespace, name)
+            applied = APPLIED.read(namespace, name, owner.uid)
             rljob = kube.get_rljob(namespace, name)
             if rljob is None or rljob["metadata"]["uid"] != owner.uid:
                 return  # deleted (and maybe applied again) since the timer fired
@@ -266,11 +266,11 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
             spec, problems = parse_spec(rljob)
             if spec is None or problems:
                 return
-            applied = APPLIED.read(namespace, name)
+            uid = str(rljob["metadata"]["uid"])
+            applied = APPLIED.read(namespace, name, uid)
             run_spec = status.applied_after_update(spec, applied)
             current = dict(rljob.get("status") or {})
             attempt = attempts.current(name, run_spec, current)
-            uid = str(rljob["metadata"]["uid"])
             rayjob = identity.own(kube.get_rayjob(namespace, attempt.ray_job), uid)
             if rayjob is None and attempts.finished(name, current):
                 # The attempt ended and its RayJob went: a late OOM is decided from what status

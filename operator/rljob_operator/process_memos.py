@@ -19,7 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from rljob.api import JOB_CONFIG_FILE, JobConfig, RLJobSpec
-from rljob_operator import causes, kube, oom, render
+from rljob_operator import causes, identity, kube, oom, render
 
 
 def now() -> str:
@@ -53,8 +53,12 @@ class AppliedSpecs:
         meta = config_map["metadata"]
         return str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
 
-    def read(self, namespace: str, name: str) -> RLJobSpec | None:
-        found = kube.get_config_map(namespace, render.config_map_name(name))
+    def read(self, namespace: str, name: str, uid: str) -> RLJobSpec | None:
+        """The spec the job `uid` runs with; None before its ConfigMap exists. A ConfigMap of
+        this name that is not the job's (an earlier RLJob's of the same name, its garbage
+        collection not done) holds another job's spec: taken for this one's, the new job would
+        be applied with the old spec, and then refuse its own as an update of a live job."""
+        found = identity.own(kube.get_config_map(namespace, render.config_map_name(name)), uid)
         if found is None:
             self.forget(namespace, name)
             return None

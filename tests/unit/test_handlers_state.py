@@ -257,3 +257,42 @@ def test_a_cause_that_clears_leaves_pods_ready_saying_nothing_is_wrong(store: St
         pods_ready()["status"] == "False" and "no pod reports a problem" in pods_ready()["message"]
     )
     assert len(process_memos.CAUSES) == 0
+
+
+def test_a_job_applied_again_never_runs_with_the_deleted_ones_spec(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job-config ConfigMap of a deleted RLJob of the same name (its garbage collection not
+    done yet) holds that job's spec: it is not the new job's running spec. Read by name alone,
+    the new job took it as its own, and where the garbage collector deleted the old ConfigMap
+    between that read and the apply, the new job's ConfigMap was written with the old spec
+    (then SpecApplied UpdateRefused, for good: the new ConfigMap is the new job's own)."""
+    kube = handlers.kube
+    old_owner = render.Owner(name="again", namespace="ns", uid="uid-old")
+    old_spec = RLJobSpec.model_validate(
+        {**SPEC, "resources": {**SPEC["resources"], "image": "example.com/old:1"}}
+    )
+    old_config = render.config_map(old_owner, old_spec)
+    old_config["metadata"] |= {"uid": "cm-old", "resourceVersion": "1"}
+    # The old ConfigMap is there when the handler reads the running spec, gone (garbage
+    # collected) when it looks for children another job holds.
+    monkeypatch.setattr(kube, "get_config_map", lambda ns, name: old_config)
+    monkeypatch.setattr(kube, "get_child", lambda kind, ns, name: None)
+    applied: dict[str, dict[str, Any]] = {}
+
+    def apply(obj: dict[str, Any]) -> dict[str, Any]:
+        stored = {**obj, "metadata": {**obj["metadata"], "uid": "u", "resourceVersion": "2"}}
+        applied[obj["kind"]] = stored
+        return stored
+
+    monkeypatch.setattr(kube, "apply", apply)
+    new_spec = {**SPEC, "resources": {**SPEC["resources"], "image": "example.com/new:2"}}
+    store.rljobs["again"] = {**_rljob("again", "uid-new"), "spec": new_spec}
+    reconcile: Any = handlers.reconcile
+    reconcile(body=store.rljobs["again"], name="again", namespace="ns", uid="uid-new", logger=LOG)
+    config = applied["ConfigMap"]["data"][handlers.render.JOB_CONFIG_FILE]
+    assert "example.com/new:2" in config and "example.com/old:1" not in config
+    spec_applied = next(
+        c for c in store.rljobs["again"]["status"]["conditions"] if c["type"] == "SpecApplied"
+    )
+    assert spec_applied["status"] == "True", spec_applied
