@@ -38,6 +38,24 @@ def _memory_eviction(status: Mapping[str, Any]) -> bool:
     return status.get("reason") == "Evicted" and "memory" in str(status.get("message") or "")
 
 
+def _eviction_time(status: Mapping[str, Any]) -> str:
+    """When the pod was evicted: the latest of the kubelet's DisruptionTarget condition and its
+    containers' ends; its start only where neither shows (merge() orders and bounds entries by
+    time, and takes an early one for a kill an earlier operator counted)."""
+    times = [
+        c.get("lastTransitionTime")
+        for c in status.get("conditions") or []
+        if c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+    ]
+    for cs in [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]:
+        times.append(((cs.get("state") or {}).get("terminated") or {}).get("finishedAt"))
+    found = [str(t) for t in times if t]
+    return max(found) if found else str(status.get("startTime") or "")
+
+
 def pod_kills(pod: Mapping[str, Any]) -> list[OOMEvent]:
     """Every OOM kill the pod's status shows: containers terminated with reason OOMKilled (now
     or as their last state) and the pod evicted for memory. One entry per container, count 1."""
@@ -82,7 +100,7 @@ def pod_kills(pod: Mapping[str, Any]) -> list[OOMEvent]:
         kills.append(
             OOMEvent(
                 id=f"killed/{name}/-",
-                time=str(status.get("startTime") or ""),
+                time=_eviction_time(status),
                 kind=KIND,
                 pod=name,
                 node=node,

@@ -88,6 +88,35 @@ def test_memory_eviction_is_an_oomkilled_entry() -> None:
     assert kill.kind == "OOMKilled" and "memory" in kill.message
 
 
+def test_a_memory_eviction_is_dated_when_it_happened_and_counted_after_a_restart() -> None:
+    """An eviction's time is the eviction's (the kubelet's DisruptionTarget condition, the
+    containers' end), not the pod's start: dated at its start, a pod evicted hours after it
+    started sorted as the oldest entry and, with the entries full and the pod started before
+    the operator, was taken for a kill an earlier operator had counted and never counted."""
+    evicted = pod(
+        state={"reason": "ContainerStatusUnknown", "exitCode": 137,
+               "finishedAt": "2026-05-09T11:00:05Z"},
+        status={
+            "phase": "Failed",
+            "reason": "Evicted",
+            "message": "The node was low on resource: memory.",
+            "startTime": "2026-05-09T09:00:00Z",
+            "conditions": [{"type": "DisruptionTarget", "status": "True",
+                            "reason": "TerminationByKubelet",
+                            "lastTransitionTime": "2026-05-09T11:00:00Z"}],
+        },
+    )  # fmt: skip
+    [kill] = pod_kills(evicted)
+    assert kill.time == "2026-05-09T11:00:05Z"
+    full = KilledPart([], 0, [])
+    for i in range(MAX_KILLED_ENTRIES):
+        at = {**KILLED, "finishedAt": f"2026-05-09T10:{i:02d}:00Z"}
+        full = merge(full, pod_kills(pod(state=at, name=f"p{i:02d}")))
+    # The operator restarted at 10:30, after the pod started, before it was evicted.
+    after = merge(full, [kill], started_at="2026-05-09T10:30:00Z")
+    assert after.total == MAX_KILLED_ENTRIES + 1 and after.counted == [kill]
+
+
 def test_the_same_kill_seen_twice_counts_once() -> None:
     before = pod(state=KILLED, restarts=0)
     after = pod(last=KILLED, restarts=1)
