@@ -40,7 +40,7 @@ OPERATOR_RULES: tuple[Rule, ...] = (
         (GROUP,),
         (PLURAL,),
         ("get", "list", "watch", "patch"),
-        "watch RLJobs; kopf's finalizer-free progress annotations",
+        "watch RLJobs; kopf's progress annotations and its startup timer's finalizer",
     ),
     Rule((GROUP,), (f"{PLURAL}/status",), ("get", "patch"), "write phase, conditions, rayJob"),
     Rule(
