@@ -261,8 +261,8 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
     try:
         with LOCKS.hold(namespace, name):
             rljob = kube.get_rljob(namespace, name)
-            if rljob is None:
-                return
+            if rljob is None or identity.terminating(rljob):
+                return  # a job being deleted starts no attempt (kopf's finalizer may hold it)
             spec, problems = parse_spec(rljob)
             if spec is None or problems:
                 return

@@ -296,3 +296,30 @@ def test_a_job_applied_again_never_runs_with_the_deleted_ones_spec(
         c for c in store.rljobs["again"]["status"]["conditions"] if c["type"] == "SpecApplied"
     )
     assert spec_applied["status"] == "True", spec_applied
+
+
+@pytest.mark.parametrize("deleting", [False, True], ids=["live", "being-deleted"])
+def test_a_retry_of_a_job_being_deleted_applies_nothing(
+    store: Store, monkeypatch: pytest.MonkeyPatch, deleting: bool
+) -> None:
+    """A retry recorded in status.attempts whose RayJob does not exist yet is applied by
+    _follow_attempt; not for a job being deleted (held by kopf's finalizer while its timer
+    watches it), whose new RayJob KubeRay would start a cluster for until the garbage collector
+    removed it."""
+    kube = handlers.kube
+    monkeypatch.setattr(kube, "get_child", lambda kind, ns, name: None)
+    applied: list[str] = []
+
+    def apply(obj: dict[str, Any]) -> dict[str, Any]:
+        applied.append(obj["kind"])
+        return {**obj, "metadata": {**obj["metadata"], "uid": "u", "resourceVersion": "2"}}
+
+    monkeypatch.setattr(kube, "apply", apply)
+    job = _rljob("retried", "uid-r")
+    retry = {"attempt": 2, "rayJob": "retried-a2", "memFractionStatic": 0.5}
+    job["status"] = {"phase": "Pending", "attempts": [{"attempt": 1}, retry]}
+    if deleting:
+        job["metadata"]["deletionTimestamp"] = "2026-12-04T15:00:00Z"
+    store.rljobs["retried"] = job
+    handlers._follow_attempt("ns", "retried", LOG)
+    assert ("RayJob" in applied) is not deleting, applied
