@@ -306,15 +306,18 @@ def pod_changed(
     assert namespace is not None
     job = labels[render.JOB_LABEL]
     uid = identity.job_uid(body)
-    if type == "DELETED":
-        KILLS.forget(namespace, name)
+    deleted = type == "DELETED"
     if uid is None:
+        if deleted:
+            KILLS.forget(namespace, name)
         return  # a pod that names no job by uid (an older operator's): never matched by name
-    found = [] if type == "DELETED" else causes.pod_causes(body)
+    found = [] if deleted else causes.pod_causes(body)
     _observe_causes(namespace, job, uid, f"pod/{name}", found, logger)
-    if type == "DELETED":
-        return
+    # A deleted pod's last status still counts: a kill whose write failed on its last change,
+    # with no change since (a forced deletion), is recorded now; then the pod is forgotten.
     kills = KILLS.fresh(namespace, oom.pod_kills(body))
+    if deleted:
+        KILLS.forget(namespace, name)
     if not kills:
         return
     try:
@@ -322,5 +325,5 @@ def pod_changed(
     except (ApiException, HTTPError) as exc:
         logger.warning(f"RLJob {namespace}/{job}: OOMKilled not recorded yet: {exc}")
         return
-    if seen == uid:
+    if seen == uid and not deleted:
         KILLS.record(namespace, kills)

@@ -323,3 +323,33 @@ def test_a_retry_of_a_job_being_deleted_applies_nothing(
     store.rljobs["retried"] = job
     handlers._follow_attempt("ns", "retried", LOG)
     assert ("RayJob" in applied) is not deleting, applied
+
+
+def test_a_kill_whose_write_failed_is_recorded_from_the_pods_deletion(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod's OOMKilled whose status write failed, and the pod then deleted with no change in
+    between (a forced deletion): the DELETED event's last status still records the kill, once,
+    and the process keeps nothing of the pod."""
+    from kubernetes.client.exceptions import ApiException
+
+    store.rljobs["gone"] = _rljob("gone", "uid-g")
+    store.rayjobs["gone"] = _rayjob("gone", "uid-g")
+    _rljob_event("ADDED", store.rljobs["gone"])
+    kube = handlers.kube
+    write = kube.apply_status
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ApiException(status=500, reason="etcd timeout")
+
+    monkeypatch.setattr(kube, "apply_status", refuse)
+    pod = _pod("gone", "uid-g", oom_killed=True)
+    _pod_event("MODIFIED", pod)
+    assert not store.rljobs["gone"].get("status", {}).get("oomEvents")
+    monkeypatch.setattr(kube, "apply_status", write)
+    _pod_event("DELETED", pod)
+    events = store.rljobs["gone"].get("status", {}).get("oomEvents")
+    assert [e["pod"] for e in events or []] == [pod["metadata"]["name"]], events
+    _pod_event("DELETED", pod)  # a repeated event counts nothing twice
+    assert store.rljobs["gone"]["status"]["oomEvents"] == events
+    assert _left()["kills"] == 0
