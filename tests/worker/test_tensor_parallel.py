@@ -211,6 +211,7 @@ def test_one_engine_per_group_on_the_groups_gpus_each_rank_gets_its_own_answers(
 
     from rljob_worker.engines.base import ALL_TAGS
     from rljob_worker.engines.sglang_direct import DIRECT_LOADER
+    from rljob_worker.engines.sglang_engine import request_seed
 
     out = _run(scenario)
     assert "error" not in out[0] and "error" not in out[1], out
@@ -251,9 +252,9 @@ def test_one_engine_per_group_on_the_groups_gpus_each_rank_gets_its_own_answers(
         *per_iteration * ITERATIONS,
         "shutdown",
     ]
-    # Both ranks' prompts in one batch, each request with its rank's seed.
+    # Both ranks' prompts in one batch, each request with its rank's seed and its index.
     seeds = [params["sampling_seed"] for params in out[0]["sampling"]["sampling_params"]]
-    assert seeds == [0, 1, 1000]
+    assert seeds == [request_seed(0, 0), request_seed(0, 1), request_seed(1000, 0)]
 
 
 def test_a_bucket_sent_shard_to_shard_gives_tp_rank_i_rank_is_buffer_under_one_name() -> None:
