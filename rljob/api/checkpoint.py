@@ -26,6 +26,7 @@ class CheckpointSpec(_Spec):
 
     path: str = Field(
         min_length=1,
+        max_length=4096,
         description="A directory (in a mounted volume on a cluster): each checkpoint is a "
         "subdirectory iteration-NNNNNNNN, complete once its COMPLETE marker is written.",
     )
@@ -57,8 +58,10 @@ class ExportSpec(_Spec):
 
     path: str = Field(
         min_length=1,
+        max_length=4096,
         description="Directory written at the end of the run (replaced atomically); with "
-        "withCheckpoints, also as iteration-NNNNNNNN/ under it with each checkpoint.",
+        "withCheckpoints, also as iteration-NNNNNNNN/ under it with each checkpoint. Not "
+        "checkpoint.path nor a directory above it (the export would delete the checkpoints).",
     )
     with_checkpoints: bool = Field(
         default=False, description="Also export the policy with every checkpoint."

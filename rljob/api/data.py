@@ -69,7 +69,8 @@ class DataSpec(_Spec):
     train_batch_size: int = Field(
         default=8,
         ge=1,
-        description="Prompts per iteration across all ranks (verl: data.train_batch_size).",
+        description="Prompts per iteration across all ranks (verl: data.train_batch_size); a "
+        "multiple of the job's ranks.",
     )
     max_prompt_length: int = Field(
         default=64, ge=1, description="Tokens of a prompt (after the chat template)."

@@ -284,8 +284,16 @@ MULTI_TURN_ONE_GPU_ENGINE_RULE = CrossFieldRule(
     field_path=".mode",
     check=lambda r: r.mode is not RolloutMode.MULTI_TURN or r.tensor_parallel_size == 1,
 )
+# The torch engine runs on one device (rljob_worker.engines refuses more at the engine's start).
+TORCH_ONE_DEVICE_RULE = CrossFieldRule(
+    cel="self.engine != 'torch' || self.tensorParallelSize == 1",
+    message="engine torch runs on one device: set tensorParallelSize 1, or use engine sglang",
+    field_path=".tensorParallelSize",
+    check=lambda r: r.engine is not EngineName.TORCH or r.tensor_parallel_size == 1,
+)
 ROLLOUT_RULES: tuple[CrossFieldRule, ...] = (
     STAGED_NEEDS_TAGS_RULE,
+    TORCH_ONE_DEVICE_RULE,
     MULTI_TURN_NEEDS_MODE_RULE,
     MULTI_TURN_ONE_GPU_ENGINE_RULE,
 )

@@ -28,9 +28,15 @@ from rljob.api.volumes import (
     Volumes,
 )
 
+# The ranks of one worker and of the job, in CEL (ResourcesSpec.ranks_per_worker, world_size).
+_RANKS_PER_WORKER_CEL = (
+    "(self.resources.gpusPerWorker > 0 ? self.resources.gpusPerWorker "
+    ": self.resources.cpuRanksPerWorker)"
+)
+_WORLD_SIZE_CEL = f"(self.resources.workers * {_RANKS_PER_WORKER_CEL})"
+
 TP_DIVIDES_RANKS_RULE = CrossFieldRule(
-    cel="(self.resources.gpusPerWorker > 0 ? self.resources.gpusPerWorker "
-    ": self.resources.cpuRanksPerWorker) % self.rollout.tensorParallelSize == 0",
+    cel=f"{_RANKS_PER_WORKER_CEL} % self.rollout.tensorParallelSize == 0",
     message="rollout.tensorParallelSize must divide the ranks of one worker "
     "(resources.gpusPerWorker, or resources.cpuRanksPerWorker when that is 0)",
     field_path=".rollout.tensorParallelSize",
@@ -41,6 +47,53 @@ SGLANG_NEEDS_GPU_RULE = CrossFieldRule(
     message="rollout.engine sglang needs resources.gpusPerWorker >= 1 (use engine torch on CPU)",
     field_path=".resources.gpusPerWorker",
     check=lambda s: s.rollout.engine != EngineName.SGLANG or s.resources.gpus_per_worker >= 1,
+)
+
+# Every rank rolls out and trains on the same number of prompts (rljob_worker.loop
+# prompts_per_rank, which the worker would otherwise refuse at its start, GPUs held).
+BATCH_DIVIDES_RANKS_RULE = CrossFieldRule(
+    cel=f"self.data.trainBatchSize % {_WORLD_SIZE_CEL} == 0",
+    message="data.trainBatchSize must be a multiple of the job's ranks (resources.workers x "
+    "resources.gpusPerWorker, or x cpuRanksPerWorker when that is 0): every rank rolls out and "
+    "trains on the same number of prompts",
+    field_path=".data.trainBatchSize",
+    check=lambda s: s.data.train_batch_size % s.world_size == 0,
+)
+# Each mini-batch needs a response of its own (rljob_worker.policy_update): the worker would
+# refuse it only in iteration 1's train stage, after loading the model and a whole rollout.
+MINI_BATCHES_FIT_RULE = CrossFieldRule(
+    cel=f"self.algorithm.ppoMiniBatches <= self.data.trainBatchSize / {_WORLD_SIZE_CEL} "
+    "* self.algorithm.groupSize",
+    message="algorithm.ppoMiniBatches must not exceed the responses each rank trains on per "
+    "iteration (data.trainBatchSize / ranks x algorithm.groupSize): lower it, or raise "
+    "data.trainBatchSize or algorithm.groupSize",
+    field_path=".algorithm.ppoMiniBatches",
+    check=lambda s: (
+        s.algorithm.ppo_mini_batches
+        <= s.data.train_batch_size // s.world_size * s.algorithm.group_size
+    ),
+)
+
+
+def _as_directory(path: str) -> str:
+    return path if path.endswith("/") else path + "/"
+
+
+# An export replaces its directory whole (built aside, renamed into place, the old one deleted),
+# and withCheckpoints writes iteration-NNNNNNNN/ under it: at checkpoint.path or above it, that
+# deletes or overwrites the checkpoints, with no error. A subdirectory of checkpoint.path is fine.
+EXPORT_SPARES_CHECKPOINTS_RULE = CrossFieldRule(
+    cel="!has(self.checkpoint) || !has(self.export) || !(self.checkpoint.path + '/')"
+    ".startsWith(self.export.path.endsWith('/') ? self.export.path : self.export.path + '/')",
+    message="export.path must not be checkpoint.path or a directory above it: an export "
+    "replaces its directory whole, which would delete the checkpoints; export elsewhere (a "
+    "subdirectory of checkpoint.path is fine)",
+    field_path=".export.path",
+    check=lambda s: (
+        s.checkpoint is None
+        or s.export is None
+        or not (s.checkpoint.path + "/").startswith(_as_directory(s.export.path))
+    ),
 )
 
 
@@ -59,6 +112,9 @@ SPEC_RULES: tuple[CrossFieldRule, ...] = (
     TP_DIVIDES_RANKS_RULE,
     SGLANG_NEEDS_GPU_RULE,
     MOUNTS_NAME_VOLUMES_RULE,
+    BATCH_DIVIDES_RANKS_RULE,
+    MINI_BATCHES_FIT_RULE,
+    EXPORT_SPARES_CHECKPOINTS_RULE,
 )
 
 

@@ -376,4 +376,39 @@ MALFORMED: list[Malformed] = [
         {"rollout": {"mode": "multiTurn", "multiTurn": {"schedule": "sync"}}},
         "spec.rollout.multiTurn.schedule",
     ),
+    # Decidable from the spec, and refused only by the worker (GPUs held) before these rules.
+    Malformed(
+        "torch-engine-tensor-parallel",
+        {"rollout": {"engine": "torch", "tensorParallelSize": 2}, **_res(gpusPerWorker=2)},
+        "spec.rollout.tensorParallelSize",
+    ),
+    Malformed(
+        "train-batch-not-a-multiple-of-ranks",
+        {"data": {"trainBatchSize": 6}, **_res(workers=2, gpusPerWorker=2)},
+        "spec.data.trainBatchSize",
+    ),
+    Malformed(
+        "train-batch-not-a-multiple-of-cpu-ranks",
+        {"data": {"trainBatchSize": 5}, **_res(gpusPerWorker=0, cpuRanksPerWorker=2)},
+        "spec.data.trainBatchSize",
+    ),
+    Malformed(
+        "ppo-mini-batches-over-responses-per-rank",
+        {
+            "algorithm": {"groupSize": 2, "ppoMiniBatches": 5},
+            "data": {"trainBatchSize": 4},
+            **_res(gpusPerWorker=2),
+        },
+        "spec.algorithm.ppoMiniBatches",
+    ),
+    Malformed(
+        "export-at-checkpoint-path",
+        {"checkpoint": {"path": "/data/ckpt"}, "export": {"path": "/data/ckpt/"}},
+        "spec.export.path",
+    ),
+    Malformed(
+        "export-above-checkpoint-path",
+        {"checkpoint": {"path": "/data/run/ckpt"}, "export": {"path": "/data/run"}},
+        "spec.export.path",
+    ),
 ]

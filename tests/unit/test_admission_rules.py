@@ -120,3 +120,26 @@ def test_shared_memory_is_compared_as_a_quantity(shm: str, memory: str, fits: bo
     else:
         with pytest.raises(ValidationError, match="sharedMemory"):
             RLJobSpec.model_validate({"resources": resources})
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # Each is next to a refused case of the table: the rules refuse only what cannot run.
+        {
+            "rollout": {"engine": "torch", "tensorParallelSize": 1},
+            "resources": {"gpusPerWorker": 2},
+        },
+        {"data": {"trainBatchSize": 8}, "resources": {"workers": 2, "gpusPerWorker": 2}},
+        {
+            "algorithm": {"groupSize": 2, "ppoMiniBatches": 4},
+            "data": {"trainBatchSize": 4},
+            "resources": {"gpusPerWorker": 2},
+        },
+        {"checkpoint": {"path": "/data/ckpt"}, "export": {"path": "/data/ckpt/final"}},
+        {"checkpoint": {"path": "/data/ckpt"}, "export": {"path": "/data/ck"}},
+        {"checkpoint": {"path": "out/ckpt"}, "export": {"path": "out/export"}},
+    ],
+)
+def test_the_cross_section_rules_pass_what_the_worker_runs(spec: dict[str, object]) -> None:
+    RLJobSpec.model_validate(spec)

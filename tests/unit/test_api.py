@@ -45,7 +45,10 @@ def test_empty_spec_gets_defaults_that_run() -> None:
 def test_world_size_is_gpus_or_cpu_ranks_times_workers(
     resources: dict[str, Any], world_size: int
 ) -> None:
-    spec = RLJobSpec.model_validate({"rollout": {"engine": "torch"}, "resources": resources})
+    spec = RLJobSpec.model_validate(
+        # A batch every one of these worlds divides (data.trainBatchSize's rule).
+        {"rollout": {"engine": "torch"}, "resources": resources, "data": {"trainBatchSize": 48}}
+    )
     assert spec.world_size == world_size
 
 

@@ -61,7 +61,8 @@ OWNER = Owner(name="j", namespace="ns", uid=UID)
     [({"workers": 2, "gpusPerWorker": 8}, 8), ({"workers": 1, "gpusPerWorker": 1}, 1)],
 )
 def test_worker_group_is_sized_from_resources(resources: dict[str, Any], gpu_limit: int) -> None:
-    group = _worker(ray_job(OWNER, _spec(resources=resources)))
+    spec = _spec(resources=resources, data={"trainBatchSize": 16})  # a multiple of the ranks
+    group = _worker(ray_job(OWNER, spec))
     assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == resources["workers"]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == gpu_limit
@@ -69,7 +70,9 @@ def test_worker_group_is_sized_from_resources(resources: dict[str, Any], gpu_lim
 
 def test_cpu_job_has_no_gpu_limit_and_advertises_one_cpu_per_rank() -> None:
     spec = _spec(
-        rollout={"engine": "torch"}, resources={"gpusPerWorker": 0, "cpuRanksPerWorker": 3}
+        rollout={"engine": "torch"},
+        resources={"gpusPerWorker": 0, "cpuRanksPerWorker": 3},
+        data={"trainBatchSize": 6},
     )
     group = _worker(ray_job(OWNER, spec))
     assert "nvidia.com/gpu" not in group["template"]["spec"]["containers"][0]["resources"]["limits"]

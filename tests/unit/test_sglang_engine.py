@@ -420,8 +420,12 @@ def test_make_engine_refuses_sglang_without_a_cuda_device() -> None:
 
 
 def test_make_engine_refuses_tensor_parallel_torch_engine() -> None:
+    # The models refuse this spec at admission (rollout's TORCH_ONE_DEVICE_RULE); the engine
+    # still refuses one built past them.
+    torch_tp = spec("torch").model_copy(deep=True)
+    torch_tp.rollout.tensor_parallel_size = 2
     with pytest.raises(ValueError, match="tensorParallelSize=2"):
-        make_engine(spec("torch", tensor_parallel_size=2), device="cpu")
+        make_engine(torch_tp, device="cpu")
 
 
 def test_make_engine_builds_the_torch_engine_on_cpu() -> None:
