@@ -8,7 +8,14 @@ import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from rljob.api._base import (
     BUILTIN_PREFIX,
@@ -261,8 +268,19 @@ class MultiTurnSpec(_Spec):
         max_length=32,
         description="The tools the model may call: builtin:calculator (arithmetic), "
         "builtin:python (a Python expression in a child process with time and memory limits), "
-        "or FILE_OR_MODULE:callable taking the call's arguments as keywords and returning text.",
+        "or FILE_OR_MODULE:callable taking the call's arguments as keywords and returning text. "
+        "Each once.",
+        # A repeat is refused at apply (the apiserver's "Duplicate value"), not by every rank.
+        json_schema_extra={"x-kubernetes-list-type": "set"},
     )
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_once(cls, tools: list[str]) -> list[str]:
+        repeated = sorted({t for t in tools if tools.count(t) > 1})
+        if repeated:
+            raise ValueError(f"each tool once: {', '.join(repeated)} appears more than once")
+        return tools
 
     @model_validator(mode="after")
     def _cross_field(self) -> MultiTurnSpec:

@@ -346,6 +346,18 @@ MALFORMED: list[Malformed] = [
         "spec.rollout.multiTurn.tools[0]",
     ),
     Malformed(
+        "multi-turn-tool-twice",
+        {
+            "rollout": {
+                "mode": "multiTurn",
+                "multiTurn": {
+                    "tools": ["builtin:calculator", "builtin:python", "builtin:calculator"]
+                },
+            }
+        },
+        "spec.rollout.multiTurn.tools",
+    ),
+    Malformed(
         "multi-turn-tool-without-callable",
         {"rollout": {"mode": "multiTurn", "multiTurn": {"tools": ["my_tools.py"]}}},
         "spec.rollout.multiTurn.tools[0]",
