@@ -38,19 +38,16 @@ def _memory_eviction(status: Mapping[str, Any]) -> bool:
     return status.get("reason") == "Evicted" and "memory" in str(status.get("message") or "")
 
 
-def _eviction_time(status: Mapping[str, Any]) -> str:
+def _eviction_time(status: Mapping[str, Any], statuses: list[Mapping[str, Any]]) -> str:
     """When the pod was evicted: the latest of the kubelet's DisruptionTarget condition and its
-    containers' ends; its start only where neither shows (merge() orders and bounds entries by
-    time, and takes an early one for a kill an earlier operator counted)."""
+    containers' (`statuses`) ends; its start only where neither shows (merge() orders and bounds
+    entries by time, and takes an early one for a kill an earlier operator counted)."""
     times = [
         c.get("lastTransitionTime")
         for c in status.get("conditions") or []
         if c.get("type") == "DisruptionTarget" and c.get("status") == "True"
     ]
-    for cs in [
-        *(status.get("initContainerStatuses") or []),
-        *(status.get("containerStatuses") or []),
-    ]:
+    for cs in statuses:
         times.append(((cs.get("state") or {}).get("terminated") or {}).get("finishedAt"))
     found = [str(t) for t in times if t]
     return max(found) if found else str(status.get("startTime") or "")
@@ -100,7 +97,7 @@ def pod_kills(pod: Mapping[str, Any]) -> list[OOMEvent]:
         kills.append(
             OOMEvent(
                 id=f"killed/{name}/-",
-                time=_eviction_time(status),
+                time=_eviction_time(status, statuses),
                 kind=KIND,
                 pod=name,
                 node=node,

@@ -146,6 +146,20 @@ def _no_url_rule(what: str) -> ValueRule:
     )
 
 
+def _unique(key: Callable[[Any], str], what: str) -> Callable[[list[Any]], list[Any]]:
+    """A list validator mirroring x-kubernetes-list-type map or set (the apiserver refuses repeats)."""
+
+    def check(items: list[Any]) -> list[Any]:
+        seen: set[str] = set()
+        for item in items:
+            if key(item) in seen:
+                raise ValueError(f"{what} {key(item)!r} appears twice")
+            seen.add(key(item))
+        return items
+
+    return check
+
+
 def _with_rules(*rules: ValueRule) -> list[Any]:
     """Annotated metadata of a field carrying `rules`: their CEL in the CRD, their checks here."""
     return [

@@ -8,14 +8,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import (
-    AfterValidator,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, model_validator
 
 from rljob.api._base import (
     BUILTIN_PREFIX,
@@ -24,6 +17,7 @@ from rljob.api._base import (
     _cel_rules,
     _check_rules,
     _Spec,
+    _unique,
     _with_rules,
     immutable,
 )
@@ -262,7 +256,7 @@ class MultiTurnSpec(_Spec):
         "engine's batching can still change what is sampled. Which is faster depends on the "
         "model, the conversations and the tools' latency: docs/multi-turn.md#which-schedule.",
     )
-    tools: list[ToolName] = Field(
+    tools: Annotated[list[ToolName], AfterValidator(_unique(lambda t: t, "tool"))] = Field(
         default=[BUILTIN_TOOL_CALCULATOR],
         min_length=1,
         max_length=32,
@@ -273,14 +267,6 @@ class MultiTurnSpec(_Spec):
         # A repeat is refused at apply (the apiserver's "Duplicate value"), not by every rank.
         json_schema_extra={"x-kubernetes-list-type": "set"},
     )
-
-    @field_validator("tools")
-    @classmethod
-    def _tools_once(cls, tools: list[str]) -> list[str]:
-        repeated = sorted({t for t in tools if tools.count(t) > 1})
-        if repeated:
-            raise ValueError(f"each tool once: {', '.join(repeated)} appears more than once")
-        return tools
 
     @model_validator(mode="after")
     def _cross_field(self) -> MultiTurnSpec:

@@ -5,7 +5,6 @@ containers, and the names and paths the operator keeps for itself.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import AfterValidator, Field, model_validator
@@ -19,6 +18,7 @@ from rljob.api._base import (
     _cel_rules,
     _check_rules,
     _Spec,
+    _unique,
     _with_rules,
 )
 
@@ -331,20 +331,6 @@ class EnvFromSource(_Ruled):
     )
     secret_ref: LocalObjectRef | None = None
     config_map_ref: LocalObjectRef | None = None
-
-
-def _unique(key: Callable[[Any], str], what: str) -> Callable[[list[Any]], list[Any]]:
-    """A list validator mirroring x-kubernetes-list-type map (the apiserver refuses repeats)."""
-
-    def check(items: list[Any]) -> list[Any]:
-        seen: set[str] = set()
-        for item in items:
-            if key(item) in seen:
-                raise ValueError(f"{what} {key(item)!r} appears twice")
-            seen.add(key(item))
-        return items
-
-    return check
 
 
 def _map_list(key: str) -> dict[str, Any]:
