@@ -264,6 +264,30 @@ def test_trained_ids_are_the_sampled_ids_and_the_mask_covers_exactly_them(tokeni
     assert rollout.router.requests_in_flight == 0
 
 
+def test_every_turn_of_every_ranks_conversations_samples_with_a_seed_of_its_own(
+    tokenizer: Any,
+) -> None:
+    # The loop's batch seeds of neighbouring ranks differ by 1 (loop.py). Seeds of the form
+    # batch + k * conversation + turn gave rank r's turn t + 1 rank r + 1's turn t's seed: the
+    # same random stream on two ranks.
+    prompts = _prompts(tokenizer, 6)
+    scripts = [[call("calculator", expression="2")] * (i % 3) + ["Answer: 2"] for i in range(6)]
+    seeds: list[int] = []
+    for batch_seed in (5, 6, 7):  # three ranks of one iteration
+        engine = ScriptedEngine(_encode(tokenizer), dict(zip(prompts, scripts, strict=True)),
+                                tokenizer.eos_token_id)  # fmt: skip
+        rollout = _rollout(tokenizer, [engine], LIMITS)
+        asyncio.run(
+            rollout.run(
+                [list(p) for p in prompts], SamplingParams(1, temperature=1.0, seed=batch_seed)
+            )
+        )
+        assert len(engine.requests) == sum(len(s) for s in scripts)
+        seeds += [sampling.seed for _, sampling in engine.requests if sampling.seed is not None]
+    assert len(seeds) == 3 * sum(len(s) for s in scripts)
+    assert len(set(seeds)) == len(seeds)
+
+
 def test_the_budget_cuts_a_trajectory_off_and_it_keeps_what_it_has(tokenizer: Any) -> None:
     (prompt,) = _prompts(tokenizer, 1)
     long_answer = "Answer: " + "9" * 300

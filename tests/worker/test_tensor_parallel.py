@@ -209,9 +209,8 @@ def test_one_engine_per_group_on_the_groups_gpus_each_rank_gets_its_own_answers(
     rank i's tensors."""
     from support.sglang_standin import staged_iteration_calls
 
-    from rljob_worker.engines.base import ALL_TAGS
+    from rljob_worker.engines.base import ALL_TAGS, request_seed
     from rljob_worker.engines.sglang_direct import DIRECT_LOADER
-    from rljob_worker.engines.sglang_engine import request_seed
 
     out = _run(scenario)
     assert "error" not in out[0] and "error" not in out[1], out

@@ -22,7 +22,7 @@ from rljob_worker.agentic.chat import ChatFormat
 from rljob_worker.agentic.routing import EngineRouter
 from rljob_worker.agentic.tool_calls import ParsedCall, parse_tool_calls
 from rljob_worker.agentic.tools import ToolSet
-from rljob_worker.engines.base import AsyncGenerate, SamplingParams
+from rljob_worker.engines.base import AsyncGenerate, SamplingParams, request_seed
 
 
 class Ending(StrEnum):
@@ -163,7 +163,9 @@ class MultiTurnRollout:
         if remaining <= 0:  # a prompt that fills the context on its own
             t.ending = Ending.CONTEXT
             return [], False
-        seed = None if sampling.seed is None else sampling.seed + 1009 * t.conversation + t.turns
+        seed = None
+        if sampling.seed is not None:  # a stream of its own per (batch seed, conversation, turn)
+            seed = request_seed(sampling.seed, t.conversation * self.limits.max_turns + t.turns)
         request = dataclasses.replace(sampling, max_new_tokens=remaining, seed=seed)
         index, engine = self.router.acquire(t.conversation)
         try:

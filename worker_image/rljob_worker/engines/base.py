@@ -35,6 +35,19 @@ class SamplingParams:
     seed: int | None = None
 
 
+# Requests a batch may hold with a seed of their own each (request_seed).
+REQUEST_SEED_BITS = 20
+
+
+def request_seed(seed: int, index: int) -> int:
+    """Request `index`'s seed in a batch of `seed`: the seed above REQUEST_SEED_BITS, the index
+    below, so no two (seed, index) pairs meet. The loop's batch seeds of neighbouring ranks and
+    iterations differ by 1 (loop.py), and seed + index would give rank r's request k + 1 rank
+    r + 1's request k's seed: the same random stream. sglang's batches and the multi-turn
+    driver's turns both take their seeds from here."""
+    return ((seed << REQUEST_SEED_BITS) + index % (1 << REQUEST_SEED_BITS)) % (1 << 63)
+
+
 @dataclass(frozen=True)
 class Completion:
     """One sampled response: its token ids (without the prompt) and, per token, the log-prob

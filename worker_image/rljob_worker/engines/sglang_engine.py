@@ -38,6 +38,7 @@ from rljob_worker.engines.base import (
     ColocatedEngine,
     Completion,
     SamplingParams,
+    request_seed,
 )
 from rljob_worker.engines.sglang_contract import (
     _CONTRACT_0_5_17,
@@ -137,18 +138,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-# Requests a batch may hold with a seed of their own each (request_seed).
-REQUEST_SEED_BITS = 20
-
-
-def request_seed(seed: int, index: int) -> int:
-    """Request `index`'s sampling_seed in a batch of `seed`: the seed above REQUEST_SEED_BITS,
-    the index below, so no two (seed, index) pairs meet. The loop's batch seeds of neighbouring
-    ranks and iterations differ by 1 (loop.py), and seed + index would give rank r's request
-    k + 1 rank r + 1's request k's seed: the same random stream under a deterministic sampler."""
-    return ((seed << REQUEST_SEED_BITS) + index % (1 << REQUEST_SEED_BITS)) % (1 << 63)
 
 
 def _request_params(sampling: SamplingParams, index: int) -> dict[str, Any]:
