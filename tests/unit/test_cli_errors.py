@@ -96,12 +96,19 @@ def test_run_refuses_before_any_rank_starts(
     def long_name(doc: dict[str, Any]) -> None:
         doc["metadata"]["name"] = "x" * 62
 
+    def mini_batches(doc: dict[str, Any]) -> None:  # 8 responses a rank at the spec's 2 ranks
+        doc["spec"]["algorithm"]["ppoMiniBatches"] = 8
+
     out = tmp_path / "out"
     cases = [
         ([str(tiny(tmp_path, sglang, "s.yaml")), "--device", "cpu"], "needs a CUDA GPU"),
         ([str(TINY), "--ranks", "3"], "must be a multiple of the 3 ranks"),
         ([str(tiny(tmp_path, missing_data, "d.yaml"))], "nowhere.jsonl"),
         ([str(tiny(tmp_path, long_name, "n.yaml"))], "at most 47 characters"),
+        (
+            [str(tiny(tmp_path, mini_batches, "m.yaml")), "--ranks", "4"],
+            "ppoMiniBatches=8 is more than the 4 responses each of the 4 ranks",
+        ),
     ]
     for argv, words in cases:
         assert run_main([*argv, "--out", str(out)]) == 2, argv

@@ -100,8 +100,8 @@ def _device(choice: str, spec: RLJobSpec) -> str:
 def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
     """What the rank processes would fail on, checked before any starts (each would print its
     own traceback, a minute later): the engine's device, the split of prompts over ranks and
-    of ranks into tensor-parallel groups (all on this one machine), the data file's rows and
-    the reward function's loading."""
+    of ranks into tensor-parallel groups (all on this one machine), PPO's mini-batches over each
+    rank's responses, the data file's rows and the reward function's loading."""
     from rljob.api import EngineName
     from rljob_worker.engines.tensor_parallel import tensor_parallel_layout
     from rljob_worker.loop import prompts_per_rank
@@ -115,7 +115,13 @@ def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
             "(engine: torch runs the same stages on the CPU)"
         )
     tensor_parallel_layout(0, ["local"] * ranks, spec.rollout.tensor_parallel_size)
-    prompts_per_rank(spec, ranks)
+    # The spec's rules check its own world size; --ranks may change how much each rank trains on.
+    responses = prompts_per_rank(spec, ranks) * spec.algorithm.group_size
+    if spec.algorithm.ppo_mini_batches > responses:
+        raise ValueError(
+            f"spec.algorithm.ppoMiniBatches={spec.algorithm.ppo_mini_batches} is more than the "
+            f"{responses} responses each of the {ranks} ranks trains on per iteration"
+        )
     # A missing file, bad rows, prompts over maxPromptLength (DatasetError, a ValueError).
     make_task(spec.data, spec.algorithm.seed, load_tokenizer(resolve_model_path(spec.model.path)))
     Scorer(spec.reward).close()  # a reward file or module that does not load (RewardLoadError)
