@@ -237,7 +237,9 @@ def rljob_changed(
         return
     current = dict(body.get("status") or {})
     metrics.JOBS.observe(namespace, name, current)
-    if attempts.needs_attention(dict(body.get("spec") or {}), current):
+    if attempts.needs_attention(
+        dict(body.get("spec") or {}), current
+    ) or status.checkpoint_failure_unmirrored(current):
         _follow_attempt(namespace, name, logger)
     wanted = status.derived(current.get("memory"), dict(current.get("oomCounts") or {}))
     held = {key: current[key] for key in status.DERIVED_FIELDS if key in current}
@@ -253,7 +255,8 @@ def rljob_changed(
 def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Logger) -> None:
     """The OOM policy's work an RLJob change may bring (attempts.needs_attention): apply the
     children of a retry recorded in status.attempts whose RayJob does not exist yet, or decide
-    on a failed attempt whose OOM record arrived after KubeRay's failure. Everything is read
+    on a failed attempt whose OOM record arrived after KubeRay's failure; likewise a checkpoint
+    failure recorded after it (status.checkpoint_failure_unmirrored) makes Failed say so. Everything is read
     again under the job's lock, so a stale event does nothing; a failure here is logged, and
     the timer (check_startup_and_oom_policy, every STARTUP_CHECK_SECONDS while the job is
     Pending or its late OOM is undecided), the next change of the RLJob or the operator's

@@ -437,6 +437,19 @@ def checkpoint_failure(current: Mapping[str, Any], attempt: int) -> CheckpointFa
     return failure if failure.attempt in (None, attempt) else None
 
 
+def checkpoint_failure_unmirrored(current: Mapping[str, Any]) -> bool:
+    """Whether the job is Failed for KubeRay's reason while its current attempt's driver has
+    recorded a checkpoint failure: the driver's write can land after KubeRay's failure was
+    mirrored, and Failed must then say CheckpointFailed (the RayJob is observed again)."""
+    if current.get("phase") != Phase.FAILED:
+        return False
+    attempt = int((list(current.get("attempts") or []) or [{"attempt": 1}])[-1]["attempt"])
+    if checkpoint_failure(current, attempt) is None:
+        return False
+    held = {c.get("type"): c for c in current.get("conditions") or []}.get(FAILED) or {}
+    return held.get("reason") in (REASON_JOB_FAILED, REASON_JOB_STOPPED)  # compute()'s others
+
+
 def carried(current: dict[str, Any]) -> dict[str, Any]:
     """The operator-owned fields of `current` status, as they are."""
     return {key: current[key] for key in CARRIED_FIELDS if key in current}

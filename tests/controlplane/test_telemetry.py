@@ -620,3 +620,38 @@ def test_checkpoint_news_is_one_event_each_also_after_an_operator_restart(
     time.sleep(3.0)  # the resumed operator has listed the RLJob and its RayJob again
     assert _reasons(admin, namespace, "news") == before
     assert before["CheckpointWritten"] == 2 and before["ResumedFromCheckpoint"] == 1
+
+
+def test_a_checkpoint_failure_written_after_kuberays_failure_still_names_the_failure(
+    plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    """The other order: KubeRay's FAILED is mirrored first (Failed, RayJobFailed), then the
+    driver's status.checkpointFailure lands. Failed then says CheckpointFailed too, without
+    waiting for another RayJob change."""
+    from rljob.api import CheckpointFailure
+
+    root = "/data/ckpt"
+    token = create_job(admin, plane, namespace, "late", {**CPU_SPEC, "checkpoint": {"path": root}})
+    write_rayjob_status_as_kuberay_would(admin, namespace, "late", "FAILED", "Failed")
+
+    def failed() -> dict[str, Any] | None:
+        for c in status_of(admin, namespace, "late").get("conditions") or []:
+            if c["type"] == "Failed" and c["status"] == "True":
+                return dict(c)
+        return None
+
+    assert wait_for("Failed", failed)["reason"] == "RayJobFailed"
+    publisher = StatusPublisher.from_env_or_kubeconfig(namespace, "late", str(token), attempt=1)
+    failure = CheckpointFailure(
+        iteration=2, path=f"{root}/iteration-00000002", rank=0,
+        error=f"[Errno 28] No space left on device: '{root}/iteration-00000002'",
+    )  # fmt: skip
+    publisher.publish(RLJobStatus(iteration=1, checkpoint_failure=failure))
+    condition = wait_for(
+        "Failed with reason CheckpointFailed",
+        lambda: (c := failed()) is not None and c["reason"] == "CheckpointFailed" and c,
+    )
+    assert "iteration 2" in condition["message"] and "[Errno 28]" in condition["message"]
+    assert status_of(admin, namespace, "late")["phase"] == "Failed"
+    warnings = [e for e in events_for(admin, namespace, "late") if e.reason == "CheckpointFailed"]
+    assert warnings and all(e.type == "Warning" for e in warnings)
