@@ -118,6 +118,50 @@ def test_every_bad_row_is_named_with_its_line(tmp_path: Path, tokenizer: Any) ->
     assert "line 1:" not in message
 
 
+def test_a_line_that_is_not_utf8_is_named_with_its_line(tmp_path: Path, tokenizer: Any) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(
+        b'{"prompt": "1+1=", "answer": "2"}\n'
+        b'{"prompt": "caf\xe9?", "answer": "1"}\n'  # line 2: Latin-1, not UTF-8
+        + json.dumps({"prompt": "caf\u00e9 2+2=", "answer": "4"}).encode()  # UTF-8 again
+    )
+    with pytest.raises(DatasetError) as info:
+        _task(tokenizer, path)
+    message = str(info.value)
+    assert message.startswith("spec.data.source: 1 of 3 rows cannot be used: ")
+    assert f"{path} line 2: not UTF-8 (byte 0xe9 at column 16); the file must be UTF-8" in message
+
+
+@pytest.mark.parametrize(
+    ("messages", "refusal"),
+    [
+        ([{"role": "assistant", "content": "hi"}], "Conversation roles must alternate"),
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}],
+         "System role not supported"),
+    ],
+)  # fmt: skip
+def test_a_row_the_chat_template_refuses_is_named_with_its_line(
+    tmp_path: Path, tokenizer: Any, messages: list[dict[str, str]], refusal: str
+) -> None:
+    # The checks Llama's and Gemma's templates make, through jinja's raise_exception.
+    strict = load_tokenizer(resolve_model_path(TINY_QWEN2))
+    strict.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/...') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    good = {"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"}
+    path = _jsonl(tmp_path, [good, {"prompt": messages, "answer": "1"}])
+    with pytest.raises(DatasetError) as info:
+        _task(strict, path)
+    message = str(info.value)
+    assert message.startswith("spec.data.source: 1 of 2 rows cannot be used: ")
+    assert f"{path} line 2: the model's chat template refuses 'prompt': {refusal}" in message
+    assert "chatTemplate: None" in message
+
+
 def test_a_missing_nested_key_says_what_the_row_has(tmp_path: Path, tokenizer: Any) -> None:
     path = tmp_path / "t.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "x", "reward_model": {"style": "rule"}}]), path)
@@ -170,6 +214,14 @@ def test_an_empty_parquet_file_has_no_rows(tmp_path: Path, tokenizer: Any) -> No
 def test_a_missing_file_says_to_mount_it(tmp_path: Path, tokenizer: Any) -> None:
     with pytest.raises(DatasetError, match=r"no such file in the pod .mount the volume"):
         _task(tokenizer, tmp_path / "nope.jsonl")
+
+
+def test_the_data_page_points_a_missing_file_to_the_volumes_page() -> None:
+    page = Path(__file__).parents[2] / "docs" / "data-and-reward.md"
+    bullet = " ".join(page.read_text().split("- **Files in the pod.**")[1].split("\n- ")[0].split())
+    assert "[volumes-and-env.md](volumes-and-env.md)" in bullet
+    assert "`no such file in the pod (mount the volume that holds it, ...)`" in bullet
+    assert "does not mount volumes" not in bullet
 
 
 def test_sampling_is_seeded_and_draws_from_the_rows(tmp_path: Path, tokenizer: Any) -> None:

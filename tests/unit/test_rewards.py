@@ -6,6 +6,7 @@ import math
 from fractions import Fraction
 from typing import Any
 
+import numpy as np
 import pytest
 
 from rljob.api import BUILTIN_REWARDS
@@ -101,3 +102,14 @@ def test_score_of_takes_numbers_and_score_dicts(value: Any, expected: Any) -> No
 def test_score_of_refuses_what_is_not_a_score(value: Any, match: str) -> None:
     with pytest.raises(RewardValueError, match=match):
         score_of(value)
+
+
+def test_score_of_takes_numpy_bools_and_scalars_and_refuses_numpy_arrays() -> None:
+    assert score_of(np.isclose(0.1 + 0.2, 0.3)) == (1.0, {})  # np.True_
+    assert score_of(np.float64(0.5) == 1.0) == (0.0, {})  # np.False_
+    assert score_of(np.int64(2)) == (2.0, {})
+    assert score_of({"score": np.float32(0.25), "exact": np.True_}) == (0.25, {"exact": 1.0})
+    with pytest.raises(RewardValueError, match=r"returned '\[1. 0.\]' \(numpy.ndarray\)"):
+        score_of(np.array([1.0, 0.0]))
+    with pytest.raises(RewardValueError, match=r"returned 'nan' \(numpy.float64\)"):
+        score_of(np.float64("nan"))

@@ -36,7 +36,8 @@ def test_stop_ids_are_the_tokenizers_eos_then_every_declared_one(
     assert stop_token_ids(tokenizer, _model_dir(tmp_path, config, generation)) == expected
 
 
-def test_a_model_not_on_disk_stops_on_the_tokenizers_eos(tmp_path: Path) -> None:
+def test_a_directory_without_the_configs_stops_on_the_tokenizers_eos(tmp_path: Path) -> None:
+    # A hub id not in the cache: test_model_files.py (offline; here it would try the network).
     tokenizer: Any = SimpleNamespace(eos_token_id=3)
-    assert stop_token_ids(tokenizer, "Qwen/Qwen2.5-0.5B") == [3]
+    assert stop_token_ids(tokenizer, tmp_path) == [3]
     assert stop_token_ids(SimpleNamespace(eos_token_id=None), tmp_path) == []  # type: ignore[arg-type]

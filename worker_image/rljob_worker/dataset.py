@@ -40,11 +40,18 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
             "or copy it into the image)"
         )
     if path.name.endswith(JSONL_SUFFIXES):
-        with path.open(encoding="utf-8") as lines:
+        # surrogateescape: a byte that is not UTF-8 (a Latin-1 export) would otherwise end the
+        # read with a bare UnicodeDecodeError naming no line; kept as a lone surrogate, it is
+        # found below and reported with its line like any other bad row.
+        with path.open(encoding="utf-8", errors="surrogateescape") as lines:
             for number, line in enumerate(lines, start=1):
                 if not line.strip():
                     continue
                 where = f"{path} line {number}"
+                undecodable = _first_undecodable(line)
+                if undecodable is not None:
+                    yield where, _RowProblem(undecodable)
+                    continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as error:
@@ -71,6 +78,19 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
         raise DatasetError(
             f"spec.data.source {path}: unknown file type; use a .jsonl or .parquet file"
         )
+
+
+def _first_undecodable(line: str) -> str | None:
+    """What is wrong with a line read with errors="surrogateescape", or None when it was UTF-8."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as error:
+        byte = ord(line[error.start]) - 0xDC00  # surrogateescape keeps byte b as U+DC00 + b
+        return (
+            f"not UTF-8 (byte 0x{byte:02x} at column {error.start + 1}); the file must be "
+            "UTF-8: convert it, e.g. iconv -f latin1 -t utf-8"
+        )
+    return None
 
 
 _MISSING = object()
@@ -140,9 +160,19 @@ class PromptRenderer:
                 "use a chat (instruct) model, or set spec.data.chatTemplate: None to join the "
                 "messages' contents with newlines"
             )
-        text: str = self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=True
-        )
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+        try:
+            text: str = self.tokenizer.apply_chat_template(
+                messages, tools=self.tools, tokenize=False, add_generation_prompt=True
+            )
+        except TemplateError as error:
+            # A template's own checks (raise_exception: roles must alternate, no system role)
+            # judge one row's messages: report it with the row, as the other row defects are.
+            raise _RowProblem(
+                f"the model's chat template refuses {self.key!r}: {error} (fix the row's "
+                "messages, or set spec.data.chatTemplate: None to join their contents)"
+            ) from None
         return text
 
 

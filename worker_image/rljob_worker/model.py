@@ -113,12 +113,25 @@ def build_tiny_qwen2(directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
+def require_directory(path: Path | str) -> None:
+    """ValueError for an absolute model path that is no directory here (its volume not mounted).
+    It can never be a hub id, and from_pretrained would fail on it with "Repo id must be in the
+    form ..." instead of saying what is missing."""
+    if str(path).startswith("/") and not Path(path).is_dir():
+        raise ValueError(
+            f"spec.model.path {path}: no such directory in the pod (mount the volume that holds "
+            "it, see docs/volumes-and-env.md, or copy it into the image)"
+        )
+
+
 def resolve_model_path(path: str) -> Path | str:
     """Turn the spec's model.path into something from_pretrained loads.
 
     Builtin names are built once into the cache (atomically: ranks that race build private
-    copies and the first rename wins); anything else is passed through unchanged.
+    copies and the first rename wins); anything else is passed through unchanged, except an
+    absolute path that is no directory here (require_directory).
     """
+    require_directory(path)
     if not path.startswith(BUILTIN_PREFIX):
         return path
     if path not in BUILTIN_MODELS:
@@ -158,6 +171,7 @@ def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
     """AutoTokenizer.from_pretrained, left padding (prompts are batched for generation)."""
     from transformers import AutoTokenizer
 
+    require_directory(path)  # for callers that did not resolve the spec's path first
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
@@ -170,20 +184,34 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, path: Path | str) -> list
     generation_config.json declare as eos_token_id (an int or a list). sglang stops on the
     same union (ModelConfig._get_hf_eos_token_id), so the torch engine and the rollout's
     truncation count must too: an instruct model lists several (Qwen2.5's <|im_end|> and
-    <|endoftext|>)."""
-    import json
-
+    <|endoftext|>). A hub id reads the same files as a directory does (model_file)."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     for name in ("config.json", "generation_config.json"):
-        file = Path(path) / name
-        declared = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+        file = model_file(path, name)
+        declared = json.loads(file.read_text()).get("eos_token_id") if file is not None else None
         if declared is not None:
             ids += [declared] if isinstance(declared, int) else list(declared)
     return list(dict.fromkeys(int(i) for i in ids))
+
+
+def model_file(path: Path | str, name: str) -> Path | None:
+    """The model's file `name`, found where from_pretrained finds it: in a directory, or for a
+    hub id in its snapshot in the Hugging Face cache (downloaded when missing, as sglang's
+    config loading does; offline, the cache only). None when the model has no such file."""
+    from transformers.utils import cached_file
+
+    found = cached_file(
+        str(path),
+        name,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+    )
+    return Path(found) if found is not None else None
 
 
 def load_causal_lm(path: Path | str, dtype: torch.dtype) -> PreTrainedModel:
     """AutoModelForCausalLM.from_pretrained: the one loading path for builtin and real models."""
     from transformers import AutoModelForCausalLM
 
+    require_directory(path)
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)

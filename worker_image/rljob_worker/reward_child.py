@@ -39,8 +39,18 @@ def load_function(spec: str) -> Callable[..., Any]:
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as error:
+            # The hint is for a name meant as a file ("rewards" for rewards.py); when the module
+            # was found and one of its own imports is missing, it would point the wrong way.
+            named = error.name is not None and (
+                target == error.name or target.startswith(f"{error.name}.")
+            )
+            if named:
+                raise ValueError(
+                    f"no module {error.name!r} in the image (a file path needs '/' or '.py')"
+                ) from None
             raise ValueError(
-                f"no module {error.name!r} in the image (a file path needs '/' or '.py')"
+                f"{target} imports {error.name!r}, which is not in the image (install it in an "
+                "image FROM the worker image)"
             ) from None
     function = getattr(module, name, None)
     if not callable(function):

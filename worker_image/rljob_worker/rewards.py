@@ -25,9 +25,20 @@ class RewardValueError(TypeError):
     """A reward function returned something that is not a score."""
 
 
+def _numpy_bool_as_bool(value: Any) -> Any:
+    """numpy's bool (what np.isclose and == on numpy values return) as Python's bool; anything
+    else unchanged. numpy registers its ints and floats as numbers.Real but not its bool, and
+    is not imported here: the reward's child may run in an image without it."""
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):  # numpy 2, numpy 1
+        return bool(value)
+    return value
+
+
 def score_of(value: Any) -> tuple[float, dict[str, float]]:
-    """(score, extra metrics) of what a reward function returned: a finite real number (a bool
-    counts as 1 or 0), or a mapping with a number under "score" and numbers for its other keys."""
+    """(score, extra metrics) of what a reward function returned: a finite real number (a bool,
+    numpy's too, counts as 1 or 0), or a mapping with a number under "score" and numbers for its
+    other keys."""
     extras: dict[str, float] = {}
     score = value
     if isinstance(value, Mapping):
@@ -37,11 +48,19 @@ def score_of(value: Any) -> tuple[float, dict[str, float]]:
             )
         score = value["score"]
         for key, extra in value.items():
+            extra = _numpy_bool_as_bool(extra)
             if key != "score" and isinstance(extra, Real) and math.isfinite(extra):
                 extras[str(key)] = float(extra)
+    score = _numpy_bool_as_bool(score)
     if not isinstance(score, Real) or not math.isfinite(score):
+        # Named with its module (numpy.ndarray): numpy's bool printed as "(bool)", as if a
+        # Python bool had been refused.
+        kind = type(score)
+        name = (
+            kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+        )
         raise RewardValueError(
-            f"returned {str(score)[:80]!r} ({type(score).__name__}); a reward function returns "
+            f"returned {str(score)[:80]!r} ({name}); a reward function returns "
             "a finite number or {'score': number, ...}"
         )
     return float(score), extras
