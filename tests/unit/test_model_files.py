@@ -11,8 +11,9 @@ from typing import Any
 
 import huggingface_hub.constants
 import pytest
+import torch
 
-from rljob_worker.model import load_tokenizer, resolve_model_path, stop_token_ids
+from rljob_worker.model import load_causal_lm, load_tokenizer, resolve_model_path, stop_token_ids
 
 # Qwen2.5-Instruct's declarations: <|endoftext|> in config.json, both in generation_config.json.
 CONFIG = {"eos_token_id": 151643}
@@ -56,7 +57,7 @@ def test_a_hub_id_not_in_the_offline_cache_stops_on_the_tokenizers_eos(hub_cache
 
 
 @pytest.mark.parametrize("path", ["/data/models/Qwen2.5-1.5B-Instruct", "/etc/hostname"])
-@pytest.mark.parametrize("load", [resolve_model_path, load_tokenizer])
+@pytest.mark.parametrize("load", [load_tokenizer, lambda path: load_causal_lm(path, torch.float32)])
 def test_an_absolute_model_path_that_is_no_directory_says_to_mount_its_volume(
     path: str, load: Callable[[str], object]
 ) -> None:

@@ -128,10 +128,9 @@ def resolve_model_path(path: str) -> Path | str:
     """Turn the spec's model.path into something from_pretrained loads.
 
     Builtin names are built once into the cache (atomically: ranks that race build private
-    copies and the first rename wins); anything else is passed through unchanged, except an
-    absolute path that is no directory here (require_directory).
+    copies and the first rename wins); anything else is passed through unchanged (the loaders
+    refuse an absolute path that is no directory here: require_directory).
     """
-    require_directory(path)
     if not path.startswith(BUILTIN_PREFIX):
         return path
     if path not in BUILTIN_MODELS:
@@ -171,7 +170,7 @@ def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
     """AutoTokenizer.from_pretrained, left padding (prompts are batched for generation)."""
     from transformers import AutoTokenizer
 
-    require_directory(path)  # for callers that did not resolve the spec's path first
+    require_directory(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
