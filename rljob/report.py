@@ -163,6 +163,9 @@ class LearningFigures(_Model):
     clip_fraction: float | None = None
     grad_norm: float | None = None
     learning_rate: float | None = None
+    # Optimizer steps skipped for a gradient norm that was inf or NaN (the weights unchanged
+    # by them); absent in a healthy run.
+    skipped_steps: int | None = Field(default=None, ge=1)
     # Mean |log p_engine - log p_trainer| over the response tokens, before the update.
     logprob_mismatch_mean: float | None = None
     # Reward calls that failed and were scored 0, all ranks (spec.reward.onError Zero).

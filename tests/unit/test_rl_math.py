@@ -256,3 +256,27 @@ def test_the_update_says_where_its_seconds_went() -> None:
                                   torch.optim.SGD(model.parameters(), lr=1.0), pad_id=0,
                                   device=torch.device("cpu"))  # fmt: skip
     assert "ref_logprobs" in with_reference.run(BIGRAM).pass_seconds
+
+
+def test_a_gradient_that_is_not_finite_skips_the_step_and_is_counted() -> None:
+    # One entry of the gradient overflows (as a bf16 backward can): clipping would scale every
+    # entry by maxGradNorm / inf into NaN and the step would write NaN into the weights.
+    model, update = _update(_spec(ppoEpochs=2))
+
+    def overflow_first(grad: torch.Tensor) -> torch.Tensor:
+        if not overflowed:
+            overflowed.append(True)
+            grad = grad.clone()
+            grad[0, 1] = float("inf")
+        return grad
+
+    overflowed: list[bool] = []
+    model.table.register_hook(overflow_first)
+    stats = update.run(BIGRAM)
+    assert torch.isfinite(model.table).all()
+    # Epoch 1's step was skipped (the table stayed at zero), so epoch 2 is on-policy and takes
+    # the step by hand of test_one_update_step_by_hand.
+    assert (stats.optimizer_steps, stats.skipped_steps) == (1, 1)
+    assert stats.grad_norm == pytest.approx(math.sqrt(24 / 81) * A, abs=1e-6)
+    expected = torch.tensor([[0.0, 1 / 3, -1 / 3], [-1 / 9, -1 / 9, 2 / 9], [0.0, 0.0, 0.0]])
+    assert torch.allclose(model.table.detach(), expected * A, atol=1e-6)

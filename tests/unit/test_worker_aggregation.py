@@ -74,8 +74,8 @@ def test_rollout_and_update_figures_combine_over_ranks() -> None:
     # (-3 + 1) / 20 = -0.1, KL (0.2 + 0.3) / 20 = 0.025, entropy (10 + 6) / 20 = 0.8, clip
     # (2 + 3) / 20 = 0.25; mismatch over the 6 + 4 tokens of one pass: (0.06 + 0.04) / 10 = 0.01.
     trains = [
-        TrainStats(6, 12, -3.0, 0.2, 10.0, 2, 0.06, 1.5, 1e-3, 2),
-        TrainStats(4, 8, 1.0, 0.3, 6.0, 3, 0.04, 1.5, 1e-3, 2),
+        TrainStats(6, 12, -3.0, 0.2, 10.0, 2, 0.06, 1.5, 1e-3, 2, skipped_steps=1),
+        TrainStats(4, 8, 1.0, 0.3, 6.0, 3, 0.04, 1.5, 1e-3, 2, skipped_steps=1),
     ]
     items = [
         RankIteration(
@@ -94,6 +94,7 @@ def test_rollout_and_update_figures_combine_over_ranks() -> None:
     assert report.clip_fraction == pytest.approx(0.25)
     assert report.logprob_mismatch_mean == pytest.approx(0.01)
     assert (report.grad_norm, report.learning_rate, report.optimizer_steps) == (1.5, 1e-3, 2)
+    assert report.skipped_steps == 1  # global: every rank skipped the same step
 
 
 @pytest.mark.parametrize(

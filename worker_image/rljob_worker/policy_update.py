@@ -7,6 +7,8 @@ mini-batches, micro-batches and all-reduces) on its FSDP2-sharded policy.
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +35,8 @@ NON_CUDNN_ATTENTION = [
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,10 +101,13 @@ class TrainStats:
     # sum over response tokens of |logp_engine - logp_trainer| before the update (None: the
     # engine gave no log-probs).
     logprob_mismatch_sum: float | None
-    # Global (the same on every rank): the mean pre-clip gradient norm of the steps.
-    grad_norm: float
+    # Global (the same on every rank): the mean pre-clip gradient norm of the steps taken (None:
+    # every step was skipped for a gradient that was not finite).
+    grad_norm: float | None
     learning_rate: float
     optimizer_steps: int
+    # Steps not taken: the global gradient norm was inf or NaN (_step). Same on every rank.
+    skipped_steps: int = 0
     # Where the stage's seconds went (PassClock's parts: old_logprobs, ref_logprobs, setup,
     # forward_backward, optimizer_step), as verl reports timing_s per pass. Not summed over
     # ranks: each rank's own.
@@ -371,6 +378,7 @@ class PolicyUpdate:
                 clock.mark("forward_backward")
                 norms.append(self._step())
                 clock.mark("optimizer_step")
+        taken = [n for n in norms if math.isfinite(n)]
         return TrainStats(
             response_tokens=tokens,
             token_steps=int(sums["tokens"]),
@@ -379,9 +387,10 @@ class PolicyUpdate:
             entropy_sum=sums["entropy"],
             clipped_tokens=int(sums["clipped"]),
             logprob_mismatch_sum=mismatch,
-            grad_norm=sum(norms) / len(norms),
+            grad_norm=sum(taken) / len(taken) if taken else None,
             learning_rate=float(self.optimizer.param_groups[0]["lr"]),
-            optimizer_steps=len(norms),
+            optimizer_steps=len(taken),
+            skipped_steps=len(norms) - len(taken),
             pass_seconds=clock.seconds,
         )
 
@@ -419,7 +428,12 @@ class PolicyUpdate:
         sums["tokens"] += float(mask.sum())
 
     def _step(self) -> float:
-        """Clip the gradient, step, free the gradient; the norm before clipping (global)."""
+        """Clip the gradient, step, free the gradient; the norm before clipping (global).
+
+        A norm that is not finite (an overflow in one micro-batch's backward) skips the step,
+        as verl's actor does: clipping would scale every gradient by max / inf into NaN, and
+        AdamW would write NaN into the weights the engine then samples with. The norm is the
+        same on every rank, so all skip together."""
         from torch.distributed.tensor import DTensor
 
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -427,7 +441,11 @@ class PolicyUpdate:
         )
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
+        norm = float(grad_norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            log.warning("optimizer step skipped: the gradient norm is %s", norm)
         # Gradients are not needed until the next step: free them now, not at offload.
         self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return norm

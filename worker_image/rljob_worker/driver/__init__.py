@@ -130,6 +130,7 @@ def _add_train(report: IterationReport, trains: list[TrainStats]) -> None:
     report.grad_norm = trains[0].grad_norm
     report.learning_rate = trains[0].learning_rate
     report.optimizer_steps = trains[0].optimizer_steps
+    report.skipped_steps = trains[0].skipped_steps or None
     mismatches = [t.logprob_mismatch_sum for t in trains if t.logprob_mismatch_sum is not None]
     if mismatches:
         tokens = sum(t.response_tokens for t in trains) or 1
