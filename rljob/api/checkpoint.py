@@ -5,10 +5,22 @@ needs, and where the trained policy is exported.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import Field
 
-from rljob.api._base import _Spec
+from rljob.api._base import _Spec, _with_rules
+from rljob.api.volumes import NO_DOT_COMPONENTS_RULE
+
+# A directory spelled one way only: no empty ('//'), '.' or '..' components, so that the rule
+# keeping an export off the checkpoints (spec.py) compares what the worker's pathlib will open.
+# '/data//ckpt' or '/data/ckpt/.' passed that rule as strings and named checkpoint.path itself.
+DIRECTORY_PATTERN = r"^(?:/|/?[^/]+(?:/[^/]+)*/?)$"
+Directory = Annotated[
+    str,
+    Field(pattern=DIRECTORY_PATTERN, min_length=1, max_length=4096),
+    *_with_rules(NO_DOT_COMPONENTS_RULE),
+]
 
 
 class ResumeMode(StrEnum):
@@ -24,9 +36,7 @@ class CheckpointMode(StrEnum):
 class CheckpointSpec(_Spec):
     """Where and how often the job saves what a resumed run needs (docs/checkpoints.md)."""
 
-    path: str = Field(
-        min_length=1,
-        max_length=4096,
+    path: Directory = Field(
         description="A directory (in a mounted volume on a cluster): each checkpoint is a "
         "subdirectory iteration-NNNNNNNN, complete once its COMPLETE marker is written.",
     )
@@ -56,9 +66,7 @@ class CheckpointSpec(_Spec):
 class ExportSpec(_Spec):
     """The trained policy as a Hugging Face directory (safetensors, config.json, tokenizer)."""
 
-    path: str = Field(
-        min_length=1,
-        max_length=4096,
+    path: Directory = Field(
         description="Directory written at the end of the run (replaced atomically); with "
         "withCheckpoints, also as iteration-NNNNNNNN/ under it with each checkpoint. Not "
         "checkpoint.path nor a directory above it (the export would delete the checkpoints).",

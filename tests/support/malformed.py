@@ -423,4 +423,20 @@ MALFORMED: list[Malformed] = [
         {"checkpoint": {"path": "/data/run/ckpt"}, "export": {"path": "/data/run"}},
         "spec.export.path",
     ),
+    # Spelled so the strings differ where pathlib opens the same directory: refused by shape.
+    Malformed(
+        "export-at-checkpoint-path-with-an-empty-component",
+        {"checkpoint": {"path": "/data/ckpt"}, "export": {"path": "/data//ckpt"}},
+        "spec.export.path",
+    ),
+    Malformed(
+        "export-at-checkpoint-path-with-a-dot-component",
+        {"checkpoint": {"path": "/data/ckpt"}, "export": {"path": "/data/ckpt/."}},
+        "spec.export.path",
+    ),
+    Malformed(
+        "checkpoint-path-with-a-dot-dot-component",
+        {"checkpoint": {"path": "/data/export/../ckpt"}},
+        "spec.checkpoint.path",
+    ),
 ]

@@ -123,6 +123,12 @@ def test_resume_never_beside_an_earlier_runs_checkpoints_is_refused(tmp_path: Pa
         update={"checkpoint": spec.checkpoint.model_copy(update={"resume": "Auto"})}  # type: ignore[union-attr]
     )
     assert resume_point(auto) == (10, checkpoint_dir(tmp_path, 10))
+    # A retry of the job that wrote it (meta.json's job) continues from it, Never or not.
+    meta = checkpoint_dir(tmp_path, 10) / "meta.json"
+    meta.write_text('{"iteration": 10, "job": "uid-1"}')
+    assert resume_point(spec, job="uid-1") == (10, checkpoint_dir(tmp_path, 10))
+    with pytest.raises(CheckpointMismatch, match="earlier run"):
+        resume_point(spec, job="uid-2")
 
 
 def test_a_rank_that_died_after_its_checkpoint_stage_is_placed_in_the_next_stage() -> None:
@@ -160,3 +166,41 @@ def test_an_asynchronous_checkpoint_counts_for_its_own_iteration_and_its_blocked
         2, 200, 6.0, 0.7,
     )  # fmt: skip
     assert checkpoint_status([reported, _rank(1, 3, False)], 2) is None  # rank 1's part missing
+
+
+def test_a_resumed_optimizer_steps_at_the_specs_learning_rate(tmp_path: Path) -> None:
+    # The optimizer state's param_groups carry the saved rate; a rate lowered before a resume
+    # must be the one the next step uses (docs/checkpoints.md, resume semantics).
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from support.bigram import Bigram
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from rljob_worker import checkpoint
+
+    def spec(lr: float) -> RLJobSpec:
+        return RLJobSpec.model_validate(
+            {"algorithm": {"learningRate": lr}, "checkpoint": {"path": str(tmp_path)}}
+        )
+
+    model = Bigram()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.table.sum().backward()
+    optimizer.step()
+    directory = tmp_path / "iteration-00000001"
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save(
+        {"model": model_state, "optim": optim_state}, checkpoint_id=directory / checkpoint.STATE
+    )
+    torch.save(checkpoint._rng_state(), directory / "rng-rank0.pt")
+    meta = {"iteration": 1, "modelPath": spec(0.1).model.path, "worldSize": 1}
+    (directory / checkpoint.META).write_text(json.dumps(meta))
+
+    resumed = Bigram()
+    optimizer = torch.optim.AdamW(resumed.parameters(), lr=0.01)
+    assert checkpoint.load(resumed, optimizer, spec(0.01), directory) == 1
+    assert [g["lr"] for g in optimizer.param_groups] == [0.01]
+    assert optimizer.state  # the moments did come back
+    assert torch.equal(resumed.table, model.table)

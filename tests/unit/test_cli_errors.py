@@ -99,6 +99,16 @@ def test_run_refuses_before_any_rank_starts(
     def mini_batches(doc: dict[str, Any]) -> None:  # 8 responses a rank at the spec's 2 ranks
         doc["spec"]["algorithm"]["ppoMiniBatches"] = 8
 
+    def export_over_checkpoints(doc: dict[str, Any]) -> None:  # the same directory by a link
+        (tmp_path / "run").mkdir(exist_ok=True)
+        (tmp_path / "link").symlink_to(tmp_path / "run")
+        doc["spec"]["checkpoint"] = {"path": str(tmp_path / "run" / "ckpt")}
+        doc["spec"]["export"] = {"path": str(tmp_path / "link")}
+
+    def missing_tool(doc: dict[str, Any]) -> None:
+        doc.update(yaml.safe_load((REPO / "examples" / "multi-turn-tools.yaml").read_text()))
+        doc["spec"]["rollout"]["multiTurn"]["tools"] = ["no_such_tools_mod:lookup"]
+
     out = tmp_path / "out"
     cases = [
         ([str(tiny(tmp_path, sglang, "s.yaml")), "--device", "cpu"], "needs a CUDA GPU"),
@@ -109,6 +119,11 @@ def test_run_refuses_before_any_rank_starts(
             [str(tiny(tmp_path, mini_batches, "m.yaml")), "--ranks", "4"],
             "ppoMiniBatches=8 is more than the 4 responses each of the 4 ranks",
         ),
+        (
+            [str(tiny(tmp_path, export_over_checkpoints, "e.yaml"))],
+            "is spec.checkpoint.path",
+        ),
+        ([str(tiny(tmp_path, missing_tool, "t.yaml"))], "no module 'no_such_tools_mod'"),
     ]
     for argv, words in cases:
         assert run_main([*argv, "--out", str(out)]) == 2, argv

@@ -4,11 +4,22 @@ own), the bounded memory history, the OOM Event text and the IterationCompleted 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 
-from rljob.api import MAX_MEMORY_HISTORY, MemoryPoint, OOMEvent, RLJobStatus, history_with
-from rljob.report import MemorySummary, OOMRecord, Stage, StageMemory
+from rljob.api import (
+    MAX_MEMORY_HISTORY,
+    CheckpointFailure,
+    CheckpointStatus,
+    ExportStatus,
+    MemoryPoint,
+    OOMEvent,
+    ResumePoint,
+    RLJobStatus,
+    history_with,
+)
+from rljob.report import IterationMetrics, MemorySummary, OOMRecord, Stage, StageMemory
 from rljob_worker.publish import (
     RateLimit,
     driver_fields,
@@ -204,3 +215,88 @@ def test_the_listener_counts_checkpoint_parts_sent_alone() -> None:
     assert status.checkpoint is not None
     assert (status.checkpoint.iteration, status.checkpoint.bytes) == (1, 201)
     assert status.checkpoint.seconds == 3.0
+
+
+def _metrics(*iterations: int, reward: float = 0.0) -> list[IterationMetrics]:
+    return [IterationMetrics(iteration=i, reward_mean=reward + i) for i in iterations]
+
+
+@pytest.mark.parametrize(
+    ("earlier", "own", "resumed_at", "expected"),
+    [
+        # A run resumed at 3 redoes 3 on: its values stand from there, none twice.
+        ((0, 1, 2, 3, 4), (3,), 3, [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0)]),
+        # Resumed, with no iteration finished by every rank yet: the resume point cuts.
+        ((0, 1, 2, 3, 4), (), 3, [(0, 0.0), (1, 1.0), (2, 2.0)]),
+        # Nothing of its own yet and no resume known: the earlier curve stays whole.
+        ((0, 1, 2), (), None, [(0, 0.0), (1, 1.0), (2, 2.0)]),
+        # A run that started again at 0 (no checkpoint) replaces the earlier curve.
+        ((0, 1, 2, 3), (0, 1), None, [(0, 10.0), (1, 11.0)]),
+    ],
+)
+def test_continued_keeps_the_earlier_metrics_before_this_runs_first_iteration(
+    earlier: tuple[int, ...],
+    own: tuple[int, ...],
+    resumed_at: int | None,
+    expected: list[tuple[int, float]],
+) -> None:
+    from rljob_worker.publish import continued
+
+    resumed = None if resumed_at is None else ResumePoint(iteration=resumed_at, path="/c")
+    status = RLJobStatus(metrics=_metrics(*own, reward=10.0), resumed_from=resumed)
+    merged = continued(status, RLJobStatus(metrics=_metrics(*earlier)))
+    assert [(m.iteration, m.reward_mean) for m in merged.metrics] == expected
+
+
+def _checkpoint(iteration: int) -> CheckpointStatus:
+    return CheckpointStatus(iteration=iteration, path=f"/c/iteration-{iteration:08d}",
+                            completed_at="2026-05-09T10:00:00Z", bytes=10, seconds=1.0)  # fmt: skip
+
+
+def test_a_rerun_of_the_attempt_keeps_the_checkpoint_export_and_earlier_metrics() -> None:
+    """KubeRay runs the job again after a lost pod (same attempt, a new driver process): its
+    first apply, under the same field manager, must not delete status.checkpoint, .export or
+    the metrics of the iterations before its resume point; an earlier run's failed save and
+    resume are its own and go."""
+    from kubernetes import client
+
+    from rljob_worker.publish import StatusPublisher
+
+    applied = _AppliedStatus()
+
+    def driver() -> StatusPublisher:
+        publisher = StatusPublisher(client.ApiClient(), "ns", "job", attempt=1)
+        publisher.custom = applied  # type: ignore[assignment]
+        publisher.event = lambda *_args, **_kw: None  # type: ignore[method-assign]
+        return publisher
+
+    failure = CheckpointFailure(iteration=5, path="/c/iteration-00000005", rank=0, error="ENOSPC")
+    driver().publish(
+        RLJobStatus(
+            iteration=4, memory=memory(4), metrics=_metrics(0, 1, 2, 3, 4),
+            checkpoint=_checkpoint(3), export=ExportStatus(path="/e/iteration-00000003", iteration=3),
+            resumed_from=ResumePoint(iteration=1, path="/c/iteration-00000001"),
+            checkpoint_failure=failure,
+        )
+    )  # fmt: skip
+    rerun = driver()
+    resumed = ResumePoint(iteration=3, path="/c/iteration-00000003")
+    rerun.publish(
+        RLJobStatus(
+            iteration=3, memory=memory(3), metrics=_metrics(3, reward=10.0), resumed_from=resumed
+        )
+    )
+    status: Any = applied.status
+    assert status["checkpoint"]["iteration"] == 3
+    assert status["export"] == {"path": "/e/iteration-00000003", "iteration": 3}
+    # Iteration 4 of the lost run is redone: the earlier value goes, the new one comes later.
+    assert [(m["iteration"], m["rewardMean"]) for m in status["metrics"]] == [
+        (0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0),
+    ]  # fmt: skip
+    assert status["resumedFrom"] == {**resumed.model_dump(), "attempt": 1}
+    assert "checkpointFailure" not in status
+    # Its own save replaces the one it carried.
+    rerun.publish(RLJobStatus(iteration=4, metrics=_metrics(3, 4, reward=10.0),
+                              checkpoint=_checkpoint(4), resumed_from=resumed))  # fmt: skip
+    assert status["checkpoint"]["iteration"] == 4
+    assert [m["rewardMean"] for m in status["metrics"]] == [0.0, 1.0, 2.0, 13.0, 14.0]

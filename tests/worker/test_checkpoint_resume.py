@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from support.model_cache import fresh_model_cache
 
-from rljob.api import RLJobSpec, parse_manifest
+from rljob.api import CheckpointMode, RLJobSpec, parse_manifest
 from rljob.report import Stage
 from rljob_worker.checkpoint import (
     MARKER,
@@ -232,22 +232,28 @@ def test_a_writer_held_for_the_sync_still_completes_when_a_peer_fails_in_the_syn
     assert [i for i, _ in complete_checkpoints(tmp_path / "ckpt")] == [1, 2]
 
 
+def _fail_weight_sync_in(iteration: int) -> None:
+    """In this rank process: the weight sync of `iteration` raises, as an engine that died."""
+    from rljob_worker import stages
+
+    real = stages.StageMachine.wake_weights
+
+    def wake_weights(self: stages.StageMachine) -> None:
+        if self._iteration == iteration:
+            raise RuntimeError("the engine died in the weight sync (injected)")
+        real(self)
+
+    stages.StageMachine.wake_weights = wake_weights  # type: ignore[method-assign]
+
+
 def _failing_sync_rank(rank: int, init_method: str, root: str, results: Any) -> None:
     """One rank whose weight sync fails (not an OOM: an engine that died) in iteration 2,
     right after that iteration's checkpoint stage, whose writer is held back for the sync."""
     from support.ranks import gloo_rank
 
-    from rljob_worker import stages
     from rljob_worker.loop import RankConfig, run_rank
 
-    real = stages.StageMachine.wake_weights
-
-    def wake_weights(self: stages.StageMachine) -> None:
-        if self._iteration == 2:
-            raise RuntimeError("the engine died in the weight sync (injected)")
-        real(self)
-
-    stages.StageMachine.wake_weights = wake_weights  # type: ignore[method-assign]
+    _fail_weight_sync_in(2)
     with gloo_rank(rank, 1, init_method, results):
         run_rank(_spec(Path(root), 3, keep=10), RankConfig(rank=rank, world_size=1))
 
@@ -263,7 +269,75 @@ def test_a_checkpoint_staged_before_a_failed_sync_is_still_written(tmp_path: Pat
     assert [i for i, _ in complete_checkpoints(tmp_path / "ckpt")] == [1, 2]
 
 
-def test_oom_retry_resumes_from_the_newest_checkpoint_with_the_new_knobs(tmp_path: Path) -> None:
+def _rank_failing_after_its_checkpoint(
+    rank: int, init_method: str, root: str, failure: str, results: Any
+) -> None:
+    """One rank, Sync checkpoints (each complete when its stage ends), whose iteration 2 fails
+    after that iteration's checkpoint: a CUDA OOM in the rollout, or an engine that died in the
+    weight sync. Its events are kept; sending a checkpoint part alone then breaks the channel
+    (after it was kept), as a driver's queue that is gone would."""
+    from support.ranks import gloo_rank
+
+    from rljob_worker.checkpoint import SavedCheckpoint
+    from rljob_worker.loop import RankConfig, run_rank
+    from rljob_worker.memory import OOMInjection
+
+    events: list[Any] = []
+
+    def emit(event: Any) -> None:
+        events.append(event)
+        if isinstance(event, SavedCheckpoint):
+            raise BrokenPipeError("the driver's queue is gone (injected)")
+
+    inject = None
+    if failure == "oom":
+        inject = OOMInjection(stage=Stage.ROLLOUT, rank=0, iteration=2)
+    else:
+        _fail_weight_sync_in(2)
+    base = _spec(Path(root), 3, keep=10)
+    assert base.checkpoint is not None
+    spec = base.model_copy(
+        update={"checkpoint": base.checkpoint.model_copy(update={"mode": CheckpointMode.SYNC})}
+    )
+    with gloo_rank(rank, 1, init_method, results) as out:
+        try:
+            result = run_rank(spec, RankConfig(rank=rank, world_size=1, inject_oom=inject), emit)
+            out["oom"] = None if result.oom is None else result.oom.stage
+        finally:
+            out["events"] = events
+
+
+@pytest.mark.parametrize("failure", ["oom", "error"])
+def test_a_checkpoint_completed_before_its_iteration_fails_is_in_status(
+    tmp_path: Path, failure: str
+) -> None:
+    """Iteration 2's checkpoint completes, then that iteration fails: the retry resumes from
+    it, so status.checkpoint must name it (it stayed at iteration 1, without its
+    CheckpointWritten Event). A broken channel while reporting it hides not the failure."""
+    from support.ranks import run_ranks
+
+    out = run_ranks(_rank_failing_after_its_checkpoint, 1, str(tmp_path), failure)[0]
+    if failure == "oom":
+        assert out.get("oom") == Stage.ROLLOUT and "error" not in out, out
+    else:
+        assert "the engine died in the weight sync" in out.get("error", ""), out
+    assert [i for i, _ in complete_checkpoints(tmp_path / "ckpt")] == [1, 2]
+    run = LocalRun(world_size=1, device="cpu")
+    for event in out["events"]:
+        run.add(event)
+    checkpoint = run.status().checkpoint
+    assert checkpoint is not None
+    assert (checkpoint.iteration, checkpoint.path) == (2, str(checkpoint_dir(tmp_path / "ckpt", 2)))
+
+
+@pytest.mark.parametrize("resume", ["Auto", "Never"])
+def test_oom_retry_resumes_from_the_newest_checkpoint_with_the_new_knobs(
+    tmp_path: Path, resume: str
+) -> None:
+    """Also with resume Never: the retry continues from the checkpoints its own job wrote (a
+    retry is no new run; it was refused as 'an earlier run's'), and a later `rljob run` is
+    refused beside them. That run exports with every checkpoint too: the final export keeps
+    the iteration-N exports under its path (it replaced the directory whole before)."""
     import json
 
     import yaml
@@ -272,7 +346,9 @@ def test_oom_retry_resumes_from_the_newest_checkpoint_with_the_new_knobs(tmp_pat
 
     doc = yaml.safe_load((REPO / "examples" / "checkpoint-resume.yaml").read_text())
     doc["spec"]["checkpoint"]["path"] = str(tmp_path / "ckpt")
+    doc["spec"]["checkpoint"]["resume"] = resume
     doc["spec"]["export"]["path"] = str(tmp_path / "export")
+    doc["spec"]["export"]["withCheckpoints"] = resume == "Never"
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "out"
@@ -293,3 +369,16 @@ def test_oom_retry_resumes_from_the_newest_checkpoint_with_the_new_knobs(tmp_pat
     assert status["export"] == {"path": str(tmp_path / "export"), "iteration": 4}
     reports = json.loads((out / "reports.json").read_text())
     assert [r["iteration"] for r in reports] == [2, 3, 4]
+    # status.metrics and memoryHistory keep attempt 1's iterations before the resume point
+    # (the curve from 0, as the cluster's driver keeps them), each iteration once.
+    assert [m["iteration"] for m in status["metrics"]] == [0, 1, 2, 3, 4]
+    assert [p["iteration"] for p in status["memoryHistory"]] == [0, 1, 2, 3, 4]
+    if resume == "Auto":
+        return
+    exported = sorted(p.name for p in (tmp_path / "export").iterdir() if p.is_dir())
+    assert exported == [f"iteration-{i:08d}" for i in (1, 2, 3, 4)]
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    again = tmp_path / "again"
+    assert main([str(manifest), "--out", str(again)]) != 0
+    cause = json.loads((again / "status.json").read_text())["cause"]
+    assert "earlier run" in cause and "resume is Never" in cause, cause

@@ -27,12 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rljob.api import (
     REASON_CHECKPOINT_FAILED,
@@ -49,6 +44,7 @@ from rljob_worker.checkpoint_writer import (
     held_thread,
     host_state_dict,
 )
+from rljob_worker.export import export
 from rljob_worker.model import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -56,6 +52,8 @@ log = logging.getLogger(__name__)
 # Written last, by rank 0, after every rank's files: a directory without it is not a checkpoint.
 MARKER = "COMPLETE"
 META = "meta.json"
+# meta.json's key for the job that wrote the checkpoint (resume_point).
+JOB_KEY = "job"
 STATE = "state"  # torch.distributed.checkpoint's directory (one .distcp file per rank)
 PREFIX = "iteration-"
 
@@ -270,7 +268,8 @@ class _Written:
 
 
 def _write(state: dict[str, Any], rng: dict[str, Any], spec: RLJobSpec, iteration: int,
-           directory: Path, group: dist.ProcessGroup | None) -> _Written:  # fmt: skip
+           directory: Path, group: dist.ProcessGroup | None,
+           job: str | None = None) -> _Written:  # fmt: skip
     """Every rank's shard and RNG file, then (rank 0, once every rank's part is durable) meta.json
     and last the marker, then the pruning of older checkpoints (collective over `group`)."""
     assert spec.checkpoint is not None
@@ -291,6 +290,7 @@ def _write(state: dict[str, Any], rng: dict[str, Any], spec: RLJobSpec, iteratio
             "iteration": iteration,
             "modelPath": spec.model.path,
             "worldSize": world,
+            JOB_KEY: job,
             "spec": spec.model_dump(mode="json", by_alias=True),
         }
         _write_atomically(directory / META, json.dumps(meta, indent=1) + "\n")
@@ -330,26 +330,45 @@ def check_compatible(meta: dict[str, Any], spec: RLJobSpec, directory: Path) -> 
         )
 
 
-def resume_point(spec: RLJobSpec) -> tuple[int, Path] | None:
+def _written_by(directory: Path) -> str | None:
+    """The job (JOB_KEY) that wrote the complete checkpoint `directory`, where it says."""
+    with contextlib.suppress(OSError, ValueError):
+        job = json.loads((directory / META).read_text()).get(JOB_KEY)
+        return None if job is None else str(job)
+    return None
+
+
+def resume_point(spec: RLJobSpec, job: str | None = None) -> tuple[int, Path] | None:
     """The checkpoint this run continues from, the same on every rank (rank 0 looks; a
-    filesystem seen slightly differently by two ranks must not split them), or None."""
+    filesystem seen slightly differently by two ranks must not split them), or None.
+
+    resume Never starts at iteration 0 beside no earlier job's checkpoints; a checkpoint this
+    job (`job`: the RLJob's uid, one `rljob run`) wrote is its own progress, and a retry of the
+    job (the OOM policy's next attempt, KubeRay's run after a lost pod) continues from it as
+    with Auto: "never resume" means never from another run."""
     checkpoint = spec.checkpoint
     if checkpoint is None:
         return None
     rank, _ = _rank()
-    found: list[Any] = [newest_complete(Path(checkpoint.path)) if rank == 0 else None]
+    found: list[Any] = [None, None]
+    if rank == 0:
+        found[0] = newest_complete(Path(checkpoint.path))
+        found[1] = None if found[0] is None else _written_by(found[0][1])
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0)
-    if checkpoint.resume is ResumeMode.NEVER and found[0] is not None:
+    point: tuple[int, Path] | None = found[0]
+    if checkpoint.resume is ResumeMode.NEVER and point is not None:
+        if job is not None and found[1] == job:
+            return point
         # Starting over beside an earlier run's checkpoints would mix the two: `keep` ranks
         # by iteration and would prune this run's saves in favour of the old run's newer ones,
         # and a later resume: Auto would continue the old run.
         raise CheckpointMismatch(
             f"spec.checkpoint.path {checkpoint.path} holds complete checkpoints of an earlier "
-            f"run (the newest: {found[0][1]}), and spec.checkpoint.resume is Never: point the "
+            f"run (the newest: {point[1]}), and spec.checkpoint.resume is Never: point the "
             "path at an empty directory, or delete those checkpoints, to start over"
         )
-    return None if checkpoint.resume is ResumeMode.NEVER else found[0]
+    return None if checkpoint.resume is ResumeMode.NEVER else point
 
 
 def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSpec,
@@ -365,62 +384,16 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSp
     # dcp.load fills these dicts' tensors in place.
     dcp.load({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory / STATE)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    # The optimizer's state brings back the saved param_groups, the learning rate with them:
+    # the spec's stands (there is no schedule to continue), so a rate lowered before a resume
+    # takes effect, as the spec says it does.
+    for group in optimizer.param_groups:
+        group["lr"] = spec.algorithm.learning_rate
     rank, _ = _rank()
     own = directory / f"rng-rank{rank}.pt"
     rng = torch.load(own if own.exists() else directory / "rng-rank0.pt", weights_only=False)
     _set_rng_state(rng)
     return int(meta["iteration"])
-
-
-def _tied_names(model: torch.nn.Module) -> set[str]:
-    tied = getattr(model, "_tied_weights_keys", None) or ()
-    config = getattr(model, "config", None)
-    if not getattr(config, "tie_word_embeddings", False):
-        return set()
-    return set(tied.keys() if isinstance(tied, dict) else tied)
-
-
-def export(model: torch.nn.Module, spec: RLJobSpec, model_path: Path | str, target: Path,
-           dtype: torch.dtype) -> str | None:  # fmt: skip
-    """The policy as a Hugging Face directory at `target` (collective; rank 0 writes).
-
-    The full state dict is gathered once to rank 0's host memory, cast to `dtype`, written as
-    model.safetensors beside the original config (its dtype set) and tokenizer; the directory
-    is built aside and renamed into place, so a reader never sees half an export. Returns the
-    path on rank 0, else None."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    rank, _ = _rank()
-    if rank != 0:
-        return None
-    tied = _tied_names(model)
-    tensors = {
-        n: t.to(dtype).contiguous()
-        for n, t in full.items()
-        if n not in tied and isinstance(t, torch.Tensor)  # a full state dict: plain tensors
-    }
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-    config = AutoConfig.from_pretrained(str(model_path))
-    config.torch_dtype = dtype
-    config.save_pretrained(staging)
-    # A model without generation_config.json loads without one too.
-    with contextlib.suppress(OSError):
-        GenerationConfig.from_pretrained(str(model_path)).save_pretrained(staging)
-    AutoTokenizer.from_pretrained(str(model_path)).save_pretrained(staging)
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    if target.exists():
-        target.rename(old)
-    staging.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
-    return str(target)
 
 
 # When an asynchronous save's writer starts writing (RLJOB_CHECKPOINT_WRITER_START, the rank's
@@ -461,8 +434,10 @@ class Keeper:
     at a stage boundary. Sync waits for the writer inside the stage. docs/checkpoints.md."""
 
     def __init__(self, spec: RLJobSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 model_path: Path | str, host: HostCopies | None = None) -> None:  # fmt: skip
+                 model_path: Path | str, host: HostCopies | None = None,
+                 job: str | None = None) -> None:  # fmt: skip
         self.spec, self.model, self.optimizer, self.model_path = spec, model, optimizer, model_path
+        self.job = job  # recorded in each checkpoint (resume_point)
         self.host = host
         # Completed (agreed) since the last take, oldest first: two can complete between
         # takes (a save settles the previous writer, then its own completes at a later boundary
@@ -483,7 +458,7 @@ class Keeper:
 
     def resume(self) -> int | None:
         """Load the newest complete checkpoint (spec.checkpoint.resume Auto); its iteration."""
-        found = resume_point(self.spec)
+        found = resume_point(self.spec, self.job)
         if found is None:
             return None
         iteration, directory = found
@@ -517,7 +492,7 @@ class Keeper:
         spec, group = self.spec, self._group
 
         def work() -> _Written:
-            return _write(host.state, rng, spec, iteration, directory, group)
+            return _write(host.state, rng, spec, iteration, directory, group, self.job)
 
         name = f"checkpoint-writer-{iteration}"
         held = (
@@ -631,8 +606,9 @@ class Keeper:
 
     def export_final(self) -> None:
         if self.spec.export is not None:
-            self._export(Path(self.spec.export.path))
+            # withCheckpoints' exports live under this path: the final one keeps them.
+            self._export(Path(self.spec.export.path), lambda p: _iteration_of(p) is not None)
 
-    def _export(self, target: Path) -> None:
+    def _export(self, target: Path, carried: Callable[[Path], bool] | None = None) -> None:
         dtype = torch_dtype(self.spec.model.dtype)
-        self.exported = export(self.model, self.spec, self.model_path, target, dtype)
+        self.exported = export(self.model, self.spec, self.model_path, target, dtype, carried)

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import sys
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -101,9 +102,12 @@ def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
     """What the rank processes would fail on, checked before any starts (each would print its
     own traceback, a minute later): the engine's device, the split of prompts over ranks and
     of ranks into tensor-parallel groups (all on this one machine), PPO's mini-batches over each
-    rank's responses, the data file's rows and the reward function's loading."""
+    rank's responses, where the export goes, the multiTurn tools' loading, the data file's rows
+    (with the tools in the template) and the reward function's loading."""
     from rljob.api import EngineName
+    from rljob_worker.agentic.tools import make_tools
     from rljob_worker.engines.tensor_parallel import tensor_parallel_layout
+    from rljob_worker.export import export_target_problem
     from rljob_worker.loop import prompts_per_rank
     from rljob_worker.model import load_tokenizer, resolve_model_path
     from rljob_worker.reward import Scorer
@@ -122,8 +126,15 @@ def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
             f"spec.algorithm.ppoMiniBatches={spec.algorithm.ppo_mini_batches} is more than the "
             f"{responses} responses each of the {ranks} ranks trains on per iteration"
         )
-    # A missing file, bad rows, prompts over maxPromptLength (DatasetError, a ValueError).
-    make_task(spec.data, spec.algorithm.seed, load_tokenizer(resolve_model_path(spec.model.path)))
+    model_path = resolve_model_path(spec.model.path)
+    refused = export_target_problem(spec, model_path)
+    if refused is not None:  # an export over the checkpoints, the model or the data
+        raise ValueError(refused)
+    # A missing file, bad rows, prompts over maxPromptLength (DatasetError, a ValueError), with
+    # the tool schemas the ranks give the chat template (a user tool that cannot load fails).
+    multi_turn = spec.rollout.multi_turn_settings
+    schemas = make_tools(multi_turn).schemas if multi_turn is not None else None
+    make_task(spec.data, spec.algorithm.seed, load_tokenizer(model_path), schemas)
     Scorer(spec.reward).close()  # a reward file or module that does not load (RewardLoadError)
 
 
@@ -319,9 +330,10 @@ def write_outputs(
 
 def _attempt(
     spec: RLJobSpec, ranks: int, device: str, args: argparse.Namespace, publisher: Any,
-    inject: Any,
+    inject: Any, job: str,
 ) -> Any:  # fmt: skip
-    """One attempt: the ranks, with a progress bar (and the status publisher, if any)."""
+    """One attempt of the run `job`: the ranks, with a progress bar (and the status
+    publisher, if any)."""
     from rljob_worker.driver.local import run_local
 
     progress = _Progress(spec.algorithm.iterations, ranks)
@@ -338,6 +350,7 @@ def _attempt(
             on_event=listener,
             verify_weights=args.verify_weights,
             inject_oom=inject,
+            job=job,
         )
     finally:
         progress.close()
@@ -397,6 +410,7 @@ def main(argv: list[str]) -> int:
         next_attempt,
         plan_fits,
     )
+    from rljob_worker.publish import continued
 
     publisher = None
     if args.publish:
@@ -423,12 +437,27 @@ def main(argv: list[str]) -> int:
     attempts: list[Attempt] = []
     changed = ""  # the retry's status.attempts[].changed (Decision.changed)
     earlier_ooms: list[OOMRecord] = []  # the OOMs of the attempts before the last
+    # What the attempts before the last reported that status keeps, as the cluster's driver
+    # keeps what an earlier one wrote (publish.continued): a retry resumed from a checkpoint
+    # would otherwise show neither that checkpoint (until it saves one) nor the iterations
+    # before it in metrics and memoryHistory.
+    earlier = RLJobStatus()
+    earlier_reports: list[IterationReport] = []
+    # This run's identity in its checkpoints: its retries continue from them, also with
+    # checkpoint.resume Never; a later `rljob run` is another job (checkpoint.resume_point).
+    job = uuid.uuid4().hex
     while True:
         number = len(attempts) + 1
         if publisher is not None:
             publisher.attempt = number  # stamped on this attempt's OOM entries
         run = _attempt(
-            knobs.apply(spec), ranks, device, args, publisher, inject if number == 1 else None
+            knobs.apply(spec),
+            ranks,
+            device,
+            args,
+            publisher,
+            inject if number == 1 else None,
+            job,
         )
         for oom in run.ooms:
             oom.attempt = number
@@ -475,13 +504,16 @@ def main(argv: list[str]) -> int:
         changed = decision.changed(knobs, spec)
         knobs = decision.knobs
         earlier_ooms.extend(run.ooms)
+        earlier = continued(run.status(), earlier)
+        earlier_reports.extend(run.reports)
         if publisher is not None:
             publisher.next_attempt()
-    status = run.status(earlier_ooms)
+    status = continued(run.status(earlier_ooms), earlier)
     reports = run.reports
     # The history the driver keeps in the cluster (kubectl rljob plot draws it), from every
-    # iteration's reports: worst rank per stage.
-    for report in reports:
+    # iteration's reports, every attempt's (a later attempt's iteration replaces an earlier
+    # one's): worst rank per stage.
+    for report in [*earlier_reports, *reports]:
         status.memory_history = history_with(status.memory_history, summarize(report))
     # Locally this command is the operator too, so it also sets the phase and the attempts.
     status.phase = Phase.SUCCEEDED if run.ok else Phase.FAILED

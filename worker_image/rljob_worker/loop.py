@@ -41,6 +41,7 @@ from rljob_worker.agentic.routing import EngineRouter
 from rljob_worker.agentic.tools import ToolSet, make_tools
 from rljob_worker.engines import make_engine
 from rljob_worker.engines.base import ALL_TAGS, AsyncGenerate, RolloutEngine, SamplingParams
+from rljob_worker.export import export_target_problem
 from rljob_worker.memory import MemoryMeter, OOMInjection, StageOOM
 from rljob_worker.model import load_tokenizer, resolve_model_path, stop_token_ids, torch_dtype
 from rljob_worker.reward import Scorer
@@ -65,6 +66,9 @@ class RankConfig:
     # Compare every engine weight with the training tensor sent for it, after each update
     # (costs a hash per parameter; tests and `rljob run --verify-weights` turn it on).
     verify_weights: bool = False
+    # The job this rank runs for (the RLJob's uid; one `rljob run`): checkpoints record it, and
+    # checkpoint.resume Never still continues from this job's own (checkpoint.resume_point).
+    job: str | None = None
 
 
 @dataclass(frozen=True)
@@ -404,6 +408,9 @@ def run_rank(
     device = torch.device(config.device)
     torch.manual_seed(spec.algorithm.seed)
     model_path = resolve_model_path(spec.model.path)
+    refused = export_target_problem(spec, model_path)
+    if refused is not None:
+        raise ValueError(refused)
     tokenizer = load_tokenizer(model_path)
     eos_ids = stop_token_ids(tokenizer, model_path)
     # The data's rows are read and checked before any GPU work (the reward function below).
@@ -484,7 +491,9 @@ def run_rank(
         )
     )
     # The checkpoint writes from the host buffers the offloads use (trainer.copy_to_host).
-    keeper = checkpoints.Keeper(spec, trainer.model, trainer.optimizer, model_path, host=trainer)
+    keeper = checkpoints.Keeper(
+        spec, trainer.model, trainer.optimizer, model_path, host=trainer, job=config.job
+    )
     machine = StageMachine(
         trainer,
         engine,
@@ -558,11 +567,6 @@ def run_rank(
             result.iterations.append(report)
             send(report)
             log.info("rank %d iteration %d done", config.rank, iteration)
-    except StageOOM as oom:
-        log.error("rank %d: %s", config.rank, oom)
-        keeper.drain()  # a checkpoint being written completes: the retry resumes from it
-        result.oom = oom.record
-        send(oom.record)
     except checkpoints.CheckpointFailed as failed:
         # Every rank raises it together (checkpoint._agreed); the driver puts it in
         # status.checkpointFailure, the job fails with reason CheckpointFailed.
@@ -571,13 +575,25 @@ def run_rank(
             send(part)
         send(failed.failure)
         raise
-    except Exception:
-        # Any other failure (an engine that died in the weight sync, ...): as after an OOM, a
-        # checkpoint staged this iteration is written before the process ends (its writer is
-        # held back for the weight sync by default, and a daemon thread dies with the process),
-        # so a re-run resumes from it.
+    except Exception as error:
+        # An OOM (returned: the OOM policy decides) or any other failure (an engine that died
+        # in the weight sync, ...: raised). A checkpoint staged this iteration is written
+        # before the process ends (its writer is held back for the weight sync by default, and
+        # a daemon thread dies with the process), so a re-run resumes from it. The checkpoints
+        # the ranks agreed complete before the failure are reported too, or status.checkpoint
+        # (and its Event) would name an older one than the re-run resumes from.
+        if isinstance(error, StageOOM):
+            log.error("rank %d: %s", config.rank, error)
         keeper.drain()
-        raise
+        try:
+            for part in keeper.take()[0]:
+                send(part)
+        except Exception:  # the failure itself is the news: it still goes out below
+            log.exception("rank %d: completed checkpoints not reported", config.rank)
+        if not isinstance(error, StageOOM):
+            raise
+        result.oom = error.record
+        send(error.record)
     finally:
         engine.shutdown()
         scorer.close()

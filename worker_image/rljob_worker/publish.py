@@ -1,5 +1,6 @@
 """The job's side of RLJob status: the driver-owned fields (iteration, reward/KL, memory, memory
-history, metrics, CUDA OOM entries and count) server-side applied under field manager `rljob-job`, and Events.
+history, metrics, CUDA OOM entries and count, checkpoint news) server-side applied under field
+manager `rljob-job`, and Events.
 
 Runs with the per-job ServiceAccount (get/patch on its own RLJob and its status, create Events):
 in-cluster config in the Ray head pod, a kubeconfig elsewhere. Hook: `StatusPublisher.publish`
@@ -34,7 +35,7 @@ from rljob.api import (
     history_with,
     status_apply_body,
 )
-from rljob.report import OOMRecord
+from rljob.report import MAX_METRICS, OOMRecord
 
 FIELD_MANAGER = "rljob-job"
 APPLY = "application/apply-patch+yaml"
@@ -61,6 +62,36 @@ def _stamped(record: _Stamped | None, attempt: int | None) -> _Stamped | None:
     if record is None or record.attempt is not None or attempt is None:
         return record
     return record.model_copy(update={"attempt": attempt})
+
+
+# What an earlier driver of the job wrote that stays true for the next one (continued()).
+CONTINUED_FIELDS = ("checkpoint", "export", "metrics")
+
+
+def continued(status: RLJobStatus, earlier: RLJobStatus) -> RLJobStatus:
+    """This driver's `status` with what an earlier driver of the job (a run KubeRay started
+    again after a lost pod, an earlier attempt) wrote that is still true: the newest checkpoint
+    and export until this run has its own (the files stay; a run resumed at the last iteration
+    saves none), and the metrics of the iterations before this run's (from the first iteration
+    it ran or resumed at, its own values stand: no iteration twice). Under server-side apply
+    with one field manager, what this driver's apply leaves out is deleted.
+
+    Not continued: what describes the current run only and is written by it (iteration, reward,
+    memory, plan, resumedFrom), and checkpointFailure: KubeRay runs a job again after a failed
+    save (backoffLimit), and an earlier run's failure carried into this one would have the
+    operator call the running job Failed."""
+    redone = [m.iteration for m in status.metrics]
+    if status.resumed_from is not None:
+        redone.append(status.resumed_from.iteration)
+    first = min(redone, default=None)
+    before = [m for m in earlier.metrics if first is None or m.iteration < first]
+    return status.model_copy(
+        update={
+            "checkpoint": status.checkpoint or earlier.checkpoint,
+            "export": status.export or earlier.export,
+            "metrics": [*before, *status.metrics][-MAX_METRICS:],
+        }
+    )
 
 
 def driver_fields(
@@ -177,6 +208,7 @@ class StatusPublisher:
         self._history: list[MemoryPoint] | None = None
         self._held_ooms: list[OOMEvent] = []
         self._held_oom_count = 0
+        self._earlier = RLJobStatus()  # CONTINUED_FIELDS as status held them at _load
         self._announced: int | None = None
         # status.plan: rank 0's memory plan (rljob/plan/), set once it arrives.
         self.plan: PlanStatus | None = None
@@ -197,9 +229,9 @@ class StatusPublisher:
         return cls(config.new_client_from_config(config_file=kubeconfig), namespace, name, **kwargs)
 
     def _load(self) -> None:
-        """The RLJob's uid (Events point at it), and the memory history and CUDA OOMs written
-        before (by an earlier attempt's driver, or before a resume): this driver goes on with
-        them."""
+        """The RLJob's uid (Events point at it), and the memory history, CUDA OOMs, checkpoint,
+        export and metrics written before (by an earlier attempt's driver, or an earlier run of
+        this attempt): this driver goes on with them."""
         rljob: Any = self.custom.get_namespaced_custom_object(
             GROUP, VERSION, self.namespace, PLURAL, self.name
         )
@@ -217,12 +249,16 @@ class StatusPublisher:
             if o.get("kind") == CUDA_OOM
         ]
         self._held_oom_count = int((status.get("oomCounts") or {}).get(CUDA_OOM, 0))
+        self._earlier = RLJobStatus.model_validate(
+            {key: status[key] for key in CONTINUED_FIELDS if status.get(key)}
+        )
 
     def next_attempt(self) -> None:
         """A new attempt of `rljob run --publish` (locally it is the operator too): its driver
-        starts from what status holds now, the earlier attempts' OOMs and history included, as
-        a new RayJob's driver does in the cluster. Without this the second attempt's apply,
-        under the same field manager, would drop the first one's OOM entries and count."""
+        starts from what status holds now (the earlier attempts' OOMs, history, checkpoint and
+        metrics), as a new RayJob's driver does in the cluster. Without this the second
+        attempt's apply, under the same field manager, would drop the first one's OOM entries
+        and count."""
         self._history = None
         self._announced = None
 
@@ -235,7 +271,11 @@ class StatusPublisher:
         assert self._history is not None
         self._history = history_with(self._history, status.memory)
         fields = driver_fields(
-            status, self._history, self._held_ooms, self._held_oom_count, self.attempt
+            continued(status, self._earlier),
+            self._history,
+            self._held_ooms,
+            self._held_oom_count,
+            self.attempt,
         )
         if self.plan is not None:
             stamped = self.plan.model_copy(update={"attempt": self.attempt})

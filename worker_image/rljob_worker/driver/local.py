@@ -133,6 +133,7 @@ def run_local(
     threads_per_rank: int = 1,
     collective_timeout_seconds: float = 600.0,
     grace_seconds: float = GRACE_SECONDS,
+    job: str | None = None,
 ) -> LocalRun:
     """Run the job with `ranks` processes on this machine; `device` is 'cpu' or 'cuda'.
 
@@ -157,6 +158,7 @@ def run_local(
         [socket.gethostname()] * ranks,
         inject_oom=inject_oom,
         verify_weights=verify_weights,
+        job=job,
     )
     processes = []
     for rank, config in enumerate(configs):

@@ -33,6 +33,7 @@ def rank_configs(
     *,
     inject_oom: OOMInjection | None,
     verify_weights: bool,
+    job: str | None = None,
 ) -> list[RankConfig]:
     """One RankConfig per rank: rank r runs on devices[r] of host nodes[r]."""
     if len(devices) != len(nodes):
@@ -45,6 +46,7 @@ def rank_configs(
             node=node,
             inject_oom=inject_oom,
             verify_weights=verify_weights,
+            job=job,
         )
         for rank, (device, node) in enumerate(zip(devices, nodes, strict=True))
     ]

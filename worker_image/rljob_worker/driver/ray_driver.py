@@ -179,6 +179,7 @@ def run_ray(
     spec: RLJobSpec,
     *,
     job: str = "rljob",
+    job_uid: str | None = None,
     on_event: Callable[[RankEvent], None] | None = None,
     on_iteration: IterationCallback | None = None,
     verify_weights: bool = False,
@@ -230,6 +231,7 @@ def run_ray(
             [host for _ip, host in located],
             inject_oom=inject_oom,
             verify_weights=verify_weights,
+            job=job_uid,
         )
         launch = RankLaunch(
             spec.model_dump_json(), init_method, threads_per_rank, collective_timeout_seconds

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         run = run_ray(
             job.effective_spec,
             job=job.name,
+            job_uid=job.uid,
             on_event=listener,
             verify_weights=args.verify_weights,
             grace_seconds=GRACE_SECONDS if args.grace_seconds is None else args.grace_seconds,
