@@ -29,6 +29,7 @@ from rljob.api import (
 from rljob.oom_policy import rayjob_name
 from rljob_operator.identity import ATTEMPT_LABEL, JOB_UID_LABEL
 from rljob_operator.rbac import job_rules
+from rljob_operator.storage import storage_problems
 
 # The Ray driver the RayJob runs (built in worker_image/rljob_worker/driver/ray_main.py).
 DRIVER_MODULE = "rljob_worker.driver.ray_main"
@@ -297,7 +298,8 @@ def children(
 
 
 def deeper_problems(name: str, spec: RLJobSpec) -> list[tuple[str, str]]:
-    """Problems the models cannot see in the spec alone: (field path, message). Empty when the
-    job can run. The name rules are also CEL at the CRD's root; checked again here for RLJobs
-    admitted under an older CRD."""
-    return name_problems(name)
+    """Problems the models cannot see in the spec alone, or may not refuse (they also check
+    `rljob run`'s manifests): (field path, message). Empty when the job can run. The name
+    rules are also CEL at the CRD's root; checked again here for RLJobs admitted under an older
+    CRD. On a cluster the checkpoints and the export must be on a writable volume (storage.py)."""
+    return name_problems(name) + storage_problems(spec)

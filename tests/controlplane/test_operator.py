@@ -189,6 +189,20 @@ def test_failed_rayjob_is_a_failed_phase_and_a_warning(
     )
 
 
+def test_checkpoints_on_no_volume_fail_the_job_as_invalid_and_create_nothing(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    """Admitted (the models also check `rljob run`'s manifests, which have no volumes), then
+    refused by the operator: on the container's own filesystem a re-run starts over and the
+    export goes with the pod (operator/rljob_operator/storage.py)."""
+    create(admin, namespace, "novol", {**CPU_SPEC, "checkpoint": {"path": "/ckpt"}})
+    wait_for("phase Failed", phase_is(admin, namespace, "novol", "Failed"))
+    failed = condition(admin, namespace, "novol", "Failed")
+    assert failed["reason"] == "InvalidSpec", failed
+    assert "spec.checkpoint.path: /ckpt is on no volume" in failed["message"], failed
+    assert get(admin, namespace, "rayjobs", "novol") is None
+
+
 def test_suspend_round_trips_to_the_rayjob(
     operator: Operator, admin: client.ApiClient, namespace: str
 ) -> None:

@@ -536,6 +536,13 @@ def _reasons(admin: client.ApiClient, namespace: str, name: str) -> dict[str, in
     return counts
 
 
+# The operator refuses checkpoints on no volume (storage.py): the news tests' /data is one.
+DATA_VOLUME: dict[str, Any] = {
+    "volumes": [{"name": "data", "emptyDir": {}}],
+    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+}
+
+
 def test_checkpoint_news_is_one_event_each_also_after_an_operator_restart(
     plane: Any, operator: Operator, admin: client.ApiClient, namespace: str
 ) -> None:
@@ -546,7 +553,7 @@ def test_checkpoint_news_is_one_event_each_also_after_an_operator_restart(
     from rljob.api import CheckpointFailure, CheckpointStatus, ExportStatus, ResumePoint
 
     root = "/data/ckpt"
-    spec = {**CPU_SPEC, "checkpoint": {"path": root}}
+    spec = {**CPU_SPEC, "checkpoint": {"path": root}, **DATA_VOLUME}
     token = create_job(admin, plane, namespace, "news", spec)
     publisher = StatusPublisher.from_env_or_kubeconfig(namespace, "news", str(token), attempt=1)
 
@@ -631,7 +638,8 @@ def test_a_checkpoint_failure_written_after_kuberays_failure_still_names_the_fai
     from rljob.api import CheckpointFailure
 
     root = "/data/ckpt"
-    token = create_job(admin, plane, namespace, "late", {**CPU_SPEC, "checkpoint": {"path": root}})
+    spec = {**CPU_SPEC, "checkpoint": {"path": root}, **DATA_VOLUME}
+    token = create_job(admin, plane, namespace, "late", spec)
     write_rayjob_status_as_kuberay_would(admin, namespace, "late", "FAILED", "Failed")
 
     def failed() -> dict[str, Any] | None:

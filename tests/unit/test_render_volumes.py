@@ -140,3 +140,40 @@ def test_a_mount_of_the_operators_volume_is_refused() -> None:
     # job-config is not a volume of spec.volumes, and its name says whose it is.
     with pytest.raises(ValidationError, match="operator's own volume"):
         RLJobSpec.model_validate({"volumeMounts": [{"name": "job-config", "mountPath": "/cfg"}]})
+
+
+def test_checkpoints_and_the_export_must_be_on_a_writable_volume() -> None:
+    """On a cluster a path on no volume is the container's own filesystem: a re-run starts over
+    and the export goes with the pod while the job says Succeeded. The operator refuses such a
+    spec (InvalidSpec, nothing created); `rljob run`'s manifests have no volumes and pass."""
+    from rljob_operator.render import deeper_problems
+
+    def problems(checkpoint: str, export: str, **storage: Any) -> dict[str, str]:
+        spec = RLJobSpec.model_validate(
+            {"checkpoint": {"path": checkpoint}, "export": {"path": export}, **storage}
+        )
+        return dict(deeper_problems("job", spec))
+
+    volumes = {
+        "volumes": [
+            {"name": "ckpt", "persistentVolumeClaim": {"claimName": "runs"}},
+            {"name": "models", "persistentVolumeClaim": {"claimName": "m", "readOnly": True}},
+            {"name": "cfg", "configMap": {"name": "settings"}},
+            {"name": "scratch", "emptyDir": {}},
+        ],
+        "volumeMounts": [
+            {"name": "ckpt", "mountPath": "/data"},
+            {"name": "models", "mountPath": "/data/models"},
+            {"name": "cfg", "mountPath": "/etc/cfg"},
+            {"name": "scratch", "mountPath": "/scratch", "readOnly": False},
+        ],
+    }
+    assert problems("/data/run/ckpt", "/scratch/export", **volumes) == {}
+    assert problems("/data", "/data/out/", **volumes) == {}  # the mount point itself, a slash
+    found = problems("/data/models/ckpt", "/etc/cfg/out", **volumes)
+    assert "volumeMount models at /data/models is read-only" in found["spec.checkpoint.path"]
+    assert "volume cfg at /etc/cfg is a configMap" in found["spec.export.path"]
+    found = problems("/datasets/ckpt", "out/export", **volumes)  # /datasets is not under /data
+    assert set(found) == {"spec.checkpoint.path", "spec.export.path"}
+    assert "is on no volume" in found["spec.checkpoint.path"]
+    assert "is on no volume" in problems("/data/ckpt", "/exports/final")["spec.export.path"]
