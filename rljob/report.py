@@ -6,10 +6,11 @@ Shared by the worker (which produces it), the drivers (which aggregate it) and t
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 
@@ -147,6 +148,16 @@ class LearningFigures(_Model):
     response token of every rank and every optimizer step; the training figures are those of
     the update that preceded this iteration's rollout (none at iteration 0).
     """
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _finite_or_none(cls, value: Any) -> Any:
+        """A figure that is inf or NaN (a loss over a step whose gradient overflowed) is None:
+        status is JSON, which has neither, and the apiserver refuses every later write whose
+        metrics still hold one (they keep 100 iterations)."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        return value
 
     iteration: int = Field(ge=0)
     reward_mean: float | None = None

@@ -300,3 +300,77 @@ def test_a_rerun_of_the_attempt_keeps_the_checkpoint_export_and_earlier_metrics(
                               checkpoint=_checkpoint(4), resumed_from=resumed))  # fmt: skip
     assert status["checkpoint"]["iteration"] == 4
     assert [m["rewardMean"] for m in status["metrics"]] == [0.0, 1.0, 2.0, 13.0, 14.0]
+
+
+class _Apiserver:
+    """The two calls StatusPublisher makes of the custom-objects API; the first `failing`
+    status applies answer 503 (an apiserver blip)."""
+
+    def __init__(self, failing: int = 0) -> None:
+        self.failing, self.applied = failing, []  # type: ignore[var-annotated]
+
+    def get_namespaced_custom_object(self, *args: Any) -> dict[str, Any]:
+        return {"metadata": {"uid": "u"}, "status": {}}
+
+    def patch_namespaced_custom_object_status(self, *args: Any, **kwargs: Any) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        if self.failing:
+            self.failing -= 1
+            raise ApiException(status=503)
+        self.applied.append(args[5]["status"])
+
+
+def _publisher(apiserver: _Apiserver, events: list[str]) -> Any:
+    from kubernetes import client
+
+    from rljob_worker.publish import StatusPublisher
+
+    publisher = StatusPublisher(client.ApiClient(), "ns", "job", attempt=1)
+    publisher.custom = apiserver  # type: ignore[assignment]
+    publisher.event = lambda kind, reason, message: events.append(reason)  # type: ignore[method-assign]
+    return publisher
+
+
+def test_a_cuda_oom_event_waits_out_a_failed_status_write() -> None:
+    # The Warning Event follows the status write that holds the entry; a write that failed
+    # dropped the Event for good (the next flush has no new OOM).
+    from rljob_worker.publish import PublishingListener
+
+    events: list[str] = []
+    listener = PublishingListener(_publisher(_Apiserver(failing=1), events), world_size=2)
+    listener(OOMRecord(time="2026-01-01T00:00:00Z", kind="CUDAOutOfMemory",
+                       stage=Stage.WAKE_KV_CACHE, iteration=1, rank=0, message="oom"))  # fmt: skip
+    assert events == []  # its write failed
+    listener.flush()
+    assert events == ["CUDAOutOfMemory"]
+    listener.flush()
+    assert events == ["CUDAOutOfMemory"]  # once
+
+
+def test_a_figure_that_is_not_finite_is_left_out_of_status() -> None:
+    # JSON has no NaN: one such figure made every later write invalid while metrics kept it.
+    import json
+
+    from kubernetes import client
+
+    entry = IterationMetrics(iteration=1, policy_loss=float("nan"), entropy_mean=float("inf"))
+    assert (entry.policy_loss, entry.entropy_mean) == (None, None)
+    body = driver_fields(RLJobStatus(iteration=1, metrics=[entry]), [])
+    json.dumps(client.ApiClient().sanitize_for_serialization(body), allow_nan=False)
+
+
+def test_a_new_attempt_publishes_no_plan_of_the_one_before() -> None:
+    from rljob.api import PlanStatus, WakeUp
+
+    apiserver, events = _Apiserver(), []  # type: ignore[var-annotated]
+    publisher = _publisher(apiserver, events)
+    publisher.plan = PlanStatus(capacity_bytes=1, wake_up=WakeUp.STAGED, mem_fraction_static=0.9,
+                                fits=True, offload_optimizer=True, offload_params=True,
+                                stages=[])  # fmt: skip
+    publisher.publish(RLJobStatus(iteration=0))
+    assert apiserver.applied[-1]["plan"]["attempt"] == 1
+    publisher.next_attempt()
+    publisher.attempt = 2  # as rljob run sets it; attempt 2 fails before its rank 0 plans
+    publisher.publish(RLJobStatus())
+    assert "plan" not in apiserver.applied[-1]

@@ -209,6 +209,7 @@ class StatusPublisher:
         self._held_ooms: list[OOMEvent] = []
         self._held_oom_count = 0
         self._earlier = RLJobStatus()  # CONTINUED_FIELDS as status held them at _load
+        self._unposted: list[OOMRecord] = []  # CUDA OOMs whose Warning Event is not posted yet
         self._announced: int | None = None
         # status.plan: rank 0's memory plan (rljob/plan/), set once it arrives.
         self.plan: PlanStatus | None = None
@@ -261,6 +262,7 @@ class StatusPublisher:
         and count."""
         self._history = None
         self._announced = None
+        self.plan = None  # the new attempt's rank 0 sends its own (else attempt 1's stays)
 
     def publish(self, status: RLJobStatus, new_ooms: Sequence[OOMRecord] = ()) -> None:
         """Apply the driver-owned fields of `status`; a Warning Event per new CUDA OOM, and a
@@ -281,13 +283,16 @@ class StatusPublisher:
             stamped = self.plan.model_copy(update={"attempt": self.attempt})
             fields["plan"] = stamped.model_dump(by_alias=True, mode="json")
         body = status_apply_body(self.namespace, self.name, fields, self.job_uid)
+        # A new OOM's Warning Event waits for a status write that succeeds (the entry first);
+        # one whose write failed is posted with the next write, not dropped with the failure.
+        self._unposted += [o for o in new_ooms if o.kind == CUDA_OOM]
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, self.namespace, PLURAL, self.name, body,
             field_manager=FIELD_MANAGER, force=True, _content_type=APPLY,
         )  # fmt: skip
-        for oom in new_ooms:
-            if oom.kind == CUDA_OOM:
-                self.event("Warning", CUDA_OOM, oom_message(oom))
+        posting, self._unposted = self._unposted, []
+        for oom in posting:
+            self.event("Warning", CUDA_OOM, oom_message(oom))
         if status.iteration is not None and status.iteration != self._announced:
             self._announced = status.iteration
             if self.iteration_events():

@@ -14,10 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.queue import Empty, Queue
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from rljob.api import AUTO, REASON_CHECKPOINT_FAILED, RLJobSpec, RLJobStatus, WakeUp
 from rljob.report import IterationReport, OOMRecord
@@ -84,6 +87,9 @@ class RayRun(LocalRun):
     nodes: dict[int, str] = field(default_factory=dict)
     failures: list[RankFailure] = field(default_factory=list)
     setup_error: str | None = None
+    # The ranks' event queue was lost (its actor gone): what they reported since is too, so
+    # the run cannot count as done whatever the ranks returned.
+    events_lost: str | None = None
 
     def fail(self, rank: int, how: FailureKind, error: str) -> None:
         error = plain(error)
@@ -92,7 +98,9 @@ class RayRun(LocalRun):
 
     @property
     def ok(self) -> bool:
-        return super().ok and not self.failures and self.setup_error is None
+        return (
+            super().ok and not self.failures and self.setup_error is None and not self.events_lost
+        )
 
     @property
     def reason(self) -> str | None:
@@ -101,6 +109,8 @@ class RayRun(LocalRun):
             return self.setup_error
         if self.checkpoint_failures:  # every rank raised it together: the save is the cause
             return f"{REASON_CHECKPOINT_FAILED}: {self.checkpoint_failures[0].describe()}"
+        if self.events_lost is not None and not (self.ooms or self.failures):
+            return f"the ranks' event queue was lost (on the driver's node): {self.events_lost}"
         return failure_reason(
             self.ooms, self.failures, self.samples, self.wake_up, self.last_iteration, self.nodes
         )
@@ -123,15 +133,23 @@ def _ranked_bundles(group: PlacementGroup) -> list[int]:
     return sorted(nodes, key=lambda i: (first_seen[nodes[i]], i))
 
 
-def _drain(events: Queue, wait_seconds: float) -> list[Any]:
-    """Every event waiting now; blocks up to `wait_seconds` for the first."""
+def _drain(events: Queue, wait_seconds: float, run: RayRun) -> list[Any]:
+    """Every event waiting now; blocks up to `wait_seconds` for the first. A queue whose actor
+    is gone gives nothing (the ranks' puts then fail, and each rank's ending names it), rather
+    than an exception that would end the driver with no outcome recorded."""
     try:
         items = [events.get(block=True, timeout=wait_seconds)]
+        waiting = events.qsize()
+        if waiting:
+            items += events.get_nowait_batch(waiting)
     except Empty:
         return []
-    waiting = events.qsize()
-    if waiting:
-        items += events.get_nowait_batch(waiting)
+    except RayError as error:
+        if run.events_lost is None:
+            log.error("the ranks' event queue is gone: %s", headline(str(error)))
+            run.events_lost = headline(plain(str(error)))
+        time.sleep(wait_seconds)  # as a poll that found nothing
+        return []
     return items
 
 
@@ -206,8 +224,11 @@ def run_ray(
         last_iteration=spec.algorithm.iterations,
     )
     group = placement_group(_bundles(spec), strategy="PACK", name=f"{job}-ranks")
-    # The queue's actor takes no CPU: every CPU of the cluster may be in the ranks' bundles.
-    events = Queue(actor_options={"num_cpus": 0})
+    # The queue's actor takes no CPU (every CPU of the cluster may be in the ranks' bundles)
+    # and lives on the driver's node: anywhere else (Ray places a 0-CPU actor on any node) it
+    # would go with a lost worker pod, and the events of every rank with it.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    events = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
     actors: list[Any] = []
     try:
         try:
@@ -277,7 +298,7 @@ def _watch(
                 on_iteration(report, run.status())
 
     while pending:
-        for event in _drain(events, POLL_SECONDS):
+        for event in _drain(events, POLL_SECONDS, run):
             take(event)
             if isinstance(event, OOMRecord) and deadline is None:
                 deadline = time.monotonic() + grace_seconds
@@ -287,10 +308,10 @@ def _watch(
             try:
                 ray.get(ref)
                 continue
-            except RayActorError as error:
-                run.fail(rank, "died", str(error))
             except RayTaskError as error:
                 run.fail(rank, "raised", str(error))
+            except RayError as error:  # the actor died: killed, its node or worker lost, OOM
+                run.fail(rank, "died", str(error))
             log.error(
                 "rank %d (node %s) ended the job: %s",
                 rank,
@@ -306,8 +327,12 @@ def _watch(
         run.fail(rank, "ended", "ended by the driver after another rank failed")
         ray.kill(actors[rank], no_restart=True)
     # What the ranks put before they ended is still in the queue: keep it.
-    waiting = events.qsize()
-    while waiting:
-        for event in events.get_nowait_batch(waiting):
-            take(event)
+    try:
         waiting = events.qsize()
+        while waiting:
+            for event in events.get_nowait_batch(waiting):
+                take(event)
+            waiting = events.qsize()
+    except RayError as error:  # the queue's actor is gone: what it held is too
+        log.error("the ranks' last events are lost with their queue: %s", headline(str(error)))
+        run.events_lost = run.events_lost or headline(plain(str(error)))

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
+    from rljob_worker.driver.failure import plain
     from rljob_worker.driver.ray_driver import GRACE_SECONDS, run_ray
 
     log.info(
@@ -122,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
             verify_weights=args.verify_weights,
             grace_seconds=GRACE_SECONDS if args.grace_seconds is None else args.grace_seconds,
         )
+    except Exception as error:  # a Ray failure no rank accounts for: still a failed job's line
+        log.exception("the driver failed")
+        print(
+            f"rljob driver: RLJob {job.name} failed: the driver: {type(error).__name__}: "
+            f"{plain(str(error))[:500]}",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         ray.shutdown()
         if listener is not None:
@@ -140,7 +150,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except SystemExit as exit_:  # argparse's usage error
+        code = exit_.code if isinstance(exit_.code, int) else 2
+    except BaseException:  # printed, then the same quick exit below
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # Everything is written (status, the result document, the last line). Interpreter shutdown
