@@ -328,7 +328,7 @@ def _publisher(apiserver: _Apiserver, events: list[str]) -> Any:
 
     publisher = StatusPublisher(client.ApiClient(), "ns", "job", attempt=1)
     publisher.custom = apiserver  # type: ignore[assignment]
-    publisher.event = lambda kind, reason, message: events.append(reason)  # type: ignore[method-assign]
+    publisher.event = lambda kind, reason, message: events.append(reason)  # type: ignore[method-assign, assignment]
     return publisher
 
 

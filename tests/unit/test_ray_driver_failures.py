@@ -70,7 +70,7 @@ def test_a_rank_ray_killed_for_host_memory_is_a_death_not_an_escape(
     # RayTaskError. It escaped _watch, run_ray and main before: no outcome recorded at all.
     _ranks_end(monkeypatch, {"ref0": None, "ref1": OutOfMemoryError("node low on memory")})
     run = _run()
-    _watch(run, _Queue(), {"ref0": 0, "ref1": 1}, [None, None], None, None, 10.0)
+    _watch(run, _Queue(), {"ref0": 0, "ref1": 1}, [None, None], None, None, 10.0)  # type: ignore[arg-type]
     assert [(f.rank, f.how) for f in run.failures] == [(1, "died")]
     assert not run.ok and run.reason is not None and "rank 1" in run.reason
 
@@ -80,7 +80,7 @@ def test_a_lost_event_queue_fails_the_run_and_says_so(monkeypatch: pytest.Monkey
     _ranks_end(monkeypatch, {"ref0": None, "ref1": None})
     run = _run()
     lost = _Queue(error=RayActorError(error_msg="The actor died: its node was lost"))
-    _watch(run, lost, {"ref0": 0, "ref1": 1}, [None, None], None, None, 10.0)
+    _watch(run, lost, {"ref0": 0, "ref1": 1}, [None, None], None, None, 10.0)  # type: ignore[arg-type]
     assert not run.ok
     assert run.reason is not None and "event queue was lost" in run.reason, run.reason
 
