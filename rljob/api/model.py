@@ -39,10 +39,11 @@ HEADS_DIVIDE_RULES: tuple[CrossFieldRule, ...] = (
         check=lambda s: s.num_attention_heads % s.num_key_value_heads == 0,
     ),
     CrossFieldRule(
-        cel="self.hiddenSize % self.numAttentionHeads == 0",
-        message="numAttentionHeads must divide hiddenSize (head dim = hiddenSize / heads)",
+        cel="has(self.headDim) || self.hiddenSize % self.numAttentionHeads == 0",
+        message="numAttentionHeads must divide hiddenSize (head dim = hiddenSize / heads) "
+        "unless headDim is given",
         field_path=".numAttentionHeads",
-        check=lambda s: s.hidden_size % s.num_attention_heads == 0,
+        check=lambda s: s.head_dim is not None or s.hidden_size % s.num_attention_heads == 0,
     ),
 )
 
@@ -58,6 +59,14 @@ class ModelShapeSpec(_Spec):
     intermediate_size: int = Field(ge=1, le=1 << 22, description="MLP width.")
     num_attention_heads: int = Field(ge=1, le=4096, description="Query heads.")
     num_key_value_heads: int = Field(ge=1, le=4096, description="Key/value heads (GQA).")
+    head_dim: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 16,
+        description="Width of one attention head, where config.json gives head_dim (Qwen3: 128 "
+        "at hiddenSize 2560 and 32 heads); sizes the q/k/v/o projections and the KV cache. "
+        "Unset: hiddenSize / numAttentionHeads, as the engines derive it.",
+    )
     vocab_size: int = Field(ge=1, le=1 << 24, description="Embedding rows.")
     tie_word_embeddings: bool = Field(
         default=False, description="lm_head shares the embedding matrix."

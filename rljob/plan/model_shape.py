@@ -39,10 +39,14 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool
     attention_bias: bool = True  # Qwen2 has q/k/v biases; Llama none
+    # config.json's head_dim where it gives one (Qwen3: 128 at hidden 2560, 32 heads); None:
+    # hidden // heads, as transformers, sglang and the worker's engines derive it then.
+    config_head_dim: int | None = None
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
         heads = int(config["num_attention_heads"])
+        head_dim = config.get("head_dim")
         return cls(
             layers=int(config["num_hidden_layers"]),
             hidden=int(config["hidden_size"]),
@@ -52,24 +56,28 @@ class ModelShape:
             vocab=int(config["vocab_size"]),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=str(config.get("model_type", "qwen2")) == "qwen2",
+            config_head_dim=int(head_dim) if head_dim else None,
         )
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """What sglang's and the worker's layouts (DenseLayout, Qwen2Shape) use: config.json's
+        head_dim first, else hidden // heads."""
+        return self.config_head_dim or self.hidden // self.heads
 
     def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Parameter names and shapes in from_pretrained's order (weight-sync buckets)."""
-        h, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
+        h, i = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         bias = self.attention_bias
         layer: list[tuple[str, tuple[int, ...]]] = [
-            ("self_attn.q_proj.weight", (h, h)),
-            *([("self_attn.q_proj.bias", (h,))] if bias else []),
+            ("self_attn.q_proj.weight", (q, h)),
+            *([("self_attn.q_proj.bias", (q,))] if bias else []),
             ("self_attn.k_proj.weight", (kv, h)),
             *([("self_attn.k_proj.bias", (kv,))] if bias else []),
             ("self_attn.v_proj.weight", (kv, h)),
             *([("self_attn.v_proj.bias", (kv,))] if bias else []),
-            ("self_attn.o_proj.weight", (h, h)),
+            ("self_attn.o_proj.weight", (h, q)),
             ("mlp.gate_proj.weight", (i, h)),
             ("mlp.up_proj.weight", (i, h)),
             ("mlp.down_proj.weight", (h, i)),
