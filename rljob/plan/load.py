@@ -48,11 +48,13 @@ class LoadPeak:
     def fraction(self) -> float:
         return self.device_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
 
+    @property
+    def host_fits(self) -> bool:
+        """The worker's host bytes within the pod's memory (spec.resources.memory)."""
+        return self.host_bytes_per_node <= self.host_limit_bytes
+
     def fits_under(self, limit_bytes: int) -> bool:
-        return (
-            self.device_bytes + ALLOCATOR_SLACK_BYTES <= limit_bytes
-            and self.host_bytes_per_node <= self.host_limit_bytes
-        )
+        return self.device_bytes + ALLOCATOR_SLACK_BYTES <= limit_bytes and self.host_fits
 
     @property
     def fits(self) -> bool:
@@ -84,7 +86,7 @@ class LoadPeak:
                 f" GiB ({(self.device_bytes + ALLOCATOR_SLACK_BYTES - self.capacity_bytes) / GiB:.2f}"
                 " GiB over)"
             )
-        if self.host_bytes_per_node > self.host_limit_bytes:
+        if not self.host_fits:
             over.append(
                 f"load needs {self.host_bytes_per_node / GiB:.2f} GiB of host memory per worker "
                 f"pod, spec.resources.memory is {self.host_limit_bytes / GiB:.2f} GiB"

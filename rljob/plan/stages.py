@@ -128,9 +128,19 @@ class ModePlan:
         multiTurn the KV pool large enough for the conversations)."""
         return (
             self.kv_holds_conversations
-            and all(s.peak_bytes + ALLOCATOR_SLACK_BYTES <= limit_bytes for s in self.stages)
+            and self.stages_fit_under(limit_bytes)
             and (self.load is None or self.load.fits_under(limit_bytes))
         )
+
+    def stages_fit_under(self, limit_bytes: int) -> bool:
+        """Every stage of the iteration, plus the allocator's slack, within `limit_bytes`: the
+        one condition of fits_under that the offload changes."""
+        return all(s.peak_bytes + ALLOCATOR_SLACK_BYTES <= limit_bytes for s in self.stages)
+
+    @property
+    def host_short(self) -> bool:
+        """The start-up's host bytes pass the worker pod's memory (spec.resources.memory)."""
+        return self.load is not None and not self.load.host_fits
 
     @property
     def worst(self) -> StagePeak:
@@ -175,7 +185,7 @@ def mode_plan(
     reference_dtype: str | None = None,
 ) -> ModePlan:
     """The spec's own mode and fraction; with offload Auto the least offload that fits (under
-    `limit_bytes`, default the capacity; or, when none fits, everything the flags allow)."""
+    `limit_bytes`, default the capacity; when none fits, see _least_harmful)."""
     wake_up, fraction = resolved_rollout(spec)
     world = world or spec.world_size
     p = parts(spec, shape, capacity_bytes, world, reference_dtype)
@@ -194,7 +204,18 @@ def mode_plan(
         stages = tuple(StagePeak(s, b, capacity_bytes) for s, b in peaks.items())
         plans.append(ModePlan(wake_up, fraction, optimizer, params, stages, p, load=load))
     limit = capacity_bytes if limit_bytes is None else limit_bytes
-    return next((m for m in plans if m.fits_under(limit)), plans[-1])
+    fitting = [m for m in plans if m.fits_under(limit)]
+    return fitting[0] if fitting else _least_harmful(plans, limit)
+
+
+def _least_harmful(plans: list[ModePlan], limit_bytes: int) -> ModePlan:
+    """None of `plans` (fewest bytes moved first) fits: the least offload whose every stage fits,
+    where what is short is one offload cannot fix (the multi-turn KV cache, the same pool at
+    every offload; the start-up's device bytes); none of them, everything the flags allow (the
+    least device bytes). Never an offload when host memory is short: it pins host copies."""
+    if plans[0].host_short:
+        return plans[0]
+    return next((m for m in plans if m.stages_fit_under(limit_bytes)), plans[-1])
 
 
 def overlaps_staging(spec: RLJobSpec) -> bool:
