@@ -67,7 +67,7 @@ def _usable(m: ModePlan, limit_bytes: int) -> bool:
 def choose(candidates: Sequence[ModePlan], limit_bytes: int) -> ModePlan:
     """The candidate with the largest KV pool whose every stage fits under `limit_bytes`; on a
     tie staged (its peaks are lower), then the lower fraction (more headroom). None fitting:
-    AutoRefused naming the closest candidate's stage and the bytes it is short."""
+    AutoRefused naming the condition that fails and the knob to change (_refusal)."""
     fitting = [m for m in candidates if _usable(m, limit_bytes)]
     if fitting:
         return max(
@@ -76,12 +76,44 @@ def choose(candidates: Sequence[ModePlan], limit_bytes: int) -> ModePlan:
         )
     if not candidates:
         raise AutoRefused("rollout Auto: no candidate to plan")
+    raise AutoRefused(_refusal(candidates, limit_bytes))
+
+
+def _refusal(candidates: Sequence[ModePlan], limit_bytes: int) -> str:
+    """Why no candidate fits, in the order a user would fix it: the worker pod's host memory
+    (the same at every candidate), else the multi-turn KV cache where some candidate's device
+    fits and only its pool is short, else the closest candidate's stage and the bytes it is
+    short."""
+    limit = f"{limit_bytes / GiB:.2f} GiB (the GPU less spec.memoryPlan.margin)"
+    first = candidates[0]
+    if first.load is not None and not first.load.host_fits:
+        return (
+            f"rollout Auto: no candidate fits: {first.load.host_misfit_text()}, at every wakeUp "
+            "and memFractionStatic; raise spec.resources.memory"
+        )
+    kv_short = [
+        m
+        for m in candidates
+        if m.parts.kv_tokens > 0
+        and not m.kv_holds_conversations
+        and m.stages_fit_under(limit_bytes)
+        and (m.load is None or m.load.fits_under(limit_bytes))
+    ]
+    if kv_short:
+        largest = max(kv_short, key=lambda m: m.parts.kv_tokens)
+        return (
+            f"rollout Auto: no KV cache that fits {limit} holds the multi-turn rollout's "
+            f"conversations: at wakeUp {largest.wake_up}, memFractionStatic "
+            f"{largest.mem_fraction_static:.2f} (the largest that fits) "
+            f"{largest.kv_shortfall_text()}; lower "
+            "spec.rollout.multiTurn.maxConcurrentConversations or maxResponseLength, or use "
+            "more GPUs"
+        )
     closest = min(candidates, key=lambda m: _short_bytes(m, limit_bytes)[1])
     stage, short = _short_bytes(closest, limit_bytes)
     text = (
-        f"rollout Auto: nothing fits {limit_bytes / GiB:.2f} GiB (the GPU less "
-        f"spec.memoryPlan.margin); closest: wakeUp {closest.wake_up} at memFractionStatic "
-        f"{closest.mem_fraction_static:.2f}, where {stage.stage} needs "
+        f"rollout Auto: nothing fits {limit}; closest: wakeUp {closest.wake_up} at "
+        f"memFractionStatic {closest.mem_fraction_static:.2f}, where {stage.stage} needs "
         f"{stage.peak_bytes / GiB:.2f} GiB ({max(short, 0) / GiB:.2f} GiB short)"
     )
     if closest.parts.kv_tokens <= 0:
@@ -89,7 +121,7 @@ def choose(candidates: Sequence[ModePlan], limit_bytes: int) -> ModePlan:
             f" and the engine's weights ({closest.parts.engine_weights / GiB:.2f} GiB) leave no "
             "KV cache"
         )
-    raise AutoRefused(
+    return (
         text + "; use more GPUs (FSDP shards training state), offload, a smaller "
         "micro-batch or gradient checkpointing, or a lower spec.memoryPlan.margin"
     )

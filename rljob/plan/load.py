@@ -87,11 +87,14 @@ class LoadPeak:
                 " GiB over)"
             )
         if not self.host_fits:
-            over.append(
-                f"load needs {self.host_bytes_per_node / GiB:.2f} GiB of host memory per worker "
-                f"pod, spec.resources.memory is {self.host_limit_bytes / GiB:.2f} GiB"
-            )
+            over.append(self.host_misfit_text())
         return "; ".join(over)
+
+    def host_misfit_text(self) -> str:
+        return (
+            f"load needs {self.host_bytes_per_node / GiB:.2f} GiB of host memory per worker "
+            f"pod, spec.resources.memory is {self.host_limit_bytes / GiB:.2f} GiB"
+        )
 
 
 def load_peak(

@@ -157,12 +157,17 @@ class ModePlan:
         ]
         if not self.kv_holds_conversations:
             misfits.append(
-                f"the KV cache holds {self.parts.kv_tokens} tokens, the multi-turn rollout's "
-                f"concurrent full-length trajectories need {self.parts.kv_tokens_needed} (lower "
-                "rollout.multiTurn.maxConcurrentConversations or maxResponseLength, or raise "
-                "memFractionStatic)"
+                f"{self.kv_shortfall_text()} (lower rollout.multiTurn.maxConcurrentConversations "
+                "or maxResponseLength, or raise memFractionStatic)"
             )
         return "; ".join(misfits)
+
+    def kv_shortfall_text(self) -> str:
+        """mode multiTurn: what the pool holds against what the conversations need."""
+        return (
+            f"the KV cache holds {self.parts.kv_tokens} tokens, the multi-turn rollout's "
+            f"concurrent full-length trajectories need {self.parts.kv_tokens_needed}"
+        )
 
 
 def _offload_choices(spec: RLJobSpec) -> list[tuple[bool, bool]]:

@@ -38,13 +38,19 @@ CARD = 80 * GiB
 
 
 def candidate(
-    mode: WakeUp, fraction: float, peak_gib: float, kv_tokens: int, stage: Stage = Stage.ROLLOUT
+    mode: WakeUp,
+    fraction: float,
+    peak_gib: float,
+    kv_tokens: int,
+    stage: Stage = Stage.ROLLOUT,
+    kv_tokens_needed: int = 0,
 ) -> ModePlan:
-    """One row of a table: a candidate whose worst stage peaks at `peak_gib`."""
+    """One row of a table: a candidate whose worst stage peaks at `peak_gib` (and in mode
+    multiTurn whose conversations need `kv_tokens_needed`)."""
     parts = Parts(
         context=0, train_params=0, optimizer=0, grads=0, step_temp=0, step_cache=0,
         activations=0, fsdp_buffers=0, engine_weights=3 * GiB, kv_pool=kv_tokens * 1024,
-        kv_tokens=kv_tokens, gather=0, rollout_workspace=0,
+        kv_tokens=kv_tokens, gather=0, rollout_workspace=0, kv_tokens_needed=kv_tokens_needed,
     )  # fmt: skip
     stages = (
         StagePeak(Stage.TRAIN, 10 * GiB, CARD),
@@ -120,6 +126,63 @@ def test_nothing_fits_names_the_closest_candidates_stage() -> None:
         choose(table, LIMIT)
 
 
+def test_a_multi_turn_kv_shortfall_is_refused_naming_the_conversations() -> None:
+    # 0.50 and 0.90 fit the limit but hold 500 and 900 of the 1000 tokens the conversations
+    # need; 0.95 would hold them but passes the limit: the largest pool that fits is named.
+    table = [
+        candidate(WakeUp.STAGED, 0.50, 60.0, 500, kv_tokens_needed=1000),
+        candidate(WakeUp.STAGED, 0.90, 76.0, 900, kv_tokens_needed=1000),
+        candidate(WakeUp.STAGED, 0.95, 78.0, 1000, kv_tokens_needed=1000),
+    ]
+    with pytest.raises(AutoRefused) as info:
+        choose(table, LIMIT)
+    text = str(info.value)
+    assert "at wakeUp staged, memFractionStatic 0.90 (the largest that fits)" in text, text
+    assert "holds 900 tokens" in text and "need 1000" in text
+    assert "lower spec.rollout.multiTurn.maxConcurrentConversations" in text
+    assert "GiB short" not in text
+
+
+def test_a_multi_turn_kv_shortfall_on_the_real_plan_names_max_concurrent_conversations() -> None:
+    s = RLJobSpec.model_validate({
+        "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct", "shape": QWEN25_05B},
+        "data": {"source": "builtin:calculator", "trainBatchSize": 64, "maxPromptLength": 256},
+        "algorithm": {"groupSize": 64}, "training": {"microBatchSize": 1},
+        "rollout": {"engine": "sglang", "memFractionStatic": AUTO, "mode": "multiTurn",
+                    "multiTurn": {"maxResponseLength": 8192, "maxConcurrentConversations": 4096}},
+        "resources": {"gpusPerWorker": 1},
+    })  # fmt: skip
+    shape = shape_for(s)
+    assert shape is not None
+    with pytest.raises(AutoRefused) as info:
+        auto_choice(s, shape, CARD, 1)
+    # 64 x 64 = 4096 conversations at once, 256 + 8192 tokens each: 34,603,008 tokens, more
+    # than any pool under 80 GiB holds for 0.5B (every stage fits at every fraction).
+    text = str(info.value)
+    assert "need 34603008" in text and "maxConcurrentConversations" in text, text
+    assert "leave no KV cache" not in text
+
+
+def test_short_host_memory_is_refused_naming_spec_resources_memory() -> None:
+    s = RLJobSpec.model_validate({
+        "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct", "shape": QWEN25_05B},
+        "rollout": {"engine": "sglang", "memFractionStatic": AUTO},
+        "resources": {"gpusPerWorker": 1, "memory": "768Mi", "sharedMemory": "256Mi"},
+    })  # fmt: skip
+    shape = shape_for(s)
+    assert shape is not None
+    # The load's largest slice, the 151936 x 896 embedding, as stored (bf16) and as fp32:
+    # 136,134,656 x 6 = 816,807,936 bytes (0.76 GiB) in a pod of 768 MiB (0.75 GiB).
+    with pytest.raises(AutoRefused) as info:
+        auto_choice(s, shape, CARD, 1)
+    text = str(info.value)
+    assert "load needs 0.76 GiB of host memory per worker pod" in text, text
+    assert "spec.resources.memory is 0.75 GiB" in text and "raise spec.resources.memory" in text
+
+
+QWEN25_05B = {"numHiddenLayers": 24, "hiddenSize": 896, "intermediateSize": 4864,
+              "numAttentionHeads": 14, "numKeyValueHeads": 2, "vocabSize": 151936,
+              "tieWordEmbeddings": True}  # fmt: skip
 QWEN25_1_5B = {"numHiddenLayers": 28, "hiddenSize": 1536, "intermediateSize": 8960,
                "numAttentionHeads": 12, "numKeyValueHeads": 2, "vocabSize": 151936,
                "tieWordEmbeddings": True}  # fmt: skip
