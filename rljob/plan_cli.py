@@ -115,7 +115,11 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError) as error:  # pydantic's ValidationError is a ValueError
         print(f"rljob plan: {error}", file=sys.stderr)
         return 2
-    shape = shape_for(spec)
+    try:
+        shape = shape_for(spec)
+    except ValueError as error:  # a config.json the plan cannot size (a mixture of experts)
+        print(f"rljob plan: RLJob {name}: {error}", file=sys.stderr)
+        return 2
     if shape is None:
         parser.error(
             f"RLJob {name}: no model shape for spec.model.path={spec.model.path!r}: give "

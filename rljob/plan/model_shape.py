@@ -26,6 +26,11 @@ TINY_QWEN2_CONFIG: dict[str, Any] = {
 }
 TINY_QWEN2_VOCAB_SIZE = 320
 
+# config.json keys that make a model a mixture of experts (Qwen2/Qwen3-MoE, Mixtral, DeepSeek):
+# the plan sizes dense decoders only, and would size such a model as a dense one
+# (Qwen3-30B-A3B, 30.5B parameters, as 3.3B).
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -45,6 +50,14 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
+        """From config.json's fields; ValueError for a mixture-of-experts model."""
+        moe = [key for key in MOE_CONFIG_KEYS if config.get(key)]
+        if moe:
+            raise ValueError(
+                f"the model's config.json has {', '.join(moe)}: a mixture-of-experts model, "
+                "which the memory plan does not support (it sizes dense Qwen2/Llama-style "
+                "decoders)"
+            )
         heads = int(config["num_attention_heads"])
         head_dim = config.get("head_dim")
         return cls(

@@ -1,5 +1,5 @@
 """The model's shape for the memory plan (rljob/plan/model_shape.py): config.json's head_dim and
-spec.model.shape.headDim, by hand against Qwen3-4B's config."""
+spec.model.shape.headDim, by hand against Qwen3-4B's config; mixture-of-experts configs refused."""
 
 from __future__ import annotations
 
@@ -87,3 +87,55 @@ def test_heads_need_not_divide_hidden_when_head_dim_is_given(
     else:
         with pytest.raises(ValidationError, match="unless headDim is given"):
             _spec_with_shape(**shape)
+
+
+# Qwen3-30B-A3B's config.json (its MoE fields; the plan took it for a 2.89B dense model, 3.34B
+# with its head_dim) and
+# Mixtral-8x7B's: each names its experts differently.
+QWEN3_30B_A3B: dict[str, Any] = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+}  # fmt: skip
+MIXTRAL_8X7B: dict[str, Any] = {
+    "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "keys"),
+    [(QWEN3_30B_A3B, "num_experts, moe_intermediate_size"), (MIXTRAL_8X7B, "num_local_experts")],
+    ids=["qwen3-moe", "mixtral"],
+)
+def test_a_mixture_of_experts_config_is_refused_naming_its_keys(
+    tmp_path: Path, config: dict[str, Any], keys: str
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = RLJobSpec.model_validate({"model": {"path": str(tmp_path)}})
+    with pytest.raises(ValueError, match=f"config.json has {keys}: a mixture-of-experts model"):
+        shape_for(spec)
+
+
+def test_a_dense_config_with_its_expert_keys_empty_still_plans() -> None:
+    dense = {**QWEN3_4B, "num_experts": 0, "moe_intermediate_size": None}
+    assert ModelShape.from_config(dense).parameters == QWEN3_4B_PARAMETERS
+
+
+def test_rljob_plan_refuses_a_mixture_of_experts_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rljob.plan_cli import main as plan_main
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(
+        json.dumps({"apiVersion": "rljob.dev/v1alpha1", "kind": "RLJob",
+                    "metadata": {"name": "moe"}, "spec": {"model": {"path": str(tmp_path)}}})
+    )  # fmt: skip
+    assert plan_main([str(manifest), "--gpu-memory", "80Gi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rljob plan: RLJob moe: the model's config.json has num_experts")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
