@@ -5,6 +5,7 @@ rank takes from it: its own plan (rank_plan), the spec it runs and the offload i
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,9 +20,11 @@ from rljob.plan.knobs import (
     is_auto,
     resolved_rollout,
 )
-from rljob.plan.model_shape import ModelShape, shape_for
+from rljob.plan.model_shape import MixtureOfExperts, ModelShape, shape_for
 from rljob.plan.stages import ModePlan, largest_fitting_fraction, mode_plan
 from rljob.plan.weight_sync import with_process_switches
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -157,9 +160,16 @@ def rank_plan(
 
     if capacity_bytes is None and spec.memory_plan.gpu_memory is not None:
         capacity_bytes = int(_quantity(spec.memory_plan.gpu_memory))
-    shape = shape_for(spec)
-    if shape is None and model_path is not None and (Path(model_path) / "config.json").is_file():
-        shape = ModelShape.from_config(json.loads((Path(model_path) / "config.json").read_text()))
+    try:
+        shape = shape_for(spec)
+        config = Path(model_path) / "config.json" if model_path is not None else None
+        if shape is None and config is not None and config.is_file():
+            shape = ModelShape.from_config(json.loads(config.read_text()))
+    except MixtureOfExperts as error:
+        # No plan, as for a shape it cannot read: the job runs with the knobs it names (offload
+        # flags, a fixed memFractionStatic); a knob only the plan picks (Auto) says it needs one.
+        log.warning("no memory plan: %s", error)
+        return None
     if shape is None or capacity_bytes is None:
         return None
     if environ is not None:

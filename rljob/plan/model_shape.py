@@ -32,6 +32,10 @@ TINY_QWEN2_VOCAB_SIZE = 320
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
+class MixtureOfExperts(ValueError):
+    """A config.json of a mixture-of-experts model: the plan cannot size it."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A Qwen2/Llama-family decoder's architecture (config.json's fields)."""
@@ -53,7 +57,7 @@ class ModelShape:
         """From config.json's fields; ValueError for a mixture-of-experts model."""
         moe = [key for key in MOE_CONFIG_KEYS if config.get(key)]
         if moe:
-            raise ValueError(
+            raise MixtureOfExperts(
                 f"the model's config.json has {', '.join(moe)}: a mixture-of-experts model, "
                 "which the memory plan does not support (it sizes dense Qwen2/Llama-style "
                 "decoders)"

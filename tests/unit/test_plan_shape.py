@@ -119,6 +119,23 @@ def test_a_mixture_of_experts_config_is_refused_naming_its_keys(
         shape_for(spec)
 
 
+def test_a_mixture_of_experts_job_runs_without_a_plan_rather_than_with_a_wrong_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The rank's plan: none (as for a shape it cannot read), so the job runs with the knobs it
+    # names instead of failing before its engine starts, or running with a 10x too small plan.
+    from rljob.plan import rank_plan
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    spec = RLJobSpec.model_validate({"model": {"path": str(tmp_path)}})
+    assert rank_plan(spec, 80 << 30, 1, tmp_path) is None
+    assert "no memory plan: the model's config.json has num_experts" in caplog.text
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps(QWEN3_4B))
+    assert rank_plan(RLJobSpec.model_validate({"model": {"path": str(dense)}}), 80 << 30, 1, dense)
+
+
 def test_a_dense_config_with_its_expert_keys_empty_still_plans() -> None:
     dense = {**QWEN3_4B, "num_experts": 0, "moe_intermediate_size": None}
     assert ModelShape.from_config(dense).parameters == QWEN3_4B_PARAMETERS
