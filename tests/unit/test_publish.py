@@ -240,7 +240,7 @@ def test_continued_keeps_the_earlier_metrics_before_this_runs_first_iteration(
     resumed_at: int | None,
     expected: list[tuple[int, float]],
 ) -> None:
-    from rljob_worker.publish import continued
+    from rljob_worker.driver import continued
 
     resumed = None if resumed_at is None else ResumePoint(iteration=resumed_at, path="/c")
     status = RLJobStatus(metrics=_metrics(*own, reward=10.0), resumed_from=resumed)

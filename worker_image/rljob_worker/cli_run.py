@@ -410,7 +410,7 @@ def main(argv: list[str]) -> int:
         next_attempt,
         plan_fits,
     )
-    from rljob_worker.publish import continued
+    from rljob_worker.driver import continued
 
     publisher = None
     if args.publish:

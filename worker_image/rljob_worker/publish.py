@@ -35,7 +35,8 @@ from rljob.api import (
     history_with,
     status_apply_body,
 )
-from rljob.report import MAX_METRICS, OOMRecord
+from rljob.report import OOMRecord
+from rljob_worker.driver import CONTINUED_FIELDS, continued
 
 FIELD_MANAGER = "rljob-job"
 APPLY = "application/apply-patch+yaml"
@@ -62,36 +63,6 @@ def _stamped(record: _Stamped | None, attempt: int | None) -> _Stamped | None:
     if record is None or record.attempt is not None or attempt is None:
         return record
     return record.model_copy(update={"attempt": attempt})
-
-
-# What an earlier driver of the job wrote that stays true for the next one (continued()).
-CONTINUED_FIELDS = ("checkpoint", "export", "metrics")
-
-
-def continued(status: RLJobStatus, earlier: RLJobStatus) -> RLJobStatus:
-    """This driver's `status` with what an earlier driver of the job (a run KubeRay started
-    again after a lost pod, an earlier attempt) wrote that is still true: the newest checkpoint
-    and export until this run has its own (the files stay; a run resumed at the last iteration
-    saves none), and the metrics of the iterations before this run's (from the first iteration
-    it ran or resumed at, its own values stand: no iteration twice). Under server-side apply
-    with one field manager, what this driver's apply leaves out is deleted.
-
-    Not continued: what describes the current run only and is written by it (iteration, reward,
-    memory, plan, resumedFrom), and checkpointFailure: KubeRay runs a job again after a failed
-    save (backoffLimit), and an earlier run's failure carried into this one would have the
-    operator call the running job Failed."""
-    redone = [m.iteration for m in status.metrics]
-    if status.resumed_from is not None:
-        redone.append(status.resumed_from.iteration)
-    first = min(redone, default=None)
-    before = [m for m in earlier.metrics if first is None or m.iteration < first]
-    return status.model_copy(
-        update={
-            "checkpoint": status.checkpoint or earlier.checkpoint,
-            "export": status.export or earlier.export,
-            "metrics": [*before, *status.metrics][-MAX_METRICS:],
-        }
-    )
 
 
 def driver_fields(

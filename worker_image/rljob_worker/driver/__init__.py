@@ -19,6 +19,7 @@ from rljob.api import (
     RLJobStatus,
 )
 from rljob.report import (
+    MAX_METRICS,
     METRIC_DIGITS,
     IterationReport,
     MultiTurnFigures,
@@ -213,3 +214,33 @@ def export_status(iterations: Iterable[RankIteration]) -> ExportStatus | None:
         return None
     iteration, path = max(exports)
     return ExportStatus(path=path, iteration=iteration)
+
+
+# What an earlier driver of the job wrote that stays true for the next one (continued()).
+CONTINUED_FIELDS = ("checkpoint", "export", "metrics")
+
+
+def continued(status: RLJobStatus, earlier: RLJobStatus) -> RLJobStatus:
+    """This driver's `status` with what an earlier driver of the job (a run KubeRay started
+    again after a lost pod, an earlier attempt) wrote that is still true: the newest checkpoint
+    and export until this run has its own (the files stay; a run resumed at the last iteration
+    saves none), and the metrics of the iterations before this run's (from the first iteration
+    it ran or resumed at, its own values stand: no iteration twice). Under server-side apply
+    with one field manager, what this driver's apply leaves out is deleted.
+
+    Not continued: what describes the current run only and is written by it (iteration, reward,
+    memory, plan, resumedFrom), and checkpointFailure: KubeRay runs a job again after a failed
+    save (backoffLimit), and an earlier run's failure carried into this one would have the
+    operator call the running job Failed."""
+    redone = [m.iteration for m in status.metrics]
+    if status.resumed_from is not None:
+        redone.append(status.resumed_from.iteration)
+    first = min(redone, default=None)
+    before = [m for m in earlier.metrics if first is None or m.iteration < first]
+    return status.model_copy(
+        update={
+            "checkpoint": status.checkpoint or earlier.checkpoint,
+            "export": status.export or earlier.export,
+            "metrics": [*before, *status.metrics][-MAX_METRICS:],
+        }
+    )
