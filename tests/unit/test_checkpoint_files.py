@@ -204,3 +204,27 @@ def test_a_resumed_optimizer_steps_at_the_specs_learning_rate(tmp_path: Path) ->
     assert [g["lr"] for g in optimizer.param_groups] == [0.01]
     assert optimizer.state  # the moments did come back
     assert torch.equal(resumed.table, model.table)
+
+
+def test_a_rank_that_died_copying_its_state_to_the_host_is_placed_in_the_checkpoint() -> None:
+    """Its last sample is train's (the checkpoint stage sends one only when it ends): with
+    checkpoints every 2 iterations, iteration 2's stage after train is checkpoint, iteration
+    3's is offload_optimizer. A host OOMKill while copying to pinned memory was named
+    offload_optimizer."""
+
+    def train(iteration: int) -> StageSample:
+        return StageSample.model_validate(
+            {"rank": 0, "iteration": iteration, "stage": Stage.TRAIN, "startSeconds": 0,
+             "seconds": 1.0, "kind": "host", "device": "cpu", "peakAllocatedBytes": 0,
+             "peakReservedBytes": 0, "allocatedBytes": 0, "reservedBytes": 0,
+             "deviceUsedBytes": 0, "devicePeakUsedBytes": 0, "deviceTotalBytes": 1}
+        )  # fmt: skip
+
+    def died(iteration: int, every: int) -> tuple[int, Stage] | None:
+        return position_at_failure(
+            [train(iteration)], WakeUp.STAGED, 4, raised=False, checkpoint_every=every
+        )
+
+    assert died(2, every=2) == (2, Stage.CHECKPOINT)
+    assert died(3, every=2) == (3, Stage.OFFLOAD_OPTIMIZER)
+    assert died(2, every=0) == (2, Stage.OFFLOAD_OPTIMIZER)  # no checkpoints

@@ -46,14 +46,21 @@ def headline(error: str) -> str:
 
 
 def position_at_failure(
-    samples: Sequence[StageSample], wake_up: WakeUp, last_iteration: int, *, raised: bool
+    samples: Sequence[StageSample],
+    wake_up: WakeUp,
+    last_iteration: int,
+    *,
+    raised: bool,
+    checkpoint_every: int = 0,
 ) -> tuple[int, Stage] | None:
     """(iteration, stage) a rank was in when it failed, from the samples it sent; None when it
     had not finished a stage yet.
 
     A stage's sample is sent when the stage ends, also when it ends by an exception: so a rank
     that raised was in the stage of its last sample, and one that died without a word was in the
-    stage after it.
+    stage after it. `checkpoint_every` (spec.checkpoint.everyIterations; 0: no checkpoints)
+    says which iterations have the checkpoint stage after train: a rank that died copying the
+    training state to the host sent train's sample last.
     """
     if not samples:
         return None
@@ -61,7 +68,8 @@ def position_at_failure(
     if raised:
         return last.iteration, last.stage
     # A checkpoint iteration has the checkpoint stage after train (stages.stage_order).
-    order = stage_order(wake_up, last.iteration, checkpoint=last.stage is Stage.CHECKPOINT)
+    saves = checkpoint_every > 0 and last.iteration % checkpoint_every == 0
+    order = stage_order(wake_up, last.iteration, checkpoint=saves or last.stage is Stage.CHECKPOINT)
     if last.stage not in order:
         return last.iteration, last.stage  # an order this rank did not run: say where it was
     following = order.index(last.stage) + 1
@@ -86,6 +94,7 @@ def failure_reason(
     wake_up: WakeUp,
     last_iteration: int,
     nodes: Mapping[int, str],
+    checkpoint_every: int = 0,
 ) -> str | None:
     """The cause of a failed job: the first OOM, else the rank that died, else the first that
     raised (the others usually fail after it, in a collective). None when nothing failed."""
@@ -104,7 +113,13 @@ def failure_reason(
         return None
     own = [s for s in samples if s.rank == first.rank]
     where = describe_position(
-        position_at_failure(own, wake_up, last_iteration, raised=first.how != "died")
+        position_at_failure(
+            own,
+            wake_up,
+            last_iteration,
+            raised=first.how != "died",
+            checkpoint_every=checkpoint_every,
+        )
     )
     verb = "died" if first.how == "died" else "failed"
     return f"rank {first.rank} (node {first.node}) {verb} in {where}: {headline(first.error)}"

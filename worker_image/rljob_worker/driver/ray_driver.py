@@ -84,6 +84,7 @@ class RayRun(LocalRun):
 
     wake_up: WakeUp = WakeUp.STAGED
     last_iteration: int = 0
+    checkpoint_every: int = 0  # spec.checkpoint.everyIterations (0: none): where a death was
     nodes: dict[int, str] = field(default_factory=dict)
     failures: list[RankFailure] = field(default_factory=list)
     setup_error: str | None = None
@@ -112,8 +113,9 @@ class RayRun(LocalRun):
         if self.events_lost is not None and not (self.ooms or self.failures):
             return f"the ranks' event queue was lost (on the driver's node): {self.events_lost}"
         return failure_reason(
-            self.ooms, self.failures, self.samples, self.wake_up, self.last_iteration, self.nodes
-        )
+            self.ooms, self.failures, self.samples, self.wake_up, self.last_iteration, self.nodes,
+            self.checkpoint_every,
+        )  # fmt: skip
 
 
 def _bundles(spec: RLJobSpec) -> list[dict[str, float]]:
@@ -222,6 +224,7 @@ def run_ray(
         # wakeUp Auto: staged until rank 0's plan says what it chose (take() below).
         wake_up=WakeUp.STAGED if spec.rollout.wake_up == AUTO else WakeUp(spec.rollout.wake_up),
         last_iteration=spec.algorithm.iterations,
+        checkpoint_every=spec.checkpoint.every_iterations if spec.checkpoint is not None else 0,
     )
     group = placement_group(_bundles(spec), strategy="PACK", name=f"{job}-ranks")
     # The queue's actor takes no CPU (every CPU of the cluster may be in the ranks' bundles)
