@@ -95,19 +95,17 @@ def _refusal(candidates: Sequence[ModePlan], limit_bytes: int) -> str:
         m
         for m in candidates
         if m.parts.kv_tokens > 0
-        and not m.kv_holds_conversations
+        and not m.kv_holds_rollout
         and m.stages_fit_under(limit_bytes)
         and (m.load is None or m.load.fits_under(limit_bytes))
     ]
     if kv_short:
         largest = max(kv_short, key=lambda m: m.parts.kv_tokens)
         return (
-            f"rollout Auto: no KV cache that fits {limit} holds the multi-turn rollout's "
-            f"conversations: at wakeUp {largest.wake_up}, memFractionStatic "
-            f"{largest.mem_fraction_static:.2f} (the largest that fits) "
-            f"{largest.kv_shortfall_text()}; lower "
-            "spec.rollout.multiTurn.maxConcurrentConversations or maxResponseLength, or use "
-            "more GPUs"
+            f"rollout Auto: no KV cache that fits {limit} holds the rollout: at wakeUp "
+            f"{largest.wake_up}, memFractionStatic {largest.mem_fraction_static:.2f} (the "
+            f"largest that fits) {largest.kv_shortfall_text()}; "
+            f"{largest.kv_knobs_text('spec.')}, or use more GPUs"
         )
     closest = min(candidates, key=lambda m: _short_bytes(m, limit_bytes)[1])
     stage, short = _short_bytes(closest, limit_bytes)

@@ -58,9 +58,12 @@ class Parts:
     gather: int  # weight sync: two consecutive buckets' buffers at once
     rollout_workspace: int
     single_wake_extra: int = 0  # sglang, wakeUp single only: SGLANG_SINGLE_WAKE_BYTES
-    # mode multiTurn: KV tokens for maxConcurrentConversations full-length trajectories (0:
-    # single-turn, where the engine queues what does not fit and the plan does not ask).
+    # KV tokens the rollout needs at once: one full-length request (prompt + response budget;
+    # below it sglang cuts responses short, the torch engine refuses them), or in mode
+    # multiTurn kv_conversations full-length trajectories. More single-turn requests than fit
+    # are queued by the engine, so the plan does not ask for them.
     kv_tokens_needed: int = 0
+    kv_conversations: int = 0  # mode multiTurn: conversations held at once (0: single-turn)
 
     def as_dict(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.__dict__.items()}
@@ -87,13 +90,14 @@ def concurrent_conversations(spec: RLJobSpec, world: int) -> int:
     return min(multi_turn.max_concurrent_conversations, per_rank)
 
 
-def multi_turn_kv_tokens(spec: RLJobSpec, world: int) -> int:
-    """KV tokens that concurrent_conversations full-length trajectories take (prompt + the
-    trajectory budget each): below it, sglang would queue or retract conversations mid-turn
-    and the torch engine would refuse the longest."""
-    return concurrent_conversations(spec, world) * (
-        spec.data.max_prompt_length + response_budget(spec)
-    )
+def rollout_kv_tokens(spec: RLJobSpec, world: int) -> int:
+    """KV tokens the rollout needs at once: one full-length request (prompt + response
+    budget), whose tokens sglang caps at its pool (it shortens max_new_tokens to what the pool
+    holds: a response cut short without an error) and the torch engine refuses; in mode
+    multiTurn, concurrent_conversations full-length trajectories, below which sglang would
+    queue or retract conversations mid-turn."""
+    one = spec.data.max_prompt_length + response_budget(spec)
+    return max(concurrent_conversations(spec, world), 1) * one
 
 
 def activation_bytes(spec: RLJobSpec, shape: ModelShape) -> int:
@@ -204,5 +208,6 @@ def parts(
         single_wake_extra=0
         if spec.rollout.engine is EngineName.TORCH
         else SGLANG_SINGLE_WAKE_BYTES,
-        kv_tokens_needed=multi_turn_kv_tokens(spec, world),
+        kv_tokens_needed=rollout_kv_tokens(spec, world),
+        kv_conversations=concurrent_conversations(spec, world),
     )

@@ -114,20 +114,21 @@ class ModePlan:
         return (
             all(s.fits for s in self.stages)
             and (self.load is None or self.load.fits)
-            and self.kv_holds_conversations
+            and self.kv_holds_rollout
         )
 
     @property
-    def kv_holds_conversations(self) -> bool:
-        """mode multiTurn: the KV pool holds maxConcurrentConversations full trajectories."""
+    def kv_holds_rollout(self) -> bool:
+        """The KV pool holds one full-length request, and in mode multiTurn
+        maxConcurrentConversations full-length trajectories (rank_parts.rollout_kv_tokens)."""
         return self.parts.kv_tokens >= self.parts.kv_tokens_needed
 
     def fits_under(self, limit_bytes: int) -> bool:
         """Every stage's peak and the start-up's, plus the allocator's slack, within
         `limit_bytes` (and the start-up's host bytes within the worker pod's memory, and in mode
-        multiTurn the KV pool large enough for the conversations)."""
+        the KV pool large enough for the rollout: kv_holds_rollout)."""
         return (
-            self.kv_holds_conversations
+            self.kv_holds_rollout
             and self.stages_fit_under(limit_bytes)
             and (self.load is None or self.load.fits_under(limit_bytes))
         )
@@ -155,19 +156,30 @@ class ModePlan:
             for s in self.stages
             if not s.fits
         ]
-        if not self.kv_holds_conversations:
-            misfits.append(
-                f"{self.kv_shortfall_text()} (lower rollout.multiTurn.maxConcurrentConversations "
-                "or maxResponseLength, or raise memFractionStatic)"
-            )
+        if not self.kv_holds_rollout:
+            misfits.append(f"{self.kv_shortfall_text()} ({self.kv_knobs_text()}, or raise "
+                           "memFractionStatic)")  # fmt: skip
         return "; ".join(misfits)
 
     def kv_shortfall_text(self) -> str:
-        """mode multiTurn: what the pool holds against what the conversations need."""
-        return (
-            f"the KV cache holds {self.parts.kv_tokens} tokens, the multi-turn rollout's "
-            f"concurrent full-length trajectories need {self.parts.kv_tokens_needed}"
-        )
+        """What the pool holds against what the rollout needs at once."""
+        if self.parts.kv_conversations:
+            needs = (
+                f"the multi-turn rollout's {self.parts.kv_conversations} concurrent full-length "
+                "trajectories need"
+            )
+        else:
+            needs = "one full-length request (data.maxPromptLength + maxResponseLength) needs"
+        return f"the KV cache holds {self.parts.kv_tokens} tokens, {needs} {self.parts.kv_tokens_needed}"
+
+    def kv_knobs_text(self, prefix: str = "") -> str:
+        """The spec's fields that lower what the rollout needs of the KV pool (`prefix`: "spec."
+        where the text names the spec's fields in full)."""
+        if self.parts.kv_conversations:
+            return (
+                f"lower {prefix}rollout.multiTurn.maxConcurrentConversations or maxResponseLength"
+            )
+        return f"lower {prefix}data.maxPromptLength or maxResponseLength"
 
 
 def _offload_choices(spec: RLJobSpec) -> list[tuple[bool, bool]]:

@@ -44,13 +44,16 @@ def candidate(
     kv_tokens: int,
     stage: Stage = Stage.ROLLOUT,
     kv_tokens_needed: int = 0,
+    kv_conversations: int = 0,
 ) -> ModePlan:
-    """One row of a table: a candidate whose worst stage peaks at `peak_gib` (and in mode
-    multiTurn whose conversations need `kv_tokens_needed`)."""
+    """One row of a table: a candidate whose worst stage peaks at `peak_gib` and whose rollout
+    needs `kv_tokens_needed` KV tokens at once (one request, or in mode multiTurn
+    `kv_conversations` conversations)."""
     parts = Parts(
         context=0, train_params=0, optimizer=0, grads=0, step_temp=0, step_cache=0,
         activations=0, fsdp_buffers=0, engine_weights=3 * GiB, kv_pool=kv_tokens * 1024,
         kv_tokens=kv_tokens, gather=0, rollout_workspace=0, kv_tokens_needed=kv_tokens_needed,
+        kv_conversations=kv_conversations,
     )  # fmt: skip
     stages = (
         StagePeak(Stage.TRAIN, 10 * GiB, CARD),
@@ -130,17 +133,33 @@ def test_a_multi_turn_kv_shortfall_is_refused_naming_the_conversations() -> None
     # 0.50 and 0.90 fit the limit but hold 500 and 900 of the 1000 tokens the conversations
     # need; 0.95 would hold them but passes the limit: the largest pool that fits is named.
     table = [
-        candidate(WakeUp.STAGED, 0.50, 60.0, 500, kv_tokens_needed=1000),
-        candidate(WakeUp.STAGED, 0.90, 76.0, 900, kv_tokens_needed=1000),
-        candidate(WakeUp.STAGED, 0.95, 78.0, 1000, kv_tokens_needed=1000),
+        candidate(WakeUp.STAGED, 0.50, 60.0, 500, kv_tokens_needed=1000, kv_conversations=4),
+        candidate(WakeUp.STAGED, 0.90, 76.0, 900, kv_tokens_needed=1000, kv_conversations=4),
+        candidate(WakeUp.STAGED, 0.95, 78.0, 1000, kv_tokens_needed=1000, kv_conversations=4),
     ]
     with pytest.raises(AutoRefused) as info:
         choose(table, LIMIT)
     text = str(info.value)
     assert "at wakeUp staged, memFractionStatic 0.90 (the largest that fits)" in text, text
-    assert "holds 900 tokens" in text and "need 1000" in text
+    assert "holds 900 tokens" in text and "4 concurrent full-length trajectories need 1000" in text
     assert "lower spec.rollout.multiTurn.maxConcurrentConversations" in text
     assert "GiB short" not in text
+
+
+def test_a_kv_pool_smaller_than_one_full_request_is_not_chosen() -> None:
+    # Single-turn: sglang shortens a request's max_new_tokens to what its pool holds, so a pool
+    # under one prompt + response would cut every long response short without an error.
+    table = [
+        candidate(WakeUp.STAGED, 0.50, 60.0, 700, kv_tokens_needed=800),
+        candidate(WakeUp.SINGLE, 0.60, 70.0, 900, kv_tokens_needed=800),
+        candidate(WakeUp.STAGED, 0.95, 90.0, 5000, kv_tokens_needed=800),  # over the limit
+    ]
+    assert choose(table, LIMIT) is table[1]
+    with pytest.raises(AutoRefused) as info:
+        choose(table[:1], LIMIT)
+    text = str(info.value)
+    assert "holds 700 tokens, one full-length request" in text and "needs 800" in text, text
+    assert "lower spec.data.maxPromptLength or maxResponseLength" in text
 
 
 def test_a_multi_turn_kv_shortfall_on_the_real_plan_names_max_concurrent_conversations() -> None:

@@ -607,22 +607,23 @@ def _chosen(spec: RLJobSpec) -> Any:
 
 
 def test_the_plan_reserves_kv_for_the_concurrent_full_length_trajectories() -> None:
-    from rljob.plan import multi_turn_kv_tokens
+    from rljob.plan import rollout_kv_tokens
 
     # 16 prompts x 8 = 128 conversations on the one rank, at most 64 at once: 64 x (256 + 4096).
     spec = _multi_turn_spec(64, 4096)
-    assert multi_turn_kv_tokens(spec, 1) == 64 * (256 + 4096)
+    assert rollout_kv_tokens(spec, 1) == 64 * (256 + 4096)
     fits = _chosen(spec)
-    assert fits.parts.kv_tokens_needed == 278_528 and fits.kv_holds_conversations
+    assert fits.parts.kv_tokens_needed == 278_528 and fits.kv_holds_rollout
     # 128 at once (capped by the 128 conversations there are) of 256 + 65536 tokens: 8.4M
     # tokens, more than half an 80 GiB card holds for a 0.5B model.
     big = _multi_turn_spec(4096, 65536)
     short = _chosen(big)
     assert short.parts.kv_tokens_needed == 128 * (256 + 65536)
-    assert not short.kv_holds_conversations and not short.fits
+    assert not short.kv_holds_rollout and not short.fits
     assert "concurrent full-length trajectories need 8421376" in short.misfit_text()
-    # Single-turn jobs ask nothing of the pool here (the engine queues what does not fit).
+    # A single-turn job asks the pool for one full-length request (the engine queues the rest).
     single = RLJobSpec.model_validate(
         {"model": {"path": "Qwen/Qwen2.5-0.5B", "shape": QWEN_05B_SHAPE}}
     )
-    assert _chosen(single).parts.kv_tokens_needed == 0
+    one = single.data.max_prompt_length + single.data.max_response_length
+    assert _chosen(single).parts.kv_tokens_needed == one

@@ -56,7 +56,7 @@ def test_a_kv_shortfall_takes_the_least_offload_whose_stages_fit(
 ) -> None:
     m = _plan(_multi_turn(fraction, conversations, prompts))
     assert m.parts.kv_tokens_needed == conversations * (256 + 8192)
-    assert not m.kv_holds_conversations and not m.fits
+    assert not m.kv_holds_rollout and not m.fits
     assert (m.offload_optimizer, m.offload_params) == offload
     assert m.stages_fit_under(CARD) is stages_fit
     # The pool is the same at every offload: offloading cannot fix the shortfall.
