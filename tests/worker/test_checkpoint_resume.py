@@ -295,9 +295,12 @@ def _rank_failing_after_its_checkpoint(
     else:
         _fail_weight_sync_in(2)
     base = _spec(Path(root), 3, keep=10)
-    assert base.checkpoint is not None
+    assert base.checkpoint is not None and base.export is not None
     spec = base.model_copy(
-        update={"checkpoint": base.checkpoint.model_copy(update={"mode": CheckpointMode.SYNC})}
+        update={
+            "checkpoint": base.checkpoint.model_copy(update={"mode": CheckpointMode.SYNC}),
+            "export": base.export.model_copy(update={"with_checkpoints": True}),
+        }
     )
     with gloo_rank(rank, 1, init_method, results) as out:
         try:
@@ -313,7 +316,9 @@ def test_a_checkpoint_completed_before_its_iteration_fails_is_in_status(
 ) -> None:
     """Iteration 2's checkpoint completes, then that iteration fails: the retry resumes from
     it, so status.checkpoint must name it (it stayed at iteration 1, without its
-    CheckpointWritten Event). A broken channel while reporting it hides not the failure."""
+    CheckpointWritten Event), and status.export the export export.withCheckpoints wrote beside
+    it (the resumed run does not write it again). A broken channel while reporting it hides
+    not the failure."""
     from support.ranks import run_ranks
 
     out = run_ranks(_rank_failing_after_its_checkpoint, 1, str(tmp_path), failure)[0]
@@ -328,6 +333,9 @@ def test_a_checkpoint_completed_before_its_iteration_fails_is_in_status(
     checkpoint = run.status().checkpoint
     assert checkpoint is not None
     assert (checkpoint.iteration, checkpoint.path) == (2, str(checkpoint_dir(tmp_path / "ckpt", 2)))
+    export = run.status().export
+    assert export is not None
+    assert (export.iteration, export.path) == (2, str(tmp_path / "export" / "iteration-00000002"))
 
 
 @pytest.mark.parametrize("resume", ["Auto", "Never"])

@@ -93,6 +93,15 @@ class SavedCheckpoint:
     blocked_seconds: float | None = None
 
 
+@dataclass(frozen=True)
+class ModelExported:
+    """Rank 0's export of the policy after `iteration`'s update (spec.export): sent on its own
+    when that iteration then failed (its report, which carries the path, never went out)."""
+
+    iteration: int
+    path: str
+
+
 def checkpoint_dir(root: Path, iteration: int) -> Path:
     return root / f"{PREFIX}{iteration:08d}"
 
@@ -443,7 +452,7 @@ class Keeper:
         # takes (a save settles the previous writer, then its own completes at a later boundary
         # or at finish), and each is reported.
         self.saved: list[SavedCheckpoint] = []
-        self.exported: str | None = None
+        self.exported: ModelExported | None = None  # this iteration's (rank 0)
         self.resumed: ResumePoint | None = None  # the checkpoint resume() loaded
         self._in_flight: _InFlight | None = None
         self._cpu_meshes: dict[int, Any] = {}
@@ -506,7 +515,7 @@ class Keeper:
         if self.host is not None:
             self.host.hold_host_copies(self._wait_for_writer)
         if self.spec.export is not None and self.spec.export.with_checkpoints:
-            self._export(Path(self.spec.export.path) / f"{PREFIX}{iteration:08d}")
+            self._export(Path(self.spec.export.path) / f"{PREFIX}{iteration:08d}", iteration)
         self._in_flight.blocked_seconds += time.perf_counter() - started
         if self.spec.checkpoint.mode is CheckpointMode.SYNC:
             self._settle()
@@ -597,9 +606,9 @@ class Keeper:
             f"{first_rank}: {what}"
         )
 
-    def take(self) -> tuple[tuple[SavedCheckpoint, ...], str | None]:
+    def take(self) -> tuple[tuple[SavedCheckpoint, ...], ModelExported | None]:
         """The checkpoints completed (agreed) since the last take, oldest first, and this
-        iteration's export path (None: none), then forgets them."""
+        iteration's export (None: none here), then forgets them."""
         taken = (tuple(self.saved), self.exported)
         self.saved, self.exported = [], None
         return taken
@@ -607,8 +616,15 @@ class Keeper:
     def export_final(self) -> None:
         if self.spec.export is not None:
             # withCheckpoints' exports live under this path: the final one keeps them.
-            self._export(Path(self.spec.export.path), lambda p: _iteration_of(p) is not None)
+            self._export(
+                Path(self.spec.export.path),
+                self.spec.algorithm.iterations,
+                lambda p: _iteration_of(p) is not None,
+            )
 
-    def _export(self, target: Path, carried: Callable[[Path], bool] | None = None) -> None:
+    def _export(
+        self, target: Path, iteration: int, carried: Callable[[Path], bool] | None = None
+    ) -> None:
         dtype = torch_dtype(self.spec.model.dtype)
-        self.exported = export(self.model, self.spec, self.model_path, target, dtype, carried)
+        path = export(self.model, self.spec, self.model_path, target, dtype, carried)
+        self.exported = ModelExported(iteration, path) if path is not None else None

@@ -176,11 +176,33 @@ class RankIteration:
     staging: tuple[str, ...] = ()
 
 
-# A SavedCheckpoint on its own: one the ranks agreed complete in an iteration that then failed
-# (its report never went out), so status.checkpoint still names it.
+# A SavedCheckpoint or ModelExported on its own: one the ranks agreed complete, or an export
+# rank 0 wrote, in an iteration that then failed (its report never went out), so
+# status.checkpoint and status.export still name it.
 RankEvent = (
-    StageSample | RankIteration | OOMRecord | CheckpointFailure | checkpoints.SavedCheckpoint
+    StageSample
+    | RankIteration
+    | OOMRecord
+    | CheckpointFailure
+    | checkpoints.SavedCheckpoint
+    | checkpoints.ModelExported
 )
+
+
+def _send_unreported(
+    keeper: checkpoints.Keeper, send: Callable[[RankEvent], None], rank: int
+) -> None:
+    """After a failed iteration: the checkpoints the ranks agreed complete and the export
+    written in it, each on its own (that iteration's report, which would carry them, never
+    goes out). A send that fails is logged: the failure itself is the news, and goes out
+    after."""
+    saved, exported = keeper.take()
+    parts: list[RankEvent] = [exported] if exported is not None else []
+    for part in [*parts, *saved]:
+        try:
+            send(part)
+        except Exception:
+            log.exception("rank %d: %s not reported", rank, part)
 
 
 @dataclass
@@ -561,7 +583,7 @@ def run_rank(
                 resumed_from=start if resumed else None,
                 resume_point=keeper.resumed if resumed else None,
                 checkpoint=saved[-1] if saved else None,
-                export_path=exported,
+                export_path=exported.path if exported is not None else None,
                 staging=outcome.staging,
             )
             result.iterations.append(report)
@@ -570,9 +592,7 @@ def run_rank(
     except checkpoints.CheckpointFailed as failed:
         # Every rank raises it together (checkpoint._agreed); the driver puts it in
         # status.checkpointFailure, the job fails with reason CheckpointFailed.
-        saved, _ = keeper.take()
-        for part in saved:
-            send(part)
+        _send_unreported(keeper, send, config.rank)
         send(failed.failure)
         raise
     except Exception as error:
@@ -585,11 +605,7 @@ def run_rank(
         if isinstance(error, StageOOM):
             log.error("rank %d: %s", config.rank, error)
         keeper.drain()
-        try:
-            for part in keeper.take()[0]:
-                send(part)
-        except Exception:  # the failure itself is the news: it still goes out below
-            log.exception("rank %d: completed checkpoints not reported", config.rank)
+        _send_unreported(keeper, send, config.rank)
         if not isinstance(error, StageOOM):
             raise
         result.oom = error.record

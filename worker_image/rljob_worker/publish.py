@@ -316,6 +316,7 @@ class PublishingListener:
         # Checkpoint parts a rank sent alone (completed in the iteration of a newer one, or
         # before its iteration failed), as LocalRun keeps them.
         self.checkpoints: list[Any] = []
+        self.exports: list[Any] = []
         self.failures: list[Exception] = []
 
     def status(self) -> RLJobStatus:
@@ -329,10 +330,11 @@ class PublishingListener:
             self.world_size,
             self.checkpoint_failures,
             self.checkpoints,
+            self.exports,
         )
 
     def __call__(self, event: Any) -> None:
-        from rljob_worker.checkpoint import SavedCheckpoint
+        from rljob_worker.checkpoint import ModelExported, SavedCheckpoint
         from rljob_worker.loop import RankIteration
 
         if self.then is not None:
@@ -346,6 +348,9 @@ class PublishingListener:
             return
         elif isinstance(event, SavedCheckpoint):
             self.checkpoints.append(event)  # published with the iteration's report
+            return
+        elif isinstance(event, ModelExported):
+            self.exports.append(event)  # the same
             return
         elif isinstance(event, RankIteration):
             self.iterations.append(event)

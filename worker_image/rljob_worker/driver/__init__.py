@@ -30,7 +30,7 @@ from rljob.report import (
     summarize_load,
 )
 from rljob_worker.agentic.driver import RolloutCounts
-from rljob_worker.checkpoint import SavedCheckpoint
+from rljob_worker.checkpoint import ModelExported, SavedCheckpoint
 from rljob_worker.loop import RankIteration, RolloutStats
 from rljob_worker.train import TrainStats
 
@@ -145,6 +145,7 @@ def driver_status(
     world_size: int,
     checkpoint_failures: Iterable[CheckpointFailure] = (),
     checkpoints: Iterable[SavedCheckpoint] = (),
+    exports: Iterable[ModelExported] = (),
 ) -> RLJobStatus:
     """The fields of RLJob status the job's driver owns, computed from what the ranks reported.
 
@@ -163,7 +164,7 @@ def driver_status(
         memory.load = summarize_load([i.load for i in iterations if i.load is not None])
     return RLJobStatus(
         checkpoint=checkpoint_status(iterations, world_size, checkpoints),
-        export=export_status(iterations),
+        export=export_status(iterations, exports),
         resumed_from=next((i.resume_point for i in iterations if i.resume_point), None),
         # Every rank reports the same agreed failure (checkpoint._agreed): the first of them.
         checkpoint_failure=next(iter(checkpoint_failures), None),
@@ -207,9 +208,13 @@ def checkpoint_status(
     )
 
 
-def export_status(iterations: Iterable[RankIteration]) -> ExportStatus | None:
-    """status.export: the newest export (rank 0 writes it and reports its path)."""
+def export_status(
+    iterations: Iterable[RankIteration], alone: Iterable[ModelExported] = ()
+) -> ExportStatus | None:
+    """status.export: the newest export (rank 0 writes it and reports its path, with its
+    iteration's report or, `alone`, after that iteration failed)."""
     exports = [(i.iteration, i.export_path) for i in iterations if i.export_path]
+    exports += [(e.iteration, e.path) for e in alone]
     if not exports:
         return None
     iteration, path = max(exports)

@@ -17,7 +17,7 @@ from typing import Any
 
 from rljob.api import CheckpointFailure, ResumePoint, RLJobSpec, RLJobStatus
 from rljob.report import IterationReport, OOMRecord, StageSample
-from rljob_worker.checkpoint import SavedCheckpoint
+from rljob_worker.checkpoint import ModelExported, SavedCheckpoint
 from rljob_worker.driver import driver_status, iteration_reports
 from rljob_worker.driver.rank_process import (
     RankLaunch,
@@ -55,6 +55,7 @@ class LocalRun:
     checkpoint_failures: list[CheckpointFailure] = field(default_factory=list)
     # Checkpoints completed in an iteration whose report never came (it failed).
     checkpoints: list[SavedCheckpoint] = field(default_factory=list)
+    exports: list[ModelExported] = field(default_factory=list)  # the same, for an export
 
     @property
     def ok(self) -> bool:
@@ -79,7 +80,7 @@ class LocalRun:
         retries) stay in oomEvents and oomCounts, as the cluster's status keeps them."""
         return driver_status(
             self.reports, self.iterations, [*earlier_ooms, *self.ooms], self.world_size,
-            self.checkpoint_failures, self.checkpoints,
+            self.checkpoint_failures, self.checkpoints, self.exports,
         )  # fmt: skip
 
     def add(self, event: RankEvent) -> None:
@@ -93,6 +94,8 @@ class LocalRun:
             self.checkpoint_failures.append(event)
         elif isinstance(event, SavedCheckpoint):
             self.checkpoints.append(event)
+        elif isinstance(event, ModelExported):
+            self.exports.append(event)
 
 
 def _rank_main(launch: RankLaunch, config: RankConfig, events: Any) -> None:
