@@ -217,6 +217,24 @@ def test_the_listener_counts_checkpoint_parts_sent_alone() -> None:
     assert status.checkpoint.seconds == 3.0
 
 
+def test_the_listener_reports_an_export_sent_alone() -> None:
+    """Rank 0 sends an export alone when its iteration failed after export.withCheckpoints
+    wrote it (loop._send_unreported): status.export names it, and no memory sample is made."""
+    from typing import Any, cast
+
+    from rljob_worker.checkpoint import ModelExported
+    from rljob_worker.publish import PublishingListener
+
+    recorder = _Recorder()
+    listener = PublishingListener(cast(Any, recorder), world_size=2)
+    listener(ModelExported(3, "/export/iteration-00000003"))
+    assert listener.samples == []
+    listener.flush()
+    (status,) = recorder.published
+    assert status.export is not None
+    assert (status.export.iteration, status.export.path) == (3, "/export/iteration-00000003")
+
+
 def _metrics(*iterations: int, reward: float = 0.0) -> list[IterationMetrics]:
     return [IterationMetrics(iteration=i, reward_mean=reward + i) for i in iterations]
 
