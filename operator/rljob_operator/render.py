@@ -24,6 +24,7 @@ from rljob.api import (
     AttemptKnobs,
     JobConfig,
     RLJobSpec,
+    _quantity,
     name_problems,
 )
 from rljob.oom_policy import rayjob_name
@@ -107,18 +108,24 @@ def _wire(models: list[Any]) -> list[dict[str, Any]]:
     return [m.model_dump(by_alias=True, exclude_none=True, mode="json") for m in models]
 
 
-def _volumes(owner: Owner, spec: RLJobSpec) -> list[dict[str, Any]]:
+def _volumes(owner: Owner, spec: RLJobSpec, shm: str) -> list[dict[str, Any]]:
     """The operator's volumes, then the user's spec.volumes (admission refuses a user's volume
-    named like one of the operator's)."""
+    named like one of the operator's). `shm`: the /dev/shm volume's size."""
     return [
         {"name": JOB_CONFIG_VOLUME, "configMap": {"name": config_map_name(owner.name)}},
         # NCCL and Ray's object store use /dev/shm; the container default (64 MiB) is too small.
-        {
-            "name": SHM_VOLUME,
-            "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory},
-        },
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
         *_wire(spec.volumes),
     ]
+
+
+def head_shared_memory(spec: RLJobSpec) -> str:
+    """The head's /dev/shm: spec.resources.sharedMemory (sized for the workers' NCCL and object
+    store), but no more than the head's memory: a memory-backed volume counts against its
+    pod's limit, and the defaults (16Gi over an 8Gi head) would let the head's object store
+    fill past the limit and be OOMKilled rather than spill."""
+    res = spec.resources
+    return min(res.shared_memory, res.head_memory, key=_quantity)
 
 
 _MOUNTS: list[dict[str, Any]] = [
@@ -128,13 +135,13 @@ _MOUNTS: list[dict[str, Any]] = [
 
 
 def _pod_template(
-    owner: Owner, spec: RLJobSpec, container: dict[str, Any], attempt: int
+    owner: Owner, spec: RLJobSpec, container: dict[str, Any], attempt: int, shm: str
 ) -> dict[str, Any]:
     res = spec.resources
     pod: dict[str, Any] = {
         "serviceAccountName": job_account_name(owner.name),
         "containers": [container],
-        "volumes": _volumes(owner, spec),
+        "volumes": _volumes(owner, spec, shm),
     }
     if res.node_selector:
         pod["nodeSelector"] = dict(res.node_selector)
@@ -235,7 +242,7 @@ def ray_job(owner: Owner, spec: RLJobSpec, attempt: int = 1) -> dict[str, Any]:
                 "headGroupSpec": {
                     # num-cpus 0: no rank is ever placed on the head; it only runs the driver.
                     "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
-                    "template": _pod_template(owner, spec, head, attempt),
+                    "template": _pod_template(owner, spec, head, attempt, head_shared_memory(spec)),
                 },
                 "workerGroupSpecs": [
                     {
@@ -244,7 +251,9 @@ def ray_job(owner: Owner, spec: RLJobSpec, attempt: int = 1) -> dict[str, Any]:
                         "minReplicas": res.workers,
                         "maxReplicas": res.workers,
                         "rayStartParams": worker_start,
-                        "template": _pod_template(owner, spec, worker, attempt),
+                        "template": _pod_template(
+                            owner, spec, worker, attempt, spec.resources.shared_memory
+                        ),
                     }
                 ],
             },

@@ -177,3 +177,24 @@ def test_checkpoints_and_the_export_must_be_on_a_writable_volume() -> None:
     assert set(found) == {"spec.checkpoint.path", "spec.export.path"}
     assert "is on no volume" in found["spec.checkpoint.path"]
     assert "is on no volume" in problems("/data/ckpt", "/exports/final")["spec.export.path"]
+
+
+@pytest.mark.parametrize(
+    ("resources", "head", "workers"),
+    [
+        ({}, "8Gi", "16Gi"),  # the defaults: 16Gi of /dev/shm would pass the 8Gi head's limit
+        ({"sharedMemory": "2Gi"}, "2Gi", "2Gi"),
+        ({"sharedMemory": "12Gi", "headMemory": "9500Mi"}, "9500Mi", "12Gi"),
+    ],
+)
+def test_the_heads_shared_memory_stays_within_the_heads_memory(
+    resources: dict[str, str], head: str, workers: str
+) -> None:
+    spec = RLJobSpec.model_validate(
+        {"rollout": {"engine": "torch"}, "resources": {"gpusPerWorker": 0, **resources}}
+    )
+    sizes = [
+        next(v["emptyDir"]["sizeLimit"] for v in pod["volumes"] if v["name"] == "dshm")
+        for pod in _pods(spec)
+    ]
+    assert sizes == [head, workers]
