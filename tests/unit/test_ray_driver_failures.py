@@ -104,3 +104,37 @@ def test_run_ray_raising_is_a_failed_job_with_a_last_line(
     assert ray_main.main(["--config", str(config), "--no-publish"]) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"rljob driver: RLJob {name} failed: the driver: ") and "queue" in last
+
+
+# What rank 0's all_reduce raised when its gloo peer's process exited (torch 2.14, seen here).
+GLOO_ECHO = (
+    "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read "
+    "error [127.0.0.1]:59548: Connection reset by peer. This is typically caused by a remote "
+    "worker hanging or bugs in the application."
+)
+CAUSE = "RewardError: spec.reward.function /data/r.py:score failed on row 12: KeyError: 'x'"
+
+
+@pytest.mark.parametrize(
+    ("failures", "blamed"),
+    [
+        # One poll takes both, rank 0 first: the echo yields to the rank that raised the cause.
+        ([(0, "raised", GLOO_ECHO, 100.0), (1, "raised", CAUSE, 100.0)], "rank 1"),
+        ([(1, "raised", CAUSE, 100.0), (0, "raised", GLOO_ECHO, 100.0)], "rank 1"),
+        # A cause seen long after the echo is another failure: the first stands.
+        ([(0, "raised", GLOO_ECHO, 100.0), (1, "raised", CAUSE, 300.0)], "rank 0"),
+        # Only echoes: the first of them (nothing better to name).
+        ([(0, "raised", GLOO_ECHO, 100.0), (1, "raised", GLOO_ECHO, 100.0)], "rank 0"),
+        # A rank that died is the cause whatever the others raised.
+        ([(1, "raised", CAUSE, 100.0), (0, "died", "actor died", 101.0)], "rank 0"),
+    ],
+)
+def test_a_collective_echo_yields_to_the_rank_that_raised_the_cause(
+    failures: list[tuple[int, str, str, float]], blamed: str
+) -> None:
+    from rljob.api import WakeUp
+    from rljob_worker.driver.failure import RankFailure, failure_reason
+
+    ranks = [RankFailure(r, f"node-{r}", how, error, t) for r, how, error, t in failures]  # type: ignore[arg-type]
+    reason = failure_reason([], ranks, [], WakeUp.STAGED, 3, {})
+    assert reason is not None and reason.startswith(blamed + " "), reason

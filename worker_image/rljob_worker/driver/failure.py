@@ -21,6 +21,19 @@ FailureKind = Literal["died", "raised", "ended"]
 # next collective; "ended" ranks were stopped by the driver.
 _CAUSE_ORDER: dict[str, int] = {"died": 0, "raised": 1, "ended": 2}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# A collective that failed because a peer went away: gloo's "Read error [...]: Connection reset
+# by peer" (torch 2.14, a peer process that exited mid-all_reduce), "Connection closed by
+# peer", NCCL's remote errors, torch's DistBackendError/DistNetworkError. A rank that raised
+# this is an echo of another's failure, not its cause.
+_COLLECTIVE_ECHO = re.compile(
+    r"Connection (?:reset|closed) by peer|gloo/transport|DistBackendError|DistNetworkError"
+    r"|NCCL communicator was aborted|remote process exited|NCCL error",
+    re.IGNORECASE,
+)
+# Echoes and their cause are noticed together: the driver polls the ranks every POLL_SECONDS
+# and takes every rank done in one poll at once, in rank order. A cause noticed up to this
+# long after an echo is still its cause.
+ECHO_WINDOW_SECONDS = 10.0
 
 
 def plain(text: str) -> str:
@@ -87,6 +100,33 @@ def describe_position(position: tuple[int, Stage] | None) -> str:
     return f"stage {stage} of iteration {iteration}"
 
 
+def is_collective_echo(error: str) -> bool:
+    """`error` says a collective failed because a peer went away (_COLLECTIVE_ECHO)."""
+    return _COLLECTIVE_ECHO.search(error) is not None
+
+
+def _cause(failures: Iterable[RankFailure]) -> RankFailure | None:
+    """The rank that died, else the first that raised, passing over a raise that only echoes a
+    peer's going away when another rank raised something else within ECHO_WINDOW_SECONDS."""
+    ordered = sorted(failures, key=lambda f: (_CAUSE_ORDER[f.how], f.detected_seconds))
+    if not ordered:
+        return None
+    first = ordered[0]
+    if first.how == "raised" and is_collective_echo(first.error):
+        window = first.detected_seconds + ECHO_WINDOW_SECONDS
+        return next(
+            (
+                f
+                for f in ordered
+                if f.how == "raised"
+                and f.detected_seconds <= window
+                and not is_collective_echo(f.error)
+            ),
+            first,
+        )
+    return first
+
+
 def failure_reason(
     ooms: Sequence[OOMRecord],
     failures: Iterable[RankFailure],
@@ -97,18 +137,15 @@ def failure_reason(
     checkpoint_every: int = 0,
 ) -> str | None:
     """The cause of a failed job: the first OOM, else the rank that died, else the first that
-    raised (the others usually fail after it, in a collective). None when nothing failed."""
+    raised (the others usually fail after it, in a collective: a raise that only says a peer
+    went away yields to another's, _cause). None when nothing failed."""
     if ooms:
         oom = min(ooms, key=lambda o: o.time)
         return (
             f"rank {oom.rank} (node {oom.node or nodes.get(oom.rank or 0, '?')}) ran out "
             f"of memory in stage {oom.stage} of iteration {oom.iteration}: {oom.message}"
         )
-    first = min(
-        (f for f in failures if f.how != "ended"),
-        key=lambda f: (_CAUSE_ORDER[f.how], f.detected_seconds),
-        default=None,
-    )
+    first = _cause(f for f in failures if f.how != "ended")
     if first is None:
         return None
     own = [s for s in samples if s.rank == first.rank]
