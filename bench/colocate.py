@@ -990,7 +990,7 @@ def model_figures(name: str, n_params: int, args: argparse.Namespace) -> dict[st
     kv_per_token = kv_per_gpu = 0
     tp = max(args.tp, 1)
     if arch:
-        head_dim = arch["hidden_size"] // arch["num_attention_heads"]
+        head_dim = arch.get("head_dim") or arch["hidden_size"] // arch["num_attention_heads"]
         kv_per_token = 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * head_dim * 2
         # sglang gives each TP rank kv_heads / tp heads (one, replicated, where fewer).
         heads_per_gpu = max(arch["num_key_value_heads"] // tp, 1)

@@ -319,7 +319,7 @@ def sglang_shards(
     vocabulary (a tied LM head saved once, as `lm_head.weight`: save_sharded_model keeps the
     smaller of two names)."""
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config["hidden_size"] // heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     q_rows = heads // tp_size * head_dim
     kv_rows = max(1, kv // tp_size) * head_dim
     kv_start = (rank * kv_rows) if kv >= tp_size else (rank // (tp_size // kv)) * head_dim
@@ -363,8 +363,9 @@ def full_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tenso
     as named_parameters() gives it), in bf16 as the sync sends them."""
     g = torch.Generator().manual_seed(seed)
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    head_dim = h // config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * head_dim
+    q = config["num_attention_heads"] * head_dim  # h unless config.head_dim says otherwise
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).bfloat16()
@@ -373,13 +374,13 @@ def full_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tenso
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}"
         out |= {
-            f"{p}.self_attn.q_proj.weight": rand(h, h),
-            f"{p}.self_attn.q_proj.bias": rand(h),
+            f"{p}.self_attn.q_proj.weight": rand(q, h),
+            f"{p}.self_attn.q_proj.bias": rand(q),
             f"{p}.self_attn.k_proj.weight": rand(kv, h),
             f"{p}.self_attn.k_proj.bias": rand(kv),
             f"{p}.self_attn.v_proj.weight": rand(kv, h),
             f"{p}.self_attn.v_proj.bias": rand(kv),
-            f"{p}.self_attn.o_proj.weight": rand(h, h),
+            f"{p}.self_attn.o_proj.weight": rand(h, q),
             f"{p}.mlp.gate_proj.weight": rand(i, h),
             f"{p}.mlp.up_proj.weight": rand(i, h),
             f"{p}.mlp.down_proj.weight": rand(h, i),

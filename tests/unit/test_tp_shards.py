@@ -33,6 +33,8 @@ CONFIG: dict[str, Any] = {
 }
 # 256 = 64 x 4: sglang's padding leaves it as it is, TP ranks split it as FSDP does.
 CONFIG_SPLIT_VOCAB = {**CONFIG, "vocab_size": 256}
+# Heads of 8 over a hidden of 16 (q_proj 32 rows), as Qwen3's config.head_dim sets them apart.
+CONFIG_HEAD_DIM = {**CONFIG_SPLIT_VOCAB, "head_dim": 8}
 
 
 def _plans(
@@ -99,7 +101,9 @@ def _buckets(names: list[str], count: int) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("stored", [False, True], ids=["buffer", "stored"])
-@pytest.mark.parametrize("config", [CONFIG, CONFIG_SPLIT_VOCAB], ids=["padded", "split"])
+@pytest.mark.parametrize(
+    "config", [CONFIG, CONFIG_SPLIT_VOCAB, CONFIG_HEAD_DIM], ids=["padded", "split", "head_dim"]
+)
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_tp_rank_holds_its_share_from_its_own_shards_and_what_the_others_sent(
