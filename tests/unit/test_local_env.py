@@ -54,6 +54,26 @@ def test_literal_values_are_set_and_secret_backed_ones_come_from_the_shell() -> 
     ]
 
 
+def test_without_env_from_a_reference_expands_only_to_the_entries_before_it() -> None:
+    # The kubelet never expands the image's variables (the shell's, here): $(HOME) stays; a
+    # Secret-backed entry before expands by the shell's value, which stands in for it.
+    spec = RLJobSpec.model_validate({
+        "env": [
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "t", "key": "k"}}},
+            {"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "t", "key": "k2"}}},
+            {"name": "A", "value": "$(HOME)/a"},
+            {"name": "B", "value": "$(A):$(TOKEN):$(LATER):$(KEY)"},
+            {"name": "LATER", "value": "x"},
+        ]
+    })  # fmt: skip
+    env = local_env(spec, {"HOME": "/root", "TOKEN": "s3cret", "LATER": "shell"})
+    assert env.values == {
+        "A": "$(HOME)/a", "B": "$(HOME)/a:s3cret:$(LATER):$(KEY)", "LATER": "x"
+    }  # fmt: skip
+    # KEY is defined, by its Secret, on the cluster: only the shell here lacks it.
+    assert env.unexpanded == ["A: $(HOME)", "B: $(LATER)"]
+
+
 class _Started(Exception):
     """Raised instead of starting the ranks."""
 
@@ -80,7 +100,10 @@ def test_rljob_run_accepts_volumes_and_gives_the_ranks_the_literal_env(
     monkeypatch.setattr(cli_run, "_attempt", start)
     with pytest.raises(_Started):
         cli_run.main([str(manifest), "--out", str(tmp_path / "out"), "--device", "cpu"])
-    assert seen["HF_HOME"] == "/tmp/s/hf" and "HF_TOKEN" not in seen
+    # No envFrom: SCRATCH (the shell's, as an image's variable would be) is not expanded, as in
+    # the pod, and the run says so.
+    assert seen["HF_HOME"] == "$(SCRATCH)/hf" and "HF_TOKEN" not in seen
     err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "no earlier entry (nor envFrom) defines HF_HOME: $(SCRATCH)" in err, err
     assert "HF_TOKEN (Secret hf-token key token; not set here)" in err
     assert "not mounted locally" in err

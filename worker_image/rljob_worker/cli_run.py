@@ -368,6 +368,12 @@ def _apply_env(spec: RLJobSpec, console: Console) -> None:
     os.environ.update(env.values)
     if env.values:
         console.print("spec.env: set " + ", ".join(sorted(env.values)) + " for the ranks")
+    if env.unexpanded:
+        console.print(
+            "[yellow]spec.env: no earlier entry (nor envFrom) defines "
+            f"{escape('; '.join(env.unexpanded))}; the pod keeps such a reference as written, "
+            "as here (the kubelet never expands the image's variables)[/yellow]"
+        )
     if env.cluster_only:
         console.print(
             "[yellow]spec.env/envFrom from Secrets and ConfigMaps are read on a cluster only; "

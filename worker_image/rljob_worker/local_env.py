@@ -30,27 +30,51 @@ def expand(value: str, env: Mapping[str, str]) -> str:
     return _REFERENCE.sub(one, value)
 
 
+def unresolved(value: str, env: Mapping[str, str]) -> list[str]:
+    """The names `value` references ($(NAME), not $$-escaped) that `env` does not have."""
+    return [m.group(1) for m in _REFERENCE.finditer(value) if m.group(1) and m.group(1) not in env]
+
+
 @dataclass
 class LocalEnv:
     """The variables to set for the ranks, and what only a cluster would have supplied."""
 
     values: dict[str, str] = field(default_factory=dict)
     cluster_only: list[str] = field(default_factory=list)
+    # "HF_HOME: $(SCRATCH)": references left as written (no earlier variable of that name),
+    # as the pod leaves them; usually a mistake worth a line.
+    unexpanded: list[str] = field(default_factory=list)
 
 
 def local_env(spec: RLJobSpec, environ: Mapping[str, str]) -> LocalEnv:
-    """spec.env's literal values (expanded against the shell and the entries before them), and
-    a line for every valueFrom and envFrom entry saying where it would have come from."""
+    """spec.env's literal values, expanded as the kubelet would, and a line for every valueFrom
+    and envFrom entry saying where it would have come from.
+
+    The kubelet expands $(NAME) against envFrom's variables and the entries before, never the
+    image's environment: so here against the entries before (a valueFrom one by the shell's
+    value, which stands in for the Secret's), and against the whole shell only where envFrom
+    is given (its keys are not known here; the shell stands in for them). $(HOME) without
+    envFrom stays $(HOME), as in the pod."""
     out = LocalEnv()
-    seen = dict(environ)
+    seen = dict(environ) if spec.env_from else {}
+    earlier: set[str] = set()  # every entry before, also a valueFrom one the shell lacks
     for source in spec.env_from:
         ref = source.secret_ref or source.config_map_ref
         kind = "Secret" if source.secret_ref else "ConfigMap"
         out.cluster_only.append(f"envFrom {kind} {ref.name if ref else '?'}")
     for var in spec.env:
         if var.value is not None:
+            out.unexpanded += [
+                f"{var.name}: $({name})"
+                for name in unresolved(var.value, seen)
+                if name not in earlier
+            ]
             seen[var.name] = out.values[var.name] = expand(var.value, seen)
+            earlier.add(var.name)
             continue
+        earlier.add(var.name)
+        if var.name in environ:
+            seen[var.name] = environ[var.name]
         value_from = var.value_from
         key = value_from.secret_key_ref or value_from.config_map_key_ref if value_from else None
         kind = "Secret" if value_from and value_from.secret_key_ref else "ConfigMap"
