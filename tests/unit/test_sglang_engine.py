@@ -1011,7 +1011,7 @@ def test_engines_of_one_process_answer_on_one_event_loop_when_given_it() -> None
 def test_request_seeds_of_neighbouring_batches_never_meet() -> None:
     # The loop's batch seeds of neighbouring ranks and iterations differ by 1: seed + index
     # gave batch 8's request 1 batch 9's request 0's seed.
-    from rljob_worker.engines.sglang_engine import request_seed
+    from rljob_worker.engines.base import request_seed
 
     seeds = [request_seed(batch, index) for batch in range(8, 72) for index in range(512)]
     assert len(set(seeds)) == len(seeds)

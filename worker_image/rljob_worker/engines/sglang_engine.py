@@ -133,7 +133,6 @@ __all__ = [
     "flattened_bucket_metadata",
     "installed_contract",
     "load_tensor_handoff",
-    "request_seed",
     "weight_sync_choice",
 ]
 
