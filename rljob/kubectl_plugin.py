@@ -1,8 +1,9 @@
 """`kubectl rljob` (the kubectl-rljob plugin): `describe NAME` prints what is wrong first (one
-line per failed or blocking condition), then the latest iteration's per-stage memory (worst rank
-per stage), the latest iterations' metrics and the OOM history; `plot NAME -o FILE` draws memory
-per stage over the iterations kept in status.memoryHistory, `curve NAME -o FILE` the learning
-curve (reward, loss, KL, length) over those kept in status.metrics.
+line per failed or blocking condition), then the newest checkpoint, where the run resumed and
+the newest export, the latest iteration's per-stage memory (worst rank per stage), the latest
+iterations' metrics, the OOM history and the attempts; `plot NAME -o FILE` draws memory per
+stage over the iterations kept in status.memoryHistory, `curve NAME -o FILE` the learning curve
+(reward, loss, KL, length) over those kept in status.metrics.
 
 Reads the RLJob with the kubernetes client and the same kubeconfig/context kubectl uses.
 """
@@ -18,16 +19,19 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from rljob.api import GROUP, PLURAL, VERSION, RLJobStatus
+from rljob.api import GROUP, PLURAL, VERSION, Attempt, RLJobStatus
 from rljob.curves import curve_title, metrics_table, plot_learning_curve
 from rljob.plan import auto_lines
-from rljob.report import STAGE_COLOURS, STAGE_ORDER
+from rljob.report import STAGE_COLOURS, STAGE_ORDER, bytes_text
+
+
+def _known(value: object) -> str:
+    """`value` as text, `-` where it is not known (an entry without an iteration or rank)."""
+    return "-" if value is None else str(value)
 
 
 def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return "-" if n is None else bytes_text(n)
 
 
 def memory_table(name: str, status: RLJobStatus) -> Table | None:
@@ -40,8 +44,16 @@ def memory_table(name: str, status: RLJobStatus) -> Table | None:
         title=f"RLJob {name}, iteration {memory.iteration}: {what}, {memory.device}, "
         f"capacity {_bytes(memory.capacity_bytes)}"
     )
-    # status.plan (the driver's memory plan, issue 19): predicted beside measured.
-    predicted = {str(s.name): s.peak_bytes for s in status.plan.stages} if status.plan else {}
+    # status.plan (the driver's memory plan, issue 19): predicted beside measured. The plan
+    # predicts GPU memory: held against a CPU run's host RSS its error would say nothing.
+    predicted: dict[str, int] = {}
+    if status.plan is not None and memory.kind == "cuda":
+        predicted = {str(s.name): s.peak_bytes for s in status.plan.stages}
+    elif status.plan is not None:
+        table.caption = (
+            f"status.plan predicts GPU memory (a {_bytes(status.plan.capacity_bytes)} card): "
+            "not held against host figures"
+        )
     columns = ["stage", "peak", "fraction", "seconds", "worst rank"]
     if predicted:
         columns += ["predicted", "plan error"]
@@ -71,24 +83,87 @@ def oom_table(status: RLJobStatus) -> Table:
     """Every OOM entry status keeps, oldest first, with the all-time counts in the title."""
     counts = ", ".join(f"{k} {v}" for k, v in sorted(status.oom_counts.items())) or "none"
     table = Table(title=f"OOMs (all time: {counts}; the latest are listed, every one is an Event)")
-    for column in ("time", "kind", "stage", "rank", "pod/container", "node", "detail"):
+    for column in ("time", "kind", "iteration", "stage", "rank", "pod/container", "node", "detail"):
         table.add_column(column)
     for oom in sorted(status.oom_events, key=lambda o: (o.time, o.id)):
         if oom.kind == "OOMKilled":
             detail = f"limit {_bytes(oom.limit_bytes)}, {oom.count or 1} kill(s)"
         else:
-            detail = f"requested {_bytes(oom.requested_bytes)}, free {_bytes(oom.free_bytes)}"
+            detail = oom.request_text(bytes_text, unit="")
         where = "/".join(x for x in (oom.pod, oom.container) if x) or "-"
         table.add_row(
             oom.time,
             oom.kind,
+            _known(oom.iteration),
             str(oom.stage or "-"),
-            "-" if oom.rank is None else str(oom.rank),
+            _known(oom.rank),
             where,
             oom.node or "-",
             detail,
         )
     return table
+
+
+def _knobs(attempt: Attempt) -> str:
+    """The memory knobs an attempt ran with; the training ones only where the policy set them."""
+    knobs = {
+        "memFractionStatic": attempt.mem_fraction_static,
+        "wakeUp": attempt.wake_up,
+        "microBatchSize": attempt.micro_batch_size,
+        "gradientCheckpointing": attempt.gradient_checkpointing,
+        "margin": attempt.margin,
+        "weightSyncBucketMegabytes": attempt.weight_sync_bucket_megabytes,
+    }
+    return ", ".join(f"{name} {value}" for name, value in knobs.items() if value is not None)
+
+
+def attempts_table(status: RLJobStatus) -> Table | None:
+    """status.attempts (the OOM policy's retries, a checkpointing job's runs), first to last."""
+    if not status.attempts:
+        return None
+    table = Table(title=f"attempts ({len(status.attempts)})")
+    columns = ("attempt", "RayJob", "started", "result", "knobs", "OOM", "resumed from iteration")
+    for column in (*columns, "changed", "message"):
+        table.add_column(column)
+    for attempt in status.attempts:
+        oom = f"{attempt.oom_stage or '-'} rank {_known(attempt.oom_rank)}"
+        resumed = attempt.resumed_from.iteration if attempt.resumed_from else None
+        table.add_row(
+            str(attempt.attempt),
+            attempt.ray_job or "-",
+            _known(attempt.started_at),
+            attempt.result or "-",
+            _knobs(attempt),
+            oom if attempt.oom_stage or attempt.oom_rank is not None else "-",
+            _known(resumed),
+            _known(attempt.changed),
+            attempt.message or "-",
+        )
+    return table
+
+
+def progress_lines(status: RLJobStatus) -> list[str]:
+    """The newest complete checkpoint, the one the current run resumed from and the newest
+    export (the trained model), a line each."""
+    lines = []
+    if status.checkpoint is not None:
+        cp = status.checkpoint
+        blocked = (
+            f" (the loop stood still {cp.blocked_seconds:.1f} s)"
+            if cp.blocked_seconds is not None
+            else ""
+        )
+        lines.append(
+            f"checkpoint: iteration {cp.iteration} in {cp.path}, completed {cp.completed_at}, "
+            f"{bytes_text(cp.bytes)}, {cp.seconds:.1f} s{blocked}"
+        )
+    if status.resumed_from is not None:
+        point = status.resumed_from
+        attempt = f" (attempt {point.attempt})" if point.attempt is not None else ""
+        lines.append(f"resumed from: iteration {point.iteration} in {point.path}{attempt}")
+    if status.export is not None:
+        lines.append(f"exported: iteration {status.export.iteration} in {status.export.path}")
+    return lines
 
 
 # Conditions that say something is wrong when they hold this status, most telling first.
@@ -98,13 +173,15 @@ NOT_A_PROBLEM = {"PodsPending"}
 
 
 def cause_lines(status: RLJobStatus) -> list[str]:
-    """One line per condition that says what is wrong: `Type  Reason  message`."""
+    """One line per condition that says what is wrong: `Type  Reason  message` (without the
+    message where it has none)."""
     by_type = {c.type: c for c in status.conditions}
     lines = []
     for ctype, bad in PROBLEMS:
         c = by_type.get(ctype)
         if c is not None and c.status == bad and c.reason not in NOT_A_PROBLEM:
-            lines.append(f"{ctype}  {c.reason}  {' '.join(c.message.split())}")
+            message = " ".join(c.message.split())
+            lines.append("  ".join(part for part in (ctype, c.reason, message) if part))
     return lines
 
 
@@ -113,7 +190,9 @@ def describe(name: str, status: RLJobStatus, console: Console) -> None:
         # One line each, however long: soft_wrap leaves the line to the terminal.
         console.print(line, style="bold red", soft_wrap=True, markup=False, highlight=False)
     phase = status.phase.value if status.phase else "-"
-    console.print(f"RLJob {name}: phase {phase}, iteration {status.iteration}")
+    console.print(f"RLJob {name}: phase {phase}, iteration {_known(status.iteration)}")
+    for line in progress_lines(status):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
     table = memory_table(name, status)
     console.print(table if table is not None else "no memory reported yet")
     if status.metrics:
@@ -123,6 +202,9 @@ def describe(name: str, status: RLJobStatus, console: Console) -> None:
     for line in auto_lines(status.plan) if status.plan else []:
         console.print(line, soft_wrap=True, markup=False, highlight=False)
     console.print(oom_table(status))
+    attempts = attempts_table(status)
+    if attempts is not None:
+        console.print(attempts)
 
 
 # describe's metrics: the newest few iterations (`curve` draws all that status keeps).

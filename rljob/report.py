@@ -7,6 +7,7 @@ Shared by the worker (which produces it), the drivers (which aggregate it) and t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -85,6 +86,15 @@ class StageSample(_Model):
     node: str = ""
 
 
+def bytes_text(n: int) -> str:
+    """A byte count for a person: GiB from 1 GiB, MiB from 1 MiB, KiB from 1 KiB, else bytes
+    (so a small figure never reads "0.0 MiB")."""
+    for unit, size, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
+        if abs(n) >= size:
+            return f"{n / size:.{digits}f} {unit}"
+    return f"{n} B"
+
+
 OOMKind = Literal["CUDAOutOfMemory", "OOMKilled"]
 
 
@@ -110,16 +120,18 @@ class OOMRecord(_Model):
         "or the pod's attempt label): the policy matches OOMs to attempts by this number.",
     )
 
-    def request_text(self) -> str:
+    def request_text(self, size: Callable[[int], str] = str, unit: str = " bytes") -> str:
         """ "requested N bytes with M free", leaving out what the OOM's message did not say (an
-        sglang process's OOM names neither)."""
+        sglang process's OOM names neither). `size` writes a count and `unit` follows the first
+        one (kubectl rljob: GiB/MiB, which name their unit)."""
         parts = (
-            [f"requested {self.requested_bytes} bytes"] if self.requested_bytes is not None else []
+            [f"requested {size(self.requested_bytes)}{unit}"]
+            if self.requested_bytes is not None
+            else []
         )
         if self.free_bytes is not None:
-            parts.append(
-                f"with {self.free_bytes} free" if parts else f"{self.free_bytes} bytes free"
-            )
+            free = size(self.free_bytes)
+            parts.append(f"with {free} free" if parts else f"{free}{unit} free")
         return " ".join(parts) or "no size given"
 
 

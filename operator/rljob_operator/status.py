@@ -19,6 +19,7 @@ from rljob.api import (
     CheckpointFailure,
     Phase,
     RLJobSpec,
+    driver_failure,
 )
 from rljob.oom_policy import (
     MEMORY_PLAN_FITS,
@@ -226,7 +227,12 @@ def _phase_and_reasons(obs: Observed) -> tuple[Phase, dict[str, tuple[bool, str,
         return phase, conditions
     if outcome == attempts.FAILED:
         reason = REASON_JOB_STOPPED if job_status == "STOPPED" else REASON_JOB_FAILED
-        message = detail or f"jobStatus {job_status or '-'}, jobDeploymentStatus {deployment}"
+        # KubeRay's message is Ray's job log tail; the driver's last line there says why.
+        message = (
+            driver_failure(detail)
+            or detail
+            or f"jobStatus {job_status or '-'}, jobDeploymentStatus {deployment}"
+        )
         if obs.checkpoint_failure is not None:
             reason, message = REASON_CHECKPOINT_FAILED, obs.checkpoint_failure.describe()
         conditions[FAILED] = (True, reason, message)
@@ -288,8 +294,12 @@ def _standing_failure(obs: Observed) -> tuple[str, str] | None:
     return None
 
 
+def _startup_timeout_seconds(obs: Observed) -> int:
+    return obs.spec.startup_timeout_seconds if obs.spec else DEFAULT_STARTUP_TIMEOUT_SECONDS
+
+
 def _startup_timeout_text(obs: Observed, pods: tuple[bool, str, str] | None) -> str:
-    timeout = obs.spec.startup_timeout_seconds if obs.spec else DEFAULT_STARTUP_TIMEOUT_SECONDS
+    timeout = _startup_timeout_seconds(obs)
     if pods is not None and not pods[0] and pods[1] != REASON_PODS_PENDING:
         last = pods[2]
     elif obs.apply_failure is not None:
@@ -321,11 +331,22 @@ def _with_failures(obs: Observed, phase: Phase, conditions: Conditions) -> Phase
     conditions[FAILED] = (True, reason, message)
     conditions[RUNNING] = (False, reason, "")
     conditions[SUCCEEDED] = (False, reason, "")
+    suspended = conditions.get(SUSPENDED)
+    if reason == REASON_STARTUP_TIMEOUT and suspended is not None and suspended[0]:
+        # The operator suspended the RayJob (the clean-up policy), not the job's user.
+        conditions[SUSPENDED] = (
+            True,
+            REASON_STARTUP_TIMEOUT,
+            f"{suspended[2]} by the operator: the Ray job did not start within "
+            f"{_startup_timeout_seconds(obs)}s",
+        )
     return Phase.FAILED
 
 
 def _cause(conditions: Conditions) -> str | None:
-    """status.cause, one short line for `kubectl get`: why the job failed or is blocked."""
+    """status.cause, one short line for `kubectl get`: why the job failed or is blocked. A
+    message's line breaks and runs of blanks become one space (a printer column of several
+    lines breaks `kubectl get`'s table), then it is cut to MAX_CAUSE."""
     failed = conditions.get(FAILED)
     pods = conditions.get(PODS_READY)
     applied = conditions.get(SPEC_APPLIED)
@@ -337,7 +358,8 @@ def _cause(conditions: Conditions) -> str | None:
         text = f"{applied[1]}: {applied[2]}"
     else:
         return None
-    return text if len(text) <= MAX_CAUSE else text[: MAX_CAUSE - 3] + "..."
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_CAUSE else text[: MAX_CAUSE - 3].rstrip() + "..."
 
 
 def _with_plan(spec: RLJobSpec, phase: Phase, conditions: Conditions) -> Phase:

@@ -4,6 +4,7 @@ knobs, OOM entries, memory history, checkpoint and export news.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -126,6 +127,24 @@ class CheckpointFailure(_Spec):
             f"the checkpoint of iteration {self.iteration} in {self.path} failed on rank "
             f"{self.rank}: {self.error}"
         )
+
+
+# The Ray driver's last line when the job fails (rljob_worker/driver/ray_main.py). KubeRay's
+# message for a failed Ray job is Ray's, the job log's tail, which ends with this line: the
+# operator's Failed condition takes the why from it (driver_failure).
+_DRIVER_FAILED = re.compile(r"rljob driver: RLJob \S+ failed: (?P<why>.*\S)")
+
+
+def driver_failed_line(job: str, why: str) -> str:
+    """The line the driver ends a failed job's log with: `rljob driver: RLJob JOB failed: WHY`."""
+    return f"rljob driver: RLJob {job} failed: {why}"
+
+
+def driver_failure(log: str) -> str | None:
+    """The why of the last driver_failed_line in `log` (a job log, KubeRay's message); None
+    where it has none."""
+    found = [m["why"] for m in _DRIVER_FAILED.finditer(log)]
+    return found[-1] if found else None
 
 
 # The Failed condition's reason (and the Warning Event's) when a checkpoint save failed.

@@ -182,6 +182,25 @@ def test_startup_timeout_fails_with_the_last_cause_and_stays_failed() -> None:
     assert compute(suspended, T0)[0]["phase"] == "Failed"
 
 
+@pytest.mark.parametrize("deployment", ["Suspending", "Suspended"])
+def test_a_timed_out_job_is_suspended_for_its_startup_timeout_not_by_its_user(
+    deployment: str,
+) -> None:
+    """The operator suspends the RayJob of a job that did not start in time: Suspended says
+    StartupTimeout (and its Event with it), while a suspend the user asked for stays theirs."""
+    expired, _ = compute(Observed(1, SPEC, SPEC, rayjob(), startup_expired=True), T0)
+    status, transitions = compute(
+        Observed(1, SPEC, SPEC, rayjob(deployment), previous_conditions=expired["conditions"]), T0
+    )
+    suspended = conditions(status)["Suspended"]
+    assert (suspended["status"], suspended["reason"]) == ("True", "StartupTimeout")
+    assert "did not start" in suspended["message"]
+    assert [t.reason for t in transitions if t.type == "Suspended"] == ["StartupTimeout"]
+    by_user = SPEC.model_copy(update={"suspend": True})
+    status, _ = compute(Observed(1, by_user, by_user, rayjob(deployment)), T0)
+    assert conditions(status)["Suspended"]["reason"] == "SuspendedByUser"
+
+
 def test_the_deadline_runs_from_creation_or_resume_and_stops_once_running() -> None:
     job: dict[str, Any] = {
         "metadata": {"creationTimestamp": T0},

@@ -14,7 +14,7 @@ import yaml
 from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.queue import Empty
 
-from rljob.api import parse_manifest
+from rljob.api import driver_failure, parse_manifest
 from rljob_worker.driver import ray_driver, ray_main
 from rljob_worker.driver.ray_driver import RayRun, _watch
 
@@ -104,6 +104,9 @@ def test_run_ray_raising_is_a_failed_job_with_a_last_line(
     assert ray_main.main(["--config", str(config), "--no-publish"]) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"rljob driver: RLJob {name} failed: the driver: ") and "queue" in last
+    # The operator's Failed message is this line's why (KubeRay's message ends with the line).
+    why = driver_failure(f"Job entrypoint command failed with exit code 1:\n{last}\n")
+    assert why is not None and why.startswith("the driver: RayActorError: ")
 
 
 # What rank 0's all_reduce raised when its gloo peer's process exited (torch 2.14, seen here).

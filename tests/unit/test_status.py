@@ -97,6 +97,52 @@ def test_failure_message_comes_from_kuberay() -> None:
     assert failed.event_type == "Warning"
 
 
+# KubeRay's message for a failed Ray job is Ray's: the exit code, then the job log's tail, whose
+# last line is the driver's (rljob_worker/driver/ray_main.py).
+RAY_TAIL = (
+    "Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 "
+    "chars):\n2026-01-01 00:00:00,000 INFO rljob_worker.driver: iteration 3\n"
+    '  File "/opt/rljob/train.py", line 88, in step\nRuntimeError: boom\n'
+)
+WHY = "rank 1 (node n-1) failed in stage train of iteration 3: RuntimeError: boom"
+
+
+@pytest.mark.parametrize(
+    ("message", "failed_message"),
+    [
+        (RAY_TAIL + f"rljob driver: RLJob j failed: {WHY}\n", WHY),
+        (RAY_TAIL + f"rljob driver: RLJob j failed: {WHY}\r\n\n", WHY),
+        (
+            RAY_TAIL + "rljob driver: RLJob j failed: the driver: RayActorError: queue died\n",
+            "the driver: RayActorError: queue died",
+        ),
+        ("driver exited 1", "driver exited 1"),  # no driver line: KubeRay's as it is
+    ],
+    ids=["driver-line", "crlf", "the-driver-raised", "no-driver-line"],
+)
+def test_the_failed_message_is_the_drivers_why_not_rays_log_tail(
+    message: str, failed_message: str
+) -> None:
+    status, _ = compute(observe(rayjob("FAILED", "Failed", message=message)), T0)
+    assert by_type(status)[FAILED]["message"] == failed_message
+    assert status["cause"] == f"RayJobFailed: {failed_message}"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Job entrypoint command failed with exit code 1, last available logs:\n"
+        'Traceback (most recent call last):\n  File "x.py", line 3\nRuntimeError: boom',
+        "exit code 1\r\n\n\tRuntimeError: " + "y" * 300,
+    ],
+)
+def test_the_cause_column_is_one_line_however_the_message_breaks(message: str) -> None:
+    status, _ = compute(observe(rayjob("FAILED", "Failed", message=message)), T0)
+    cause = status["cause"]
+    assert cause.splitlines() == [cause] and "  " not in cause and "\t" not in cause
+    assert cause.startswith(f"RayJobFailed: {message.split()[0]} ") and len(cause) <= 120
+
+
 def test_transition_time_moves_only_when_status_changes() -> None:
     first, _ = compute(observe(rayjob("PENDING", "Running")), T0)
     again, transitions = compute(

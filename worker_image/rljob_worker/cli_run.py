@@ -43,6 +43,7 @@ from rljob.report import (
     OOMRecord,
     Stage,
     StageSample,
+    bytes_text,
     summarize,
 )
 
@@ -153,24 +154,20 @@ def _cause(run: Any) -> str | None:
     return None
 
 
-def _bytes(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def load_lines(status: RLJobStatus, loads: list[LoadSample]) -> list[str]:
     """Each rank's measured start-up peak, then the plan's load row to hold them against."""
     lines = [
-        f"start-up load, rank {s.rank}: peak {_bytes(s.device_peak_used_bytes)} "
+        f"start-up load, rank {s.rank}: peak {bytes_text(s.device_peak_used_bytes)} "
         f"{'host' if s.kind == 'host' else 'device'}-wide, "
-        f"torch allocated {_bytes(s.peak_allocated_bytes)}, host RSS peak "
-        f"{_bytes(s.host_peak_bytes)}, {s.seconds:.1f} s"
+        f"torch allocated {bytes_text(s.peak_allocated_bytes)}, host RSS peak "
+        f"{bytes_text(s.host_peak_bytes)}, {s.seconds:.1f} s"
         for s in sorted(loads, key=lambda s: s.rank)
     ]
     planned = status.plan.load if status.plan is not None else None
     if lines and planned is not None:
         lines.append(
-            f"start-up load, plan: {_bytes(planned.peak_bytes)} per rank "
-            f"({planned.peak_fraction:.3f}), host {_bytes(planned.host_bytes_per_node)} per "
+            f"start-up load, plan: {bytes_text(planned.peak_bytes)} per rank "
+            f"({planned.peak_fraction:.3f}), host {bytes_text(planned.host_bytes_per_node)} per "
             "worker pod for the slices"
         )
     return lines
@@ -185,7 +182,7 @@ def memory_table(summary: MemorySummary, reports: list[IterationReport]) -> Tabl
     )
     table = Table(
         title=f"iteration {summary.iteration}: {kind}, {summary.device}, "
-        f"capacity {_bytes(summary.capacity_bytes)}"
+        f"capacity {bytes_text(summary.capacity_bytes)}"
     )
     if summary.kind == "cuda":
         table.caption = (
@@ -201,9 +198,9 @@ def memory_table(summary: MemorySummary, reports: list[IterationReport]) -> Tabl
     for stage in summary.stages:
         table.add_row(
             str(stage.name),
-            _bytes(stage.peak_bytes),
+            bytes_text(stage.peak_bytes),
             f"{stage.peak_fraction:.3f}",
-            _bytes(allocated[stage.name]),
+            bytes_text(allocated[stage.name]),
             f"{stage.seconds:.3f}",
             str(stage.rank),
         )
@@ -316,7 +313,7 @@ def write_outputs(
     memory = status.memory
     title = f"RLJob {name}: memory per stage"
     if memory is not None:
-        title += f" ({memory.device}, {_bytes(memory.capacity_bytes)}, {memory.kind})"
+        title += f" ({memory.device}, {bytes_text(memory.capacity_bytes)}, {memory.kind})"
     plot_timeline(samples, out / "memory-timeline.png", title)
     written = ["status.json", "status.yaml", "reports.json", "memory-timeline.png"]
     if any(m.reward_mean is not None for m in status.metrics):

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rljob.api import JobConfig
+from rljob.api import JobConfig, driver_failed_line
 
 if TYPE_CHECKING:  # Ray is imported only once a config was read (so --help stays quick)
     from rljob_worker.driver.ray_driver import RayRun
@@ -126,11 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     except Exception as error:  # a Ray failure no rank accounts for: still a failed job's line
         log.exception("the driver failed")
-        print(
-            f"rljob driver: RLJob {job.name} failed: the driver: {type(error).__name__}: "
-            f"{plain(str(error))[:500]}",
-            file=sys.stderr,
-        )
+        why = f"the driver: {type(error).__name__}: {plain(str(error))[:500]}"
+        print(driver_failed_line(job.name, why), file=sys.stderr)
         return 1
     finally:
         ray.shutdown()
@@ -144,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         args.status_out.write_text(text + "\n")
     if not run.ok:
         # The job log's last line: Ray's job message (shown in the RayJob status) ends with it.
-        print(f"rljob driver: RLJob {job.name} failed: {run.reason}", file=sys.stderr)
+        print(driver_failed_line(job.name, str(run.reason)), file=sys.stderr)
         return 1
     return 0
 
