@@ -22,7 +22,7 @@ BUILTIN_CALCULATOR = "builtin:calculator"
 BUILTIN_DATA_SOURCES: tuple[str, ...] = (BUILTIN_ARITHMETIC, BUILTIN_DIGIT, BUILTIN_CALCULATOR)
 BUILTIN_DATA_RULE = _builtin_rule("data source", BUILTIN_DATA_SOURCES)
 DATA_URL_RULE = _no_url_rule(
-    "use a builtin source or the path of a .jsonl or .parquet file in the pod"
+    "use a builtin source or the path of a .jsonl, .json or .parquet file in the pod"
 )
 DataSource = Annotated[
     str, Field(min_length=1, max_length=4096), *_with_rules(BUILTIN_DATA_RULE, DATA_URL_RULE)
@@ -47,8 +47,8 @@ class DataSpec(_Spec):
     source: DataSource = Field(
         default=BUILTIN_ARITHMETIC,
         description="'builtin:arithmetic' generates addition prompts (no download); otherwise "
-        "the path (in the pod: a mounted volume, or the image) of a .jsonl or .parquet file. "
-        "No URL schemes: the worker reads local files.",
+        "the path (in the pod: a mounted volume, or the image) of a .jsonl, .json (an array of "
+        "objects, or JSON lines) or .parquet file. No URL schemes: the worker reads local files.",
     )
     prompt_key: DataKey = Field(
         default="prompt",

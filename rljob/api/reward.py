@@ -60,6 +60,15 @@ class RewardSpec(_Spec):
         description="Seconds one call of a user function may take; its process is then ended "
         "and the call counts as an error.",
     )
+    parallel_calls: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Calls of a user function run at once on each rank, each in a process of "
+        "its own (each loads the function, and its memory counts against the worker "
+        "container's). Raise it for a slow function (a sandbox, a judge behind an API): a "
+        "rollout's responses are scored that many at a time. The builtins run in the rank.",
+    )
     on_error: RewardOnError = Field(
         default=RewardOnError.FAIL,
         description="A call that raises, times out or returns no number: Fail ends the job "

@@ -9,12 +9,12 @@ from pydantic import ConfigDict, Field, model_validator
 from rljob.api._base import CrossFieldRule, _cel_rules, _check_rules, _Spec
 from rljob.api.algorithm import AlgorithmSpec
 from rljob.api.checkpoint import CheckpointSpec, ExportSpec
-from rljob.api.data import DataSpec
+from rljob.api.data import ChatTemplateMode, DataSpec
 from rljob.api.memory import MemoryPlanSpec, OffloadMode, OOMPolicySpec
 from rljob.api.model import ModelSpec
 from rljob.api.resources import ResourcesSpec
 from rljob.api.reward import RewardSpec
-from rljob.api.rollout import AUTO, EngineName, RolloutSpec
+from rljob.api.rollout import AUTO, EngineName, RolloutMode, RolloutSpec
 from rljob.api.training import TrainingSpec
 from rljob.api.volumes import (
     JOB_CONFIG_VOLUME,
@@ -74,6 +74,19 @@ MINI_BATCHES_FIT_RULE = CrossFieldRule(
     ),
 )
 
+# mode multiTurn renders the conversation's turns with the model's chat template, the tools'
+# schemas in it (rljob_worker.agentic.chat): a first prompt outside it (chatTemplate None) would
+# have no assistant header and no tools before the template's own tool turns.
+MULTI_TURN_NEEDS_TEMPLATE_RULE = CrossFieldRule(
+    cel="self.rollout.mode != 'multiTurn' || self.data.chatTemplate != 'None'",
+    message="data.chatTemplate None cannot go with rollout.mode multiTurn: its turns, and the "
+    "tools' schemas, are in the model's chat template (leave chatTemplate Auto)",
+    field_path=".data.chatTemplate",
+    check=lambda s: (
+        s.rollout.mode != RolloutMode.MULTI_TURN or s.data.chat_template != ChatTemplateMode.NONE
+    ),
+)
+
 
 def _as_directory(path: str) -> str:
     return path if path.endswith("/") else path + "/"
@@ -115,6 +128,7 @@ SPEC_RULES: tuple[CrossFieldRule, ...] = (
     BATCH_DIVIDES_RANKS_RULE,
     MINI_BATCHES_FIT_RULE,
     EXPORT_SPARES_CHECKPOINTS_RULE,
+    MULTI_TURN_NEEDS_TEMPLATE_RULE,
 )
 
 

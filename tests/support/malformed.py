@@ -163,6 +163,9 @@ MALFORMED: list[Malformed] = [
         "spec.reward.function",
     ),
     Malformed(
+        "reward-parallel-calls-zero", {"reward": {"parallelCalls": 0}}, "spec.reward.parallelCalls"
+    ),
+    Malformed(
         "reward-builtin-unknown", {"reward": {"function": "exactmatch"}}, "spec.reward.function"
     ),
     Malformed(
@@ -381,6 +384,11 @@ MALFORMED: list[Malformed] = [
         "multi-turn-tensor-parallel",
         {"rollout": {"mode": "multiTurn", "tensorParallelSize": 2}},
         "spec.rollout.mode",
+    ),
+    Malformed(
+        "multi-turn-without-chat-template",
+        {"rollout": {"mode": "multiTurn"}, "data": {"chatTemplate": "None"}},
+        "spec.data.chatTemplate",
     ),
     Malformed("rollout-mode-unknown", {"rollout": {"mode": "agentic"}}, "spec.rollout.mode"),
     Malformed(

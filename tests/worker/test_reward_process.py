@@ -150,3 +150,73 @@ def test_a_builtin_with_an_unreadable_truth_fails_like_a_user_function() -> None
     scorer = Scorer(RewardSpec(function="numeric"))
     with pytest.raises(RewardError, match=r"row 3, response '#### 7': ValueError: ground truth"):
         scorer([_problem(3, answer="seven")], ["#### 7"])
+
+
+PEERS_FILE = """
+import os
+import time
+from pathlib import Path
+
+def peers(data_source, solution_str, ground_truth, extra_info=None):
+    # Counts the calls running beside this one: each leaves its mark, then waits (up to 5 s)
+    # for `ground_truth` marks in all. Calls run one after another each see only themselves
+    # and those before them.
+    if solution_str == "hang":
+        time.sleep(60)
+    marks = Path(extra_info["dir"])
+    (marks / f"{os.getpid()}-{solution_str}").touch()
+    deadline = time.monotonic() + 5
+    while len(list(marks.iterdir())) < int(ground_truth) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"score": float(len(list(marks.iterdir()))), "pid": float(os.getpid())}
+"""
+
+
+def test_parallel_calls_score_that_many_responses_at_once_each_in_its_own_process(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "peers.py"
+    path.write_text(PEERS_FILE)
+    (tmp_path / "marks").mkdir()
+    scorer = Scorer(RewardSpec(function=f"{path}:peers", parallel_calls=4))
+    try:
+        assert len(scorer.callers) == 4
+        problems = [Problem("q", "4", f"row {i}", "src", {"dir": str(tmp_path / "marks")})
+                    for i in range(4)]  # fmt: skip
+        batch = scorer(problems, ["a", "b", "c", "d"])
+    finally:
+        scorer.close()
+    # One after another the first call would see 1 mark after its 5 s, the second 2, ...
+    assert (batch.scores, batch.errors) == ([4.0] * 4, 0)
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / "marks").iterdir()) == list("abcd")
+    assert len({p.name.split("-")[0] for p in (tmp_path / "marks").iterdir()}) == 4
+
+
+def test_a_hanging_call_holds_one_process_and_the_others_go_on_in_order(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "peers.py"
+    path.write_text(PEERS_FILE)
+    spec = RewardSpec(
+        function=f"{path}:peers", parallel_calls=2, timeout_seconds=2, on_error=RewardOnError.ZERO
+    )
+    scorer = Scorer(spec)
+    try:
+        rows = []
+        for i in range(5):
+            (tmp_path / f"marks{i}").mkdir()
+            rows.append(Problem("q", "1", f"row {i}", "src", {"dir": str(tmp_path / f"marks{i}")}))
+        batch = scorer(rows, ["a", "hang", "b", "c", "d"])
+        # The hung process was ended and replaced: the next batch is scored as before.
+        again = scorer(rows[:1], ["e"])
+    finally:
+        scorer.close()
+    assert (batch.scores, batch.errors) == ([1.0, 0.0, 1.0, 1.0, 1.0], 1)
+    assert (again.scores, again.errors) == ([2.0], 0)  # marks0 holds a's mark and e's
+
+
+def test_a_function_that_does_not_load_in_one_of_its_processes_fails_at_start(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(RewardLoadError, match="no such file in the pod"):
+        Scorer(RewardSpec(function=f"{tmp_path}/nowhere.py:f", parallel_calls=3))

@@ -8,6 +8,7 @@ fails the job at once with the file and row named instead of mid-run.
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -19,7 +20,11 @@ from rljob_worker.task import Problem, PromptEncoder, PromptTooLong
 # How many bad rows a DatasetError lists (it counts them all).
 SHOWN_PROBLEMS = 5
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# .json: a JSON array of objects, or JSON lines under that name (datasets' to_json writes them).
+JSON_SUFFIXES = (".json",)
 PARQUET_SUFFIXES = (".parquet", ".pq")
+# The file types, as the messages name them (DATA_URL_RULE's text in rljob.api names them too).
+FILE_TYPES = ".jsonl, .json or .parquet"
 
 
 class DatasetError(ValueError):
@@ -34,16 +39,32 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """(where, row) for every row: JSONL by line number (what an editor shows), Parquet by row
     index from 0 (what pyarrow and pandas index). A row that is not an object comes back as
     a _RowProblem in place of the row."""
+    if path.is_dir():
+        # Said apart from a missing file: the folder is mounted, and mounting it again would not
+        # help. Folders of shards (Spark's, datasets' save_to_disk) are not read.
+        raise DatasetError(
+            f"spec.data.source {path}: a directory, not a file; one {FILE_TYPES} file is "
+            "expected (name one file in it, or join its shards into one file)"
+        )
     if not path.is_file():
         raise DatasetError(
             f"spec.data.source {path}: no such file in the pod (mount the volume that holds it, "
             "or copy it into the image)"
         )
-    if path.name.endswith(JSONL_SUFFIXES):
-        # surrogateescape: a byte that is not UTF-8 (a Latin-1 export) would otherwise end the
-        # read with a bare UnicodeDecodeError naming no line; kept as a lone surrogate, it is
-        # found below and reported with its line like any other bad row.
-        with path.open(encoding="utf-8", errors="surrogateescape") as lines:
+    name = path.name.lower()  # train.JSONL, data.Parquet: the type, whatever the case
+    if name.endswith(JSON_SUFFIXES):
+        with path.open(encoding="utf-8-sig", errors="surrogateescape") as text:
+            head = text.read(4096).lstrip()
+        if head.startswith("["):
+            yield from _json_array_rows(path)
+            return
+    if name.endswith(JSONL_SUFFIXES + JSON_SUFFIXES):
+        # utf-8-sig: a byte order mark at the start (Windows editors, PowerShell's Out-File)
+        # is dropped; json.loads refuses it. surrogateescape: a byte that is not UTF-8 (a
+        # Latin-1 export) would otherwise end the read with a bare UnicodeDecodeError naming no
+        # line; kept as a lone surrogate, it is found below and reported with its line like any
+        # other bad row.
+        with path.open(encoding="utf-8-sig", errors="surrogateescape") as lines:
             for number, line in enumerate(lines, start=1):
                 if not line.strip():
                     continue
@@ -63,7 +84,7 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
                     if isinstance(row, dict)
                     else _RowProblem(f"a row must be a JSON object, not {type(row).__name__}"),
                 )
-    elif path.name.endswith(PARQUET_SUFFIXES):
+    elif name.endswith(PARQUET_SUFFIXES):
         import pyarrow.parquet as pq
 
         try:
@@ -75,8 +96,28 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
         for index, row in enumerate(table.to_pylist()):
             yield f"{path} row {index}", row
     else:
+        raise DatasetError(f"spec.data.source {path}: unknown file type; use a {FILE_TYPES} file")
+
+
+def _json_array_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """A .json file holding one array: its items by index from 0 (what json.load indexes)."""
+    text = path.read_text(encoding="utf-8-sig", errors="surrogateescape")
+    undecodable = _first_undecodable(text)
+    if undecodable is not None:
+        raise DatasetError(f"spec.data.source {path}: {undecodable}")
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as error:
         raise DatasetError(
-            f"spec.data.source {path}: unknown file type; use a .jsonl or .parquet file"
+            f"spec.data.source {path}: not JSON ({error.msg} at line {error.lineno}, column "
+            f"{error.colno})"
+        ) from None
+    for index, row in enumerate(items):
+        yield (
+            f"{path} item {index}",
+            row
+            if isinstance(row, dict)
+            else _RowProblem(f"an item must be a JSON object, not {type(row).__name__}"),
         )
 
 
@@ -104,13 +145,30 @@ def lookup(row: Mapping[str, Any], key: str) -> Any:
     value: Any = row
     walked: list[str] = []
     for part in key.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            has = ", ".join(sorted(map(str, value))) if isinstance(value, Mapping) else "no keys"
-            at = ".".join(walked) or "the row"
+        at = ".".join(walked) or "the row"
+        if not isinstance(value, Mapping):  # a null struct, or text where a mapping was meant
+            raise _RowProblem(f"no key {key!r} ({at} is {_kind(value)}, not a mapping)")
+        if part not in value:
+            has = ", ".join(sorted(map(str, value)))
             raise _RowProblem(f"no key {key!r} ({at} has: {has or 'nothing'})")
         value = value[part]
         walked.append(part)
     return value
+
+
+def _kind(value: Any) -> str:
+    """What a row's value is, for a message: null, text 'forty-two', a list, a number (4)."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"text {value[:40]!r}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, bool):  # before int: JSON's true is a bool, and a bool is an int
+        return f"a boolean ({value!r})"
+    if isinstance(value, int | float):
+        return f"a number ({value!r})"
+    return type(value).__name__
 
 
 def _messages(value: list[Any], key: str) -> list[dict[str, str]]:
@@ -141,10 +199,16 @@ class PromptRenderer:
         self.tools = tools
 
     def __call__(self, value: Any) -> str:
+        if value is None:  # a Parquet null, or JSON's null: said so, not "not NoneType"
+            raise _RowProblem(f"{self.key!r} is null")
         if isinstance(value, str):
             if not value.strip():
                 raise _RowProblem(f"{self.key!r} is empty")
-            return value
+            if self.tools is None or self.mode is ChatTemplateMode.NONE:
+                return value
+            # mode multiTurn: the conversation goes on in the template's turns, and the model
+            # sees the tools' schemas only through it, so plain text is the user's message.
+            return self._template([{"role": "user", "content": value}])
         if not isinstance(value, list):
             raise _RowProblem(
                 f"{self.key!r} must be text or a list of chat messages {{role, content}}, "
@@ -153,8 +217,17 @@ class PromptRenderer:
         messages = _messages(value, self.key)
         if self.mode is ChatTemplateMode.NONE:
             return "\n".join(m["content"] for m in messages)
+        return self._template(messages)
+
+    def _template(self, messages: list[dict[str, str]]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
-            # Not a row's defect: every row with messages would fail the same way.
+            # Not a row's defect: every row would fail the same way.
+            if self.tools is not None:
+                raise DatasetError(
+                    "spec.rollout.mode multiTurn renders the prompts with the model's chat "
+                    "template (the tools' schemas are in it) and the tokenizer has none: use a "
+                    "chat (instruct) model"
+                )
             raise DatasetError(
                 "the prompts are chat messages and the model's tokenizer has no chat template: "
                 "use a chat (instruct) model, or set spec.data.chatTemplate: None to join the "
@@ -184,6 +257,11 @@ def _problem(row: Any, where: str, data: DataSpec, render: PromptRenderer,
     answer = lookup(row, data.answer_key)
     if answer is None:
         raise _RowProblem(f"{data.answer_key!r} is null")
+    if isinstance(answer, float) and not math.isfinite(answer):
+        # NaN: json.dumps of pandas' missing float; Infinity: json.loads reads it too. No
+        # response's number equals either (NaN equals nothing), so the row could never score.
+        shown = "NaN" if math.isnan(answer) else repr(answer)
+        raise _RowProblem(f"{data.answer_key!r} is {shown}")
     try:
         ids = encode(prompt)
     except PromptTooLong as error:

@@ -10,9 +10,11 @@ with onError Zero, scores 0 and is counted.
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
 from typing import Any, Protocol
@@ -162,17 +164,56 @@ class RewardBatch:
 
 
 class Scorer:
-    """spec.reward applied to a rollout's responses."""
+    """spec.reward applied to a rollout's responses: a user function over parallelCalls child
+    processes, each call taking whichever is free (a call that hangs holds one process up to
+    timeoutSeconds, not the others)."""
 
     def __init__(self, reward: RewardSpec) -> None:
         self.spec = reward
-        self.call = make_caller(reward)
+        count = 1 if reward.function in BUILTINS else reward.parallel_calls
+        self.callers: list[RewardCaller] = []
+        self._pool: ThreadPoolExecutor | None = None
+        if count == 1:
+            self.callers.append(make_caller(reward))
+            return
+        self._pool = ThreadPoolExecutor(count, thread_name_prefix="rljob-reward")
+        started = [self._pool.submit(make_caller, reward) for _ in range(count)]
+        failed: BaseException | None = None
+        for future in started:  # every child loads at once; all are closed if one fails
+            try:
+                self.callers.append(future.result())
+            except BaseException as error:
+                failed = failed or error
+        if failed is not None:
+            self.close()
+            raise failed
+        self._idle: queue.SimpleQueue[RewardCaller] = queue.SimpleQueue()
+        for caller in self.callers:
+            self._idle.put(caller)
+
+    def _one(self, problem: Problem, response: str) -> Scored:
+        caller = self._idle.get()
+        try:
+            return caller(problem.data_source, response, problem.answer, problem.extra_info)
+        finally:
+            self._idle.put(caller)
+
+    def _scored(self, problems: Sequence[Problem], responses: Sequence[str]) -> list[Scored]:
+        if self._pool is None:
+            [call] = self.callers
+            return [
+                call(p.data_source, r, p.answer, p.extra_info)
+                for p, r in zip(problems, responses, strict=True)
+            ]
+        if len(problems) != len(responses):
+            raise ValueError(f"{len(problems)} problems for {len(responses)} responses")
+        return list(self._pool.map(self._one, problems, responses))
 
     def __call__(self, problems: Sequence[Problem], responses: Sequence[str]) -> RewardBatch:
         scores: list[float] = []
         errors = 0
-        for problem, response in zip(problems, responses, strict=True):
-            scored = self.call(problem.data_source, response, problem.answer, problem.extra_info)
+        outcomes = self._scored(problems, responses)
+        for problem, response, scored in zip(problems, responses, outcomes, strict=True):
             if scored.error is None:
                 scores.append(scored.score)
                 continue
@@ -188,7 +229,10 @@ class Scorer:
         return RewardBatch(scores, errors)
 
     def close(self) -> None:
-        self.call.close()
+        for caller in self.callers:
+            caller.close()
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 __all__ = ["RewardBatch", "RewardError", "RewardLoadError", "RewardValueError", "Scorer"]
