@@ -220,3 +220,45 @@ def test_a_function_that_does_not_load_in_one_of_its_processes_fails_at_start(
 ) -> None:
     with pytest.raises(RewardLoadError, match="no such file in the pod"):
         Scorer(RewardSpec(function=f"{tmp_path}/nowhere.py:f", parallel_calls=3))
+
+
+MARKING_FILE = """
+import time
+from pathlib import Path
+
+def marking(data_source, solution_str, ground_truth, extra_info=None):
+    (Path(extra_info["dir"]) / solution_str).touch()  # this call was made
+    if solution_str == "raise":
+        raise ValueError("cannot grade this")
+    time.sleep(1)
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize(
+    ("parallel_calls", "responses", "row", "made_at_most"),
+    [
+        (1, ["a", "raise", "b", "c", "d", "e"], 1, {"a", "raise"}),
+        # The failure ends first; the other process is inside a 1 s call, and at most one more
+        # call begins before the rest are cancelled.
+        (2, ["raise", "a", "b", "c", "d", "e", "f", "g"], 0, {"raise", "a", "b"}),
+    ],
+)
+def test_with_on_error_fail_the_first_failure_ends_the_batch_before_the_calls_left(
+    tmp_path: Path, parallel_calls: int, responses: list[str], row: int, made_at_most: set[str]
+) -> None:
+    path = tmp_path / "marking.py"
+    path.write_text(MARKING_FILE)
+    (tmp_path / "marks").mkdir()
+    scorer = Scorer(RewardSpec(function=f"{path}:marking", parallel_calls=parallel_calls))
+    problems = [
+        Problem("q", "1", f"row {i}", "src", {"dir": str(tmp_path / "marks")})
+        for i in range(len(responses))
+    ]
+    try:
+        with pytest.raises(RewardError, match=rf"failed on row {row}, response 'raise': "):
+            scorer(problems, responses)
+    finally:
+        scorer.close()
+    made = {p.name for p in (tmp_path / "marks").iterdir()}
+    assert "raise" in made and made <= made_at_most, made  # every call was made before

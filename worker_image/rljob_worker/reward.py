@@ -14,7 +14,7 @@ import queue
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
 from typing import Any, Protocol
@@ -198,35 +198,49 @@ class Scorer:
         finally:
             self._idle.put(caller)
 
+    def _failed(self, problem: Problem, response: str, scored: Scored) -> RewardError:
+        return RewardError(
+            f"spec.reward.function {self.spec.function} failed on {problem.where}, "
+            f"response {excerpt(response)}: {' '.join(str(scored.error).split())} "
+            "(spec.reward.onError: Zero would score it 0 and count it)"
+        )
+
     def _scored(self, problems: Sequence[Problem], responses: Sequence[str]) -> list[Scored]:
-        if self._pool is None:
-            [call] = self.callers
-            return [
-                call(p.data_source, r, p.answer, p.extra_info)
-                for p, r in zip(problems, responses, strict=True)
-            ]
+        """Every response's outcome, in order. With onError Fail the first failure ends the
+        batch at once: the calls not yet begun are not made (those running end within their
+        timeoutSeconds)."""
         if len(problems) != len(responses):
             raise ValueError(f"{len(problems)} problems for {len(responses)} responses")
-        return list(self._pool.map(self._one, problems, responses))
+        fail = self.spec.on_error is RewardOnError.FAIL
+        if self._pool is None:
+            [call] = self.callers
+            outcomes = []
+            for problem, response in zip(problems, responses, strict=True):
+                scored = call(problem.data_source, response, problem.answer, problem.extra_info)
+                if fail and scored.error is not None:
+                    raise self._failed(problem, response, scored)
+                outcomes.append(scored)
+            return outcomes
+        futures = {
+            self._pool.submit(self._one, problem, response): index
+            for index, (problem, response) in enumerate(zip(problems, responses, strict=True))
+        }
+        done: dict[int, Scored] = {}
+        try:
+            for future in as_completed(futures):  # the first failure to end, not the first row
+                index, scored = futures[future], future.result()
+                if fail and scored.error is not None:
+                    raise self._failed(problems[index], responses[index], scored)
+                done[index] = scored
+        finally:
+            for future in futures:
+                future.cancel()  # a no-op once all have ended
+        return [done[index] for index in range(len(problems))]
 
     def __call__(self, problems: Sequence[Problem], responses: Sequence[str]) -> RewardBatch:
-        scores: list[float] = []
-        errors = 0
-        outcomes = self._scored(problems, responses)
-        for problem, response, scored in zip(problems, responses, outcomes, strict=True):
-            if scored.error is None:
-                scores.append(scored.score)
-                continue
-            if self.spec.on_error is RewardOnError.FAIL:
-                raise RewardError(
-                    f"spec.reward.function {self.spec.function} failed on {problem.where}, "
-                    f"response {excerpt(response)}: {' '.join(scored.error.split())} "
-                    "(spec.reward.onError: Zero "
-                    "would score it 0 and count it)"
-                )
-            scores.append(0.0)
-            errors += 1
-        return RewardBatch(scores, errors)
+        outcomes = self._scored(problems, responses)  # raises at once with onError Fail
+        scores = [0.0 if s.error is not None else s.score for s in outcomes]
+        return RewardBatch(scores, sum(s.error is not None for s in outcomes))
 
     def close(self) -> None:
         for caller in self.callers:
