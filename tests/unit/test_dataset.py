@@ -4,7 +4,10 @@ tokenizer's template, and every defect reported at start with the file and the r
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +17,7 @@ import pytest
 
 from rljob.api import DataSpec, MultiTurnSpec, PromptOverflow
 from rljob_worker.agentic.tools import make_tools
-from rljob_worker.dataset import DatasetError, DatasetTask
+from rljob_worker.dataset import DatasetError, DatasetTask, read_rows
 from rljob_worker.model import CHAT_TEMPLATE, TINY_QWEN2, load_tokenizer, resolve_model_path
 from rljob_worker.task import PromptTooLong, make_task
 
@@ -367,6 +370,53 @@ def test_a_directory_is_refused_as_not_a_file(tmp_path: Path, tokenizer: Any, na
     assert message.startswith(f"spec.data.source {folder}: a directory, not a file; ")
     assert "one .jsonl, .json or .parquet file is expected" in message
     assert "no such file" not in message  # it is there: mounting it again would not help
+
+
+def _as_another_user(path: Path) -> str:
+    """read_rows(path)'s error in a forked child that is not root (nobody, when the tests run
+    as root): the permission is the kernel's, as in a pod whose uid is not the file's owner."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one read, its error down the pipe, then out
+        try:
+            os.close(read)
+            if os.getuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            try:
+                list(read_rows(path))
+                said = "no error"
+            except BaseException as error:
+                said = f"{type(error).__name__}: {error}"
+            os.write(write, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return said
+
+
+@pytest.mark.parametrize("locked", ["file", "folder"])
+def test_a_file_the_worker_may_not_read_names_its_user(locked: str) -> None:
+    folder = Path(tempfile.mkdtemp())  # not under pytest's tmp_path: that is mode 700
+    try:
+        path = folder / "train.jsonl"
+        path.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+        folder.chmod(0o755)
+        (path if locked == "file" else folder).chmod(0o000)
+        said = _as_another_user(path)
+    finally:
+        folder.chmod(0o755)
+        shutil.rmtree(folder)
+    blocked = path if locked == "file" else folder
+    assert said.startswith(
+        f"DatasetError: spec.data.source {path}: the worker cannot read it (Permission denied: "
+    ), said
+    assert f": {blocked}; it runs as uid " in said and said.endswith(
+        "readable by that user (chmod a+r, a+x on the folders)"
+    ), said
 
 
 def test_the_data_page_points_a_missing_file_to_the_volumes_page() -> None:

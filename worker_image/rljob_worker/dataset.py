@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -39,14 +40,27 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """(where, row) for every row: JSONL by line number (what an editor shows), Parquet by row
     index from 0 (what pyarrow and pandas index). A row that is not an object comes back as
     a _RowProblem in place of the row."""
-    if path.is_dir():
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+        if is_file:
+            path.open("rb").close()
+    except PermissionError as error:  # a file (or a folder above it) of a volume, mode 600/700
+        # The kernel names the path asked for; the first folder this user may not enter is what
+        # to change (os.access: the pod's real uid is its effective one).
+        blocked = next((p for p in reversed(path.parents) if not os.access(p, os.X_OK)), path)
+        raise DatasetError(
+            f"spec.data.source {path}: the worker cannot read it ({error.strerror}: {blocked}; "
+            f"it runs as uid {os.getuid()}, gid {os.getgid()}): make the file, and the folders "
+            "above it, readable by that user (chmod a+r, a+x on the folders)"
+        ) from None
+    if is_dir:
         # Said apart from a missing file: the folder is mounted, and mounting it again would not
         # help. Folders of shards (Spark's, datasets' save_to_disk) are not read.
         raise DatasetError(
             f"spec.data.source {path}: a directory, not a file; one {FILE_TYPES} file is "
             "expected (name one file in it, or join its shards into one file)"
         )
-    if not path.is_file():
+    if not is_file:
         raise DatasetError(
             f"spec.data.source {path}: no such file in the pod (mount the volume that holds it, "
             "or copy it into the image)"
