@@ -16,6 +16,7 @@ from rljob.api import (
     JOB_CONFIG_FILE,
     JOB_CONFIG_VOLUME,
     KIND,
+    NO_FS_GROUP,
     RAY_MEMORY_MONITOR_ENV,
     SGL_TP_IMBALANCE_ENV,
     SGLANG_TP_IMBALANCE_ENV,
@@ -151,6 +152,11 @@ def _pod_template(
         ]
     if res.priority_class_name:
         pod["priorityClassName"] = res.priority_class_name
+    if res.fs_group != NO_FS_GROUP:
+        pod["securityContext"] = {
+            "fsGroup": res.fs_group,
+            "fsGroupChangePolicy": "OnRootMismatch",
+        }
     labels = {**_labels(owner), ATTEMPT_LABEL: str(attempt)}
     return {"metadata": {"labels": labels}, "spec": pod}
 

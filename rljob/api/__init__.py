@@ -81,7 +81,14 @@ from rljob.api.plan_status import (
     PlannedStage,
     PlanStatus,
 )
-from rljob.api.resources import RESOURCES_RULES, SHM_WITHIN_MEMORY_RULE, ResourcesSpec, Toleration
+from rljob.api.resources import (
+    NO_FS_GROUP,
+    RESOURCES_RULES,
+    SHM_WITHIN_MEMORY_RULE,
+    WORKER_GROUP,
+    ResourcesSpec,
+    Toleration,
+)
 from rljob.api.reward import (
     BUILTIN_EXACT_MATCH,
     BUILTIN_NUMERIC,
@@ -242,6 +249,7 @@ __all__ = [
     "MULTI_TURN_ONE_GPU_ENGINE_RULE",
     "NAME_RULES",
     "NO_DOT_COMPONENTS_RULE",
+    "NO_FS_GROUP",
     "OPERATOR_ENV",
     "OPERATOR_MOUNT_PATHS",
     "OPERATOR_VOLUMES",
@@ -276,6 +284,7 @@ __all__ = [
     "URL_SCHEME_PATTERN",
     "VERSION",
     "VOLUME_SOURCE_RULE",
+    "WORKER_GROUP",
     "AlgorithmName",
     "AlgorithmSpec",
     "Attempt",

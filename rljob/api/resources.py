@@ -4,9 +4,9 @@ scheduling).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
 from rljob.api._base import (
     CrossFieldRule,
@@ -21,6 +21,7 @@ from rljob.api._base import (
     _Spec,
     immutable,
 )
+from rljob.api.rollout import _number_or_auto, _only_numbers_or_auto
 
 
 class Toleration(_Spec):
@@ -57,6 +58,33 @@ class Toleration(_Spec):
             raise ValueError("a toleration with operator Exists must not set value")
         return self
 
+
+# The worker image's user and group (worker_image/Dockerfile*: uid 1000, gid 1000): the default
+# fsGroup, so a claim's files are that group's.
+WORKER_GROUP = 1000
+# fsGroup: None sets none. A word, not null: the apiserver fills a null back in with the default
+# (kubectl apply drops it; tests/controlplane/test_rljob_admission.py saw 1000 stored).
+NO_FS_GROUP: Literal["None"] = "None"
+_MAX_GID = 2147483647
+
+
+def _gid_or_none(value: int | str) -> int | str:
+    if value != NO_FS_GROUP and not (
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_GID
+    ):
+        raise ValueError(f"fsGroup must be None or an integer in [0, {_MAX_GID}]")
+    return value
+
+
+# An integer group id, or None: untyped as rollout.memFractionStatic is (a number or Auto).
+FsGroup = Annotated[
+    int | Literal["None"],
+    Field(json_schema_extra=_number_or_auto(
+        {"minimum": 0, "maximum": _MAX_GID, "multipleOf": 1}, word=NO_FS_GROUP
+    )),
+    _only_numbers_or_auto("fsGroup", f"an integer in [0, {_MAX_GID}]", word=NO_FS_GROUP),
+    AfterValidator(_gid_or_none),
+]  # fmt: skip
 
 SHM_WITHIN_MEMORY_RULE = CrossFieldRule(
     cel="!isQuantity(self.sharedMemory) || !isQuantity(self.memory) || "
@@ -123,6 +151,15 @@ class ResourcesSpec(_Spec):
     )
     tolerations: list[Toleration] = Field(
         default_factory=list, max_length=32, description="Tolerations of the worker pods."
+    )
+    fs_group: FsGroup = Field(
+        default=WORKER_GROUP,
+        description="The pods' fsGroup: the kubelet gives the files of a volume that supports it "
+        "(a block-storage claim, emptyDir) to this group, group-writable, so a claim formatted "
+        "root-owned (EBS, Persistent Disk) takes the checkpoints and the export. 1000: the "
+        "worker image's user and group. Changed only where the volume's root does not match "
+        "(fsGroupChangePolicy OnRootMismatch: a large dataset is not walked at every start). "
+        "None: no fsGroup (OpenShift's restricted SCC sets the namespace's own).",
     )
     priority_class_name: DNSSubdomain | None = Field(
         default=None,

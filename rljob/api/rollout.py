@@ -60,28 +60,28 @@ _IMPOSSIBLE_FOR_NON_NUMBERS = {
 }  # fmt: skip
 
 
-def _number_or_auto(number: dict[str, object]) -> dict[str, object]:
-    """The CRD's schema of an untyped "Auto"-or-number field: `number`'s bounds apply to
-    numbers only (UNTYPED_SCHEMA above)."""
+def _number_or_auto(number: dict[str, object], word: str = AUTO) -> dict[str, object]:
+    """The CRD's schema of an untyped "Auto"-or-number field (or `word`-or-number: fsGroup's
+    "None"): `number`'s bounds apply to numbers only (UNTYPED_SCHEMA above)."""
     return {
         UNTYPED_SCHEMA: {
             "x-kubernetes-preserve-unknown-fields": True,
             # No bound applies to a boolean either: `not` keeps true and false out.
             "anyOf": [
-                {"enum": [AUTO]},
+                {"enum": [word]},
                 {**number, **_IMPOSSIBLE_FOR_NON_NUMBERS, "not": {"enum": [True, False]}},
             ],
         }
     }
 
 
-def _only_numbers_or_auto(field: str, allowed: str) -> BeforeValidator:
+def _only_numbers_or_auto(field: str, allowed: str, word: str = AUTO) -> BeforeValidator:
     """Before pydantic's number types, which take true as 1 and "0.5" as 0.5: the CRD refuses
     both, so `rljob run` does too."""
 
     def check(value: object) -> object:
-        if isinstance(value, bool) or (isinstance(value, str) and value != AUTO):
-            raise ValueError(f"{field} must be Auto or {allowed}")
+        if isinstance(value, bool) or (isinstance(value, str) and value != word):
+            raise ValueError(f"{field} must be {word} or {allowed}")
         return value
 
     return BeforeValidator(check)

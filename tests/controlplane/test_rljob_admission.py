@@ -20,7 +20,7 @@ from rljob_helpers import (
 )
 from support.malformed import MALFORMED, Malformed
 
-from rljob.api import GROUP, PLURAL, VERSION
+from rljob.api import GROUP, PLURAL, VERSION, RLJobSpec
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
@@ -184,6 +184,42 @@ def test_defaults_fill_the_stored_spec(custom: client.CustomObjectsApi, namespac
     assert stored["spec"]["rollout"]["wakeUp"] == "staged"
     assert stored["spec"]["rollout"]["weightSyncBucketMegabytes"] == 512
     assert stored["spec"]["resources"]["workers"] == 1
+
+
+def test_fs_group_defaults_to_the_images_group_and_none_applies_as_none(
+    plane: Any, custom: client.CustomObjectsApi, namespace: str
+) -> None:
+    """fsGroup is 1000 unless set; `fsGroup: None` through kubectl apply (the opt-out for a
+    cluster that sets its own, as OpenShift's restricted SCC does) reaches the operator as no
+    fsGroup. A null would not: kubectl drops it and the apiserver fills the default in again
+    (seen here, so the opt-out is a word); a string other than None, a negative or fractional
+    group is refused."""
+    plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(rljob("fsg-d")))
+    plane.kubectl(
+        "apply", "-n", namespace, "-f", "-",
+        input=yaml.safe_dump(rljob("fsg-none", {"resources": {"fsGroup": "None"}})),
+    )  # fmt: skip
+    plane.kubectl(
+        "apply", "-n", namespace, "-f", "-",
+        input=yaml.safe_dump(rljob("fsg-null", {"resources": {"fsGroup": None}})),
+    )  # fmt: skip
+    default = plane.kubectl_json("get", "rlj", "fsg-d", "-n", namespace)["spec"]
+    none = plane.kubectl_json("get", "rlj", "fsg-none", "-n", namespace)["spec"]
+    null = plane.kubectl_json("get", "rlj", "fsg-null", "-n", namespace)["spec"]
+    assert default["resources"]["fsGroup"] == 1000
+    assert none["resources"]["fsGroup"] == "None"
+    assert null["resources"]["fsGroup"] == 1000  # why the opt-out is not null
+    assert RLJobSpec.model_validate(default).resources.fs_group == 1000
+    assert RLJobSpec.model_validate(none).resources.fs_group == "None"
+    for bad in ("none", -1, 1.5, True):
+        result = plane.kubectl(
+            "apply", "-n", namespace, "-f", "-", check=False,
+            input=yaml.safe_dump(rljob("fsg-bad", {"resources": {"fsGroup": bad}})),
+        )  # fmt: skip
+        assert result.returncode != 0 and "spec.resources.fsGroup" in result.stderr, (
+            bad,
+            result.stderr,
+        )
 
 
 @pytest.mark.parametrize(

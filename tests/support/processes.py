@@ -157,3 +157,30 @@ def _stop_all_and_die(signum: int, frame: FrameType | None) -> None:
     stop_all()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def as_another_user(call: Callable[[], object]) -> str:
+    """`call`'s error ("Type: message"), or "no error", in a forked child that is not root
+    (nobody, where the tests run as root): a permission the kernel refuses, as in a pod whose
+    uid owns neither the file nor the folder."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one call, its error down the pipe, then out
+        try:
+            os.close(read)
+            if os.getuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            try:
+                call()
+                said = "no error"
+            except BaseException as error:
+                said = f"{type(error).__name__}: {error}"
+            os.write(write, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return said

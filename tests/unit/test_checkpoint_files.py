@@ -4,9 +4,12 @@ checkpoint may load into, and the status the driver makes of the ranks' reports.
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+from support.processes import as_another_user
 
 from rljob.api import RLJobSpec, WakeUp
 from rljob.report import Stage, StageSample
@@ -228,3 +231,30 @@ def test_a_rank_that_died_copying_its_state_to_the_host_is_placed_in_the_checkpo
     assert died(2, every=2) == (2, Stage.CHECKPOINT)
     assert died(3, every=2) == (3, Stage.OFFLOAD_OPTIMIZER)
     assert died(2, every=0) == (2, Stage.OFFLOAD_OPTIMIZER)  # no checkpoints
+
+
+@pytest.mark.parametrize("field", ["checkpoint", "export"])
+def test_a_directory_the_worker_may_not_write_fails_at_the_start(field: str) -> None:
+    """A claim formatted root-owned (mode 755) and a worker of another uid: said before the
+    first iteration, not at the first save (or after the last iteration, for the export)."""
+    volume = Path(tempfile.mkdtemp())  # mode 700 under pytest's tmp_path: not this case
+    try:
+        volume.chmod(0o755)
+        target = volume / "run" if field == "checkpoint" else volume / "model"
+        spec = RLJobSpec.model_validate({field: {"path": str(target)}})
+        said = as_another_user(lambda: resume_point(spec))
+        ours = resume_point(spec)  # root: writable, and nothing left behind but the folder
+        left = sorted(p.name for p in volume.rglob("*"))
+    finally:
+        shutil.rmtree(volume)
+    where = (
+        f"spec.checkpoint.path {target}"
+        if field == "checkpoint"
+        else (f"spec.export.path's folder {volume}")
+    )
+    assert said.startswith(
+        f"CheckpointMismatch: {where}: the worker cannot write there (Permission denied: "
+    ), said
+    assert "; it runs as uid " in said and "spec.resources.fsGroup" in said, said
+    assert ours is None
+    assert left == (["run"] if field == "checkpoint" else [])

@@ -4,7 +4,6 @@ tokenizer's template, and every defect reported at start with the file and the r
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -14,6 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support.processes import as_another_user
 
 from rljob.api import DataSpec, MultiTurnSpec, PromptOverflow
 from rljob_worker.agentic.tools import make_tools
@@ -372,32 +372,6 @@ def test_a_directory_is_refused_as_not_a_file(tmp_path: Path, tokenizer: Any, na
     assert "no such file" not in message  # it is there: mounting it again would not help
 
 
-def _as_another_user(path: Path) -> str:
-    """read_rows(path)'s error in a forked child that is not root (nobody, when the tests run
-    as root): the permission is the kernel's, as in a pod whose uid is not the file's owner."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: one read, its error down the pipe, then out
-        try:
-            os.close(read)
-            if os.getuid() == 0:
-                os.setgid(65534)
-                os.setuid(65534)
-            try:
-                list(read_rows(path))
-                said = "no error"
-            except BaseException as error:
-                said = f"{type(error).__name__}: {error}"
-            os.write(write, said.encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        said = pipe.read().decode()
-    os.waitpid(pid, 0)
-    return said
-
-
 @pytest.mark.parametrize("locked", ["file", "folder"])
 def test_a_file_the_worker_may_not_read_names_its_user(locked: str) -> None:
     folder = Path(tempfile.mkdtemp())  # not under pytest's tmp_path: that is mode 700
@@ -406,7 +380,7 @@ def test_a_file_the_worker_may_not_read_names_its_user(locked: str) -> None:
         path.write_text('{"prompt": "1+1=", "answer": "2"}\n')
         folder.chmod(0o755)
         (path if locked == "file" else folder).chmod(0o000)
-        said = _as_another_user(path)
+        said = as_another_user(lambda: list(read_rows(path)))
     finally:
         folder.chmod(0o755)
         shutil.rmtree(folder)

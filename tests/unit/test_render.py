@@ -123,6 +123,25 @@ def test_scheduling_fields_reach_head_and_workers() -> None:
         assert pod["serviceAccountName"] == "j-job"
 
 
+@pytest.mark.parametrize(
+    ("resources", "context"),
+    [
+        ({}, {"fsGroup": 1000, "fsGroupChangePolicy": "OnRootMismatch"}),
+        ({"fsGroup": 2000}, {"fsGroup": 2000, "fsGroupChangePolicy": "OnRootMismatch"}),
+        ({"fsGroup": "None"}, None),
+    ],
+)
+def test_fs_group_reaches_head_and_workers_or_none_where_null(
+    resources: dict[str, Any], context: dict[str, Any] | None
+) -> None:
+    cluster = ray_job(OWNER, _spec(resources=resources))["spec"]["rayClusterSpec"]
+    for pod in (
+        cluster["headGroupSpec"]["template"]["spec"],
+        _worker({"spec": {"rayClusterSpec": cluster}})["template"]["spec"],
+    ):
+        assert pod.get("securityContext") == context
+
+
 def test_every_child_is_controlled_by_the_rljob() -> None:
     for child in children(OWNER, _spec()):
         (ref,) = child["metadata"]["ownerReferences"]

@@ -66,7 +66,8 @@ class HostCopies(Protocol):
 
 
 class CheckpointMismatch(ValueError):
-    """A checkpoint that this spec must not load (another model)."""
+    """spec.checkpoint (or spec.export) that this run must not use as it stands: a checkpoint
+    of another model or run, a directory the worker cannot write."""
 
 
 class CheckpointFailed(RuntimeError):
@@ -347,6 +348,37 @@ def _written_by(directory: Path) -> str | None:
     return None
 
 
+def unwritable(field: str, root: Path) -> str | None:
+    """Why this process cannot write under `root` (spec.`field`'s directory), or None: found at
+    the start (a file made and removed), not at the first save an iteration later or at the
+    export after the last. A claim formatted root-owned (EBS, PD) without
+    spec.resources.fsGroup is the usual cause."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".rljob-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        return (
+            f"spec.{field} {root}: the worker cannot write there ({error.strerror}: "
+            f"{error.filename}; it runs as uid {os.getuid()}, gid {os.getgid()}): give the "
+            "volume to its group (spec.resources.fsGroup, 1000 unless set: the kubelet makes a "
+            "claim's files that group's) or make the directory writable by that user"
+        )
+    return None
+
+
+def _start_problems(spec: RLJobSpec) -> list[str]:
+    """Rank 0's write checks of the checkpoint and export directories (the export is built
+    beside its path, in the folder above it)."""
+    problems = []
+    if spec.checkpoint is not None:
+        problems.append(unwritable("checkpoint.path", Path(spec.checkpoint.path)))
+    if spec.export is not None:
+        problems.append(unwritable("export.path's folder", Path(spec.export.path).parent))
+    return [p for p in problems if p is not None]
+
+
 def resume_point(spec: RLJobSpec, job: str | None = None) -> tuple[int, Path] | None:
     """The checkpoint this run continues from, the same on every rank (rank 0 looks; a
     filesystem seen slightly differently by two ranks must not split them), or None.
@@ -354,17 +386,25 @@ def resume_point(spec: RLJobSpec, job: str | None = None) -> tuple[int, Path] | 
     resume Never starts at iteration 0 beside no earlier job's checkpoints; a checkpoint this
     job (`job`: the RLJob's uid, one `rljob run`) wrote is its own progress, and a retry of the
     job (the OOM policy's next attempt, KubeRay's run after a lost pod) continues from it as
-    with Auto: "never resume" means never from another run."""
+    with Auto: "never resume" means never from another run. Rank 0 first makes sure the
+    checkpoint and export directories can be written (unwritable): CheckpointMismatch on
+    every rank when one cannot."""
     checkpoint = spec.checkpoint
-    if checkpoint is None:
+    if checkpoint is None and spec.export is None:
         return None
     rank, _ = _rank()
-    found: list[Any] = [None, None]
+    found: list[Any] = [None, None, []]
     if rank == 0:
-        found[0] = newest_complete(Path(checkpoint.path))
-        found[1] = None if found[0] is None else _written_by(found[0][1])
+        found[2] = _start_problems(spec)
+        if checkpoint is not None and not found[2]:
+            found[0] = newest_complete(Path(checkpoint.path))
+            found[1] = None if found[0] is None else _written_by(found[0][1])
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0)
+    if found[2]:
+        raise CheckpointMismatch("; ".join(found[2]))
+    if checkpoint is None:
+        return None
     point: tuple[int, Path] | None = found[0]
     if checkpoint.resume is ResumeMode.NEVER and point is not None:
         if job is not None and found[1] == job:
