@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rljob.api import REASON_CHECKPOINT_FAILED, CheckpointFailure
+from rljob.report import bytes_text
 
 REASON_CHECKPOINT_WRITTEN = "CheckpointWritten"
 REASON_RESUMED = "ResumedFromCheckpoint"
@@ -30,10 +31,6 @@ class Notice:
     message: str
 
 
-def _human_bytes(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
-
-
 def _checkpoint(cp: Mapping[str, Any]) -> Notice:
     return Notice(
         "checkpoint",
@@ -41,7 +38,7 @@ def _checkpoint(cp: Mapping[str, Any]) -> Notice:
         "Normal",
         REASON_CHECKPOINT_WRITTEN,
         f"checkpoint of iteration {cp['iteration']} complete in {cp['path']} "
-        f"({_human_bytes(int(cp.get('bytes') or 0))}, {float(cp.get('seconds') or 0):.2f} s)",
+        f"({bytes_text(int(cp.get('bytes') or 0))}, {float(cp.get('seconds') or 0):.2f} s)",
     )
 
 

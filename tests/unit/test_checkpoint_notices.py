@@ -97,3 +97,11 @@ def test_the_startup_clock_starts_again_when_a_job_that_ran_stops_running() -> N
             {"type": "Running", "status": "False", "lastTransitionTime": "2026-01-01T00:20:00Z"}]},
     }  # fmt: skip
     assert startup_deadline(job) == datetime.datetime(2026, 1, 1, 0, 21, tzinfo=datetime.UTC)
+
+
+def test_a_large_checkpoints_size_reads_in_gib() -> None:
+    """A 7B job's checkpoint (91 GB, fp32 weights and Adam's two moments) in the Event: GiB,
+    not 86784.0 MiB."""
+    big = {**CHECKPOINT, "bytes": 91 * 10**9, "seconds": 48.0}
+    [news] = notices.pending({"checkpoint": big})
+    assert news.message.endswith("(84.75 GiB, 48.00 s)"), news.message
