@@ -54,6 +54,8 @@ MALFORMED: list[Malformed] = [
     Malformed("cpu-lone-dot", _res(cpu="."), "spec.resources.cpu", seen=True),
     Malformed("cpu-two-dots", _res(cpu="1.2.3"), "spec.resources.cpu", seen=True),
     Malformed("shm-negative", _res(sharedMemory="-1Gi"), "spec.resources.sharedMemory", seen=True),
+    Malformed("fs-group-negative", _res(fsGroup=-1), "spec.resources.fsGroup"),
+    Malformed("fs-group-lowercase-none", _res(fsGroup="none"), "spec.resources.fsGroup"),
     Malformed(
         "image-space", _pull("ghcr.io/rljob/worker 0.1.0"), "spec.resources.image", seen=True
     ),
