@@ -19,6 +19,8 @@ commands:
                              predict per-stage GPU memory and the largest fitting memFractionStatic
   crd                        print the RLJob CustomResourceDefinition generated from the models
   spec-doc                   print the RLJob field reference (docs/rljob-spec.md) from the models
+  curve METRICS_FILE [-o PNG]
+                             draw the learning curve of a job's <checkpoint.path>/metrics.jsonl
   driver [ARGS...]           the Ray driver (the RayJob's entrypoint inside the cluster)
   version                    print the version
 """
@@ -54,6 +56,12 @@ def _spec_doc(argv: list[str]) -> int:
     return main(argv)
 
 
+def _curve(argv: list[str]) -> int:
+    from rljob.metrics_file import main
+
+    return main(argv)
+
+
 def _driver(argv: list[str]) -> int:
     from rljob_worker.driver.ray_main import main
 
@@ -73,6 +81,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "plan": _plan,
     "crd": _crd,
     "spec-doc": _spec_doc,
+    "curve": _curve,
     "driver": _driver,
     "version": _version,
 }

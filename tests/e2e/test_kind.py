@@ -530,6 +530,11 @@ def test_worker_pod_deleted_mid_run_resumes_from_its_checkpoint_on_a_pvc_to_succ
     files = _on_node(node, "find", directory, "-maxdepth", "2").split()
     assert f"{directory}/export/model.safetensors" in files, files
     assert f"{directory}/checkpoints/iteration-{CKPT_ITERATIONS:08d}" in files, files
+    # The Ray head's driver kept every iteration's metrics beside the checkpoints, each once and
+    # in order across both Ray runs: the second continued the first's lines before its checkpoint.
+    text = _on_node(node, "cat", f"{directory}/checkpoints/metrics.jsonl")
+    entries = [json.loads(line) for line in text.splitlines()]
+    assert [e["iteration"] for e in entries] == list(range(CKPT_ITERATIONS + 1)), text
     reasons = {e["reason"] for e in cluster.events(namespace, name)}
     assert {"ResumedFromCheckpoint", "CheckpointWritten", "ExportWritten"} <= reasons, reasons
     table = cluster.kubectl("get", "rljobs", name, "-n", namespace)

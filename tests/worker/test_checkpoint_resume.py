@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from support.model_cache import fresh_model_cache
 
 from rljob.api import CheckpointMode, RLJobSpec, parse_manifest
+from rljob.metrics_file import METRICS_FILE, read_entries
 from rljob.report import Stage
 from rljob_worker.checkpoint import (
     MARKER,
@@ -136,6 +137,19 @@ def test_resumed_run_ends_with_the_straight_runs_weights_and_rewards(
     assert all(torch.equal(ours[n], theirs[n]) for n in ours)
     at_two = load_file(str(root / "export-at-2" / "model.safetensors"))
     assert any(not torch.equal(at_two[n], ours[n]) for n in ours)  # training moved them
+    # metrics.jsonl beside the checkpoints holds the resumed job's whole history, as the
+    # straight run's: iteration 2's line keeps the policy loss of its train stage (done by the
+    # first run: the checkpoint holds it) beside the second run's rollout.
+    ours_lines, theirs_lines = _metrics_lines(root), _metrics_lines(straight_root)
+    assert [e["iteration"] for e in ours_lines] == list(range(ITERATIONS + 1))
+    assert "policyLoss" in ours_lines[STOP]
+    assert ours_lines == theirs_lines
+
+
+def _metrics_lines(root: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's entries without the seconds (the two runs' clocks differ)."""
+    entries = read_entries(root / "ckpt" / METRICS_FILE)
+    return [{k: v for k, v in e.items() if k != "seconds"} for e in entries]
 
 
 def test_an_unfinished_save_is_never_picked_and_is_replaced(

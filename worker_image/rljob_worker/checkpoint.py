@@ -37,6 +37,7 @@ from rljob.api import (
     ResumePoint,
     RLJobSpec,
 )
+from rljob.metrics_file import write_atomically
 from rljob.report import Stage
 from rljob_worker.checkpoint_writer import (
     FileWriter,
@@ -145,15 +146,6 @@ def prune(root: Path, keep: int) -> list[Path]:
         (path / MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     return sorted(doomed)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
-    with open(staging, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    staging.rename(path)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -303,9 +295,9 @@ def _write(state: dict[str, Any], rng: dict[str, Any], spec: RLJobSpec, iteratio
             JOB_KEY: job,
             "spec": spec.model_dump(mode="json", by_alias=True),
         }
-        _write_atomically(directory / META, json.dumps(meta, indent=1) + "\n")
+        write_atomically(directory / META, json.dumps(meta, indent=1) + "\n")
         completed_at = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-        _write_atomically(directory / MARKER, completed_at + "\n")
+        write_atomically(directory / MARKER, completed_at + "\n")
         completed.append(completed_at)
 
     _agreed(write_shards, iteration, directory, group)  # every rank's part is on disk

@@ -19,6 +19,7 @@ from rljob.api import CheckpointFailure, ResumePoint, RLJobSpec, RLJobStatus
 from rljob.report import IterationReport, OOMRecord, StageSample
 from rljob_worker.checkpoint import ModelExported, SavedCheckpoint
 from rljob_worker.driver import driver_status, iteration_reports
+from rljob_worker.driver.metrics_log import MetricsLog
 from rljob_worker.driver.rank_process import (
     RankLaunch,
     free_port,
@@ -56,6 +57,8 @@ class LocalRun:
     # Checkpoints completed in an iteration whose report never came (it failed).
     checkpoints: list[SavedCheckpoint] = field(default_factory=list)
     exports: list[ModelExported] = field(default_factory=list)  # the same, for an export
+    # <checkpoint.path>/metrics.jsonl, written as each iteration finishes on every rank.
+    metrics_log: MetricsLog | None = None
 
     @property
     def ok(self) -> bool:
@@ -88,6 +91,10 @@ class LocalRun:
             self.samples.append(event)
         elif isinstance(event, RankIteration):
             self.iterations.append(event)
+            done = sum(1 for i in self.iterations if i.iteration == event.iteration)
+            if self.metrics_log is not None and done == self.world_size:
+                report = next(r for r in self.reports if r.iteration == event.iteration)
+                self.metrics_log.record(report, self.resumed_from)
         elif isinstance(event, OOMRecord):
             self.ooms.append(event)
         elif isinstance(event, CheckpointFailure):
@@ -173,7 +180,7 @@ def run_local(
         process.start()
         processes.append(process)
 
-    run = LocalRun(world_size=ranks, device=device)
+    run = LocalRun(world_size=ranks, device=device, metrics_log=MetricsLog.of(spec))
     exited: set[int] = set()
     deadline: float | None = None
     try:

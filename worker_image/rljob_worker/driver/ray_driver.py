@@ -32,6 +32,7 @@ from rljob_worker.driver.failure import (
     plain,
 )
 from rljob_worker.driver.local import GRACE_SECONDS, LocalRun
+from rljob_worker.driver.metrics_log import MetricsLog
 from rljob_worker.driver.rank_process import (
     RankLaunch,
     free_port,
@@ -225,6 +226,7 @@ def run_ray(
         wake_up=WakeUp.STAGED if spec.rollout.wake_up == AUTO else WakeUp(spec.rollout.wake_up),
         last_iteration=spec.algorithm.iterations,
         checkpoint_every=spec.checkpoint.every_iterations if spec.checkpoint is not None else 0,
+        metrics_log=MetricsLog.of(spec),
     )
     group = placement_group(_bundles(spec), strategy="PACK", name=f"{job}-ranks")
     # The queue's actor takes no CPU (every CPU of the cluster may be in the ranks' bundles)
