@@ -826,7 +826,7 @@ def _engine_alone_main(spec_json: str, ranks: int, device: str) -> dict[str, Any
             engine.resume(sorted(engine.released_tags))
         rollout = _Rollout(spec, RankConfig(rank=0, world_size=ranks, device=device), engine,
                            tokenizer, make_task(spec.data, spec.algorithm.seed, tokenizer),
-                           Scorer(spec.reward))  # fmt: skip
+                           Scorer(spec.reward), eos)  # fmt: skip
         seconds: dict[int, float] = {}
         tokens: dict[int, int] = {}
         for iteration in range(spec.algorithm.iterations + 1):

@@ -26,6 +26,12 @@ def _turns(metrics: IterationMetrics, name: str) -> float | None:
     return None if metrics.multi_turn is None else float(getattr(metrics.multi_turn, name))
 
 
+def _validated(metrics: IterationMetrics, name: str) -> float | None:
+    """A figure of the iteration's validation (None: not validated at that iteration)."""
+    figure = None if metrics.validation is None else getattr(metrics.validation, name)
+    return None if figure is None else float(figure)
+
+
 def metrics_table(metrics: Sequence[IterationMetrics], title: str, rows: int = TABLE_ROWS) -> Table:
     """Reward, loss, KL, entropy and response length of the newest `rows` iterations. Training
     figures are those of the update before the iteration's rollout (none at iteration 0)."""
@@ -52,6 +58,11 @@ def metrics_table(metrics: Sequence[IterationMetrics], title: str, rows: int = T
             ("timeouts", lambda m: _number(_turns(m, "tool_timeouts"), ".0f")),
             ("cut off", lambda m: _number(_turns(m, "cut_off"), ".0f")),
         ]
+    if any(m.validation is not None for m in shown):  # spec.data.validation
+        columns[-1:-1] = [
+            ("val reward", lambda m: _number(_validated(m, "reward_mean"), ".3f")),
+            ("val correct", lambda m: _number(_validated(m, "correct_share"), ".0%")),
+        ]
     for name, _ in columns:
         table.add_column(name, justify="right")
     for entry in shown:
@@ -68,8 +79,8 @@ def _series(
 
 
 def plot_learning_curve(metrics: Sequence[IterationMetrics], path: Path, title: str) -> None:
-    """Four panels over the iterations: reward mean with its min..max band (and +-std), policy
-    loss, KL to the reference, response length (mean and max). Raises ValueError without any
+    """Four panels over the iterations: reward mean with its min..max band (and +-std) and the
+    validation mean where it ran, policy loss, KL to the reference, response length (mean and max). Raises ValueError without any
     iteration's reward, as there is nothing to draw."""
     import matplotlib
 
@@ -107,6 +118,9 @@ def plot_learning_curve(metrics: Sequence[IterationMetrics], path: Path, title: 
             label="mean +- std (within min..max)",
         )  # fmt: skip
     reward.plot(xs, means, color="C0", marker=".", label="mean")
+    validated = _series(metrics, lambda m: _validated(m, "reward_mean"))
+    if validated[0]:  # spec.data.validation: the held-out prompts' mean, where it ran
+        reward.plot(*validated, color="C4", marker="s", ls="--", label="validation mean")
     reward.set_ylabel("reward")
     reward.legend(fontsize=7, loc="upper left")
     loss.plot(*_series(metrics, lambda m: m.policy_loss), color="C1", marker=".")

@@ -152,6 +152,21 @@ class MultiTurnFigures(_Model):
     prefix_cache_hit_rate: float | None = None
 
 
+class ValidationFigures(_Model):
+    """One iteration's validation (spec.data.validation), all ranks: the held-out prompts
+    answered, their mean reward, the share with the full score, the answers' mean length and the
+    share cut at maxResponseLength, the reward calls that failed (scored 0), and the seconds it
+    took inside the rollout stage (the slowest rank)."""
+
+    prompts: int = Field(ge=0)
+    reward_mean: float | None = None
+    correct_share: float | None = None
+    response_length_mean: float | None = None
+    truncated_share: float | None = None
+    reward_errors: int = Field(default=0, ge=0)
+    seconds: float = Field(ge=0)
+
+
 class LearningFigures(_Model):
     """One iteration's learning figures, combined over ranks: what reports.json and
     status.metrics both carry.
@@ -195,6 +210,8 @@ class LearningFigures(_Model):
     reward_errors: int = Field(default=0, ge=0)
     # spec.rollout.mode multiTurn only (None otherwise): its conversations' figures.
     multi_turn: MultiTurnFigures | None = None
+    # spec.data.validation's iterations only (None otherwise): the held-out prompts' figures.
+    validation: ValidationFigures | None = None
 
 
 class IterationReport(LearningFigures):

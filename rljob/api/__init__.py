@@ -46,6 +46,7 @@ from rljob.api.data import (
     DataSource,
     DataSpec,
     PromptOverflow,
+    ValidationSpec,
 )
 from rljob.api.manifest import (
     JOB_CONFIG_FILE,
@@ -361,6 +362,7 @@ __all__ = [
     "Toleration",
     "ToolName",
     "TrainingSpec",
+    "ValidationSpec",
     "ValueRule",
     "Volume",
     "VolumeMount",

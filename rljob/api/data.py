@@ -7,9 +7,17 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
-from rljob.api._base import _builtin_rule, _no_url_rule, _Spec, _with_rules
+from rljob.api._base import (
+    CrossFieldRule,
+    _builtin_rule,
+    _cel_rules,
+    _check_rules,
+    _no_url_rule,
+    _Spec,
+    _with_rules,
+)
 
 # Builtin prompt sources the worker generates itself (rljob_worker.task).
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
@@ -39,6 +47,56 @@ class ChatTemplateMode(StrEnum):
 class PromptOverflow(StrEnum):
     REFUSE = "Refuse"
     TRUNCATE = "Truncate"
+
+
+# Several samples of one prompt are alike only when they are drawn: greedy gives one answer.
+VALIDATION_SAMPLES_RULE = CrossFieldRule(
+    cel="self.samplesPerPrompt == 1 || self.temperature > 0.0",
+    message="samplesPerPrompt above 1 needs a temperature above 0: greedy decoding (0) gives "
+    "every sample of a prompt the same answer",
+    field_path=".samplesPerPrompt",
+    check=lambda s: s.samples_per_prompt == 1 or s.temperature > 0.0,
+)
+
+
+class ValidationSpec(_Spec):
+    """Held-out prompts the policy answers at set iterations, scored by the job's reward and
+    never trained on (verl: data.val_files and trainer.test_freq; docs/data-and-reward.md)."""
+
+    model_config = ConfigDict(json_schema_extra=_cel_rules(VALIDATION_SAMPLES_RULE))
+
+    source: DataSource = Field(
+        description="As data.source (a builtin source or a .jsonl, .json or .parquet file in the "
+        "pod), read with data's promptKey, answerKey, chatTemplate, maxPromptLength, "
+        "promptOverflow and maxResponseLength.",
+    )
+    every_iterations: int = Field(
+        default=5,
+        ge=1,
+        description="Validate at iteration 0 (before any update), at every N-th iteration and at "
+        "the last, in the rollout stage after the training rollout (the engine is awake).",
+    )
+    max_prompts: int = Field(
+        default=256,
+        ge=1,
+        le=100_000,
+        description="A file's first N rows (all of them, if fewer); a builtin source's N "
+        "problems (one fixed set, drawn apart from the training prompts). Split over the ranks.",
+    )
+    samples_per_prompt: int = Field(
+        default=1, ge=1, le=64, description="Answers generated per prompt (verl: val_kwargs.n)."
+    )
+    temperature: float = Field(
+        default=0.0,
+        ge=0,
+        description="0: greedy decoding (verl's validation default); otherwise sampled at this "
+        "temperature, untruncated.",
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> ValidationSpec:
+        _check_rules(self, (VALIDATION_SAMPLES_RULE,), "spec.data.validation")
+        return self
 
 
 class DataSpec(_Spec):
@@ -83,4 +141,9 @@ class DataSpec(_Spec):
     )
     max_response_length: int = Field(
         default=16, ge=1, description="New tokens generated per response."
+    )
+    validation: ValidationSpec | None = Field(
+        default=None,
+        description="Held-out prompts answered at iteration 0, every N-th and the last; their "
+        "reward in status.metrics[].validation. Absent: no validation.",
     )

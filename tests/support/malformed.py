@@ -85,6 +85,21 @@ MALFORMED: list[Malformed] = [
     ),
     Malformed("name-too-long", {}, "metadata.name", name="n" * 48, seen=True),
     # More of our own.
+    Malformed(
+        "validation-ftp",
+        {"data": {"validation": {"source": "ftp://example.com/test.jsonl"}}},
+        "spec.data.validation.source",
+    ),
+    Malformed(
+        "validation-greedy-samples",
+        {"data": {"validation": {"source": "builtin:digit", "samplesPerPrompt": 4}}},
+        "spec.data.validation.samplesPerPrompt",
+    ),
+    Malformed(
+        "validation-every-zero",
+        {"data": {"validation": {"source": "builtin:digit", "everyIterations": 0}}},
+        "spec.data.validation.everyIterations",
+    ),
     Malformed("memory-gb-suffix", _res(memory="64GB"), "spec.resources.memory"),
     Malformed("memory-no-number", _res(memory="Gi"), "spec.resources.memory"),
     Malformed("memory-double-suffix", _res(memory="1GiKi"), "spec.resources.memory"),

@@ -16,8 +16,8 @@ import torch
 import yaml
 from support.model_cache import fresh_model_cache
 
-from rljob.api import RLJobSpec, WakeUp, parse_manifest
-from rljob.report import Stage
+from rljob.api import RLJobSpec, ValidationSpec, WakeUp, parse_manifest
+from rljob.report import IterationReport, Stage
 from rljob_worker.driver.local import LocalRun, run_local
 from rljob_worker.memory import OOMInjection
 from rljob_worker.model import load_causal_lm, resolve_model_path
@@ -61,6 +61,37 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def staged_run() -> LocalRun:
     return run_local(_spec(), RANKS, "cpu", verify_weights=True)
+
+
+def test_validation_answers_held_out_prompts_and_leaves_the_training_as_it_was(
+    staged_run: LocalRun,
+) -> None:
+    """spec.data.validation at every iteration, sampled (2 answers a prompt at temperature 1):
+    the figures come from 6 prompts split over the ranks, and the training rollouts, losses
+    and rewards are bit for bit those of the same job without validation (its sampling draws
+    from a stream of its own, and nothing of it is trained on)."""
+    spec = _spec()
+    validation = ValidationSpec(
+        source="builtin:arithmetic",
+        every_iterations=1,
+        max_prompts=6,
+        samples_per_prompt=2,
+        temperature=1.0,
+    )
+    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"validation": validation})})
+    run = run_local(spec, RANKS, "cpu")
+    assert run.ok, run.errors
+
+    def training(r: IterationReport) -> tuple[Any, ...]:
+        return (r.iteration, r.reward_mean, r.reward_std, r.policy_loss, r.kl_mean, r.grad_norm)
+
+    assert [training(r) for r in run.reports] == [training(r) for r in staged_run.reports]
+    for report in run.reports:
+        assert report.validation is not None, report.iteration
+        assert report.validation.prompts == 6
+        assert report.validation.reward_mean is not None
+        assert 0 < (report.validation.response_length_mean or 0) <= 6  # maxResponseLength
+    assert all(r.validation is None for r in staged_run.reports)
 
 
 def _stages(run: LocalRun, rank: int, iteration: int) -> list[Stage]:
@@ -188,6 +219,10 @@ def test_cli_runs_the_example_and_writes_status_and_timeline(tmp_path: Path) -> 
         (r["iteration"], pytest.approx(r["rewardMean"], rel=1e-4)) for r in reports
     ]
     assert "policyLoss" in status["metrics"][-1]
+    # The example's validation (16 held-out prompts, greedy) at iterations 0 and 2.
+    validated = [m["iteration"] for m in status["metrics"] if "validation" in m]
+    assert validated == [0, iterations.algorithm.iterations]
+    assert all(m["validation"]["prompts"] == 16 for m in status["metrics"] if "validation" in m)
     curve = (out / "learning-curve.png").read_bytes()
     assert curve[:8] == b"\x89PNG\r\n\x1a\n" and 10_000 < len(curve) < 200_000
 

@@ -41,6 +41,10 @@ def test_the_multi_turn_example_runs_two_staged_iterations_on_two_ranks(tmp_path
         assert turns["toolErrors"] <= turns["toolCalls"]
         assert turns["toolTimeouts"] <= turns["toolErrors"]
         assert m["responseLengthMax"] <= 96  # rollout.multiTurn.maxResponseLength
+        # The example's validation: 4 held-out problems, whole conversations, every iteration.
+        validation = m["validation"]
+        assert validation["prompts"] == 4
+        assert 0 < validation["responseLengthMean"] <= 96
     assert all(m["policyLoss"] is not None for m in metrics[1:])  # trained on the trajectories
     reports = json.loads((out / "reports.json").read_text())
     for report in reports[1:]:
@@ -160,7 +164,7 @@ def test_the_spec_schedule_picks_how_the_rollout_stage_sends_its_turns(
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="rljob_worker.loop"):
                 stage = _MultiTurnRollout(spec, RankConfig(0, 1), engine, tokenizer, task,
-                                          scorer, tools, eos, 256)  # fmt: skip
+                                          scorer, eos, tools=tools, context_length=256)  # fmt: skip
             # One rank drives all 4 prompts x groupSize 4 = 16 conversations, 8 at a time:
             # turnByTurn runs each turn in 2 groups, one after the other, and says so.
             warned = [

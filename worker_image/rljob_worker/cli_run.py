@@ -112,7 +112,7 @@ def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
     from rljob_worker.loop import prompts_per_rank
     from rljob_worker.model import load_tokenizer, resolve_model_path
     from rljob_worker.reward import Scorer
-    from rljob_worker.task import make_task
+    from rljob_worker.task import make_task, validation_problems
 
     if spec.rollout.engine == EngineName.SGLANG and device != "cuda":
         raise ValueError(
@@ -135,7 +135,9 @@ def _preflight(spec: RLJobSpec, ranks: int, device: str) -> None:
     # the tool schemas the ranks give the chat template (a user tool that cannot load fails).
     multi_turn = spec.rollout.multi_turn_settings
     schemas = make_tools(multi_turn).schemas if multi_turn is not None else None
-    make_task(spec.data, spec.algorithm.seed, load_tokenizer(model_path), schemas)
+    tokenizer = load_tokenizer(model_path)
+    make_task(spec.data, spec.algorithm.seed, tokenizer, schemas)
+    validation_problems(spec.data, spec.algorithm.seed, tokenizer, schemas)  # the same checks
     Scorer(spec.reward).close()  # a reward file or module that does not load (RewardLoadError)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rljob.api import ChatTemplateMode, DataSpec
-from rljob_worker.task import Problem, PromptEncoder, PromptTooLong
+from rljob_worker.task import SOURCE_FIELD, Problem, PromptEncoder, PromptTooLong
 
 # How many bad rows a DatasetError lists (it counts them all).
 SHOWN_PROBLEMS = 5
@@ -36,10 +36,10 @@ class _RowProblem(ValueError):
     """One row's defect (collected, then reported together)."""
 
 
-def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def read_rows(path: Path, source_field: str = SOURCE_FIELD) -> Iterator[tuple[str, Any]]:
     """(where, row) for every row: JSONL by line number (what an editor shows), Parquet by row
     index from 0 (what pyarrow and pandas index). A row that is not an object comes back as
-    a _RowProblem in place of the row."""
+    a _RowProblem in place of the row. `source_field`: what messages call the file (the spec's field)."""
     try:
         is_dir, is_file = path.is_dir(), path.is_file()
         if is_file:
@@ -49,7 +49,7 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
         # to change (os.access: the pod's real uid is its effective one).
         blocked = next((p for p in reversed(path.parents) if not os.access(p, os.X_OK)), path)
         raise DatasetError(
-            f"spec.data.source {path}: the worker cannot read it ({error.strerror}: {blocked}; "
+            f"{source_field} {path}: the worker cannot read it ({error.strerror}: {blocked}; "
             f"it runs as uid {os.getuid()}, gid {os.getgid()}): make the file, and the folders "
             "above it, readable by that user (chmod a+r, a+x on the folders)"
         ) from None
@@ -57,12 +57,12 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
         # Said apart from a missing file: the folder is mounted, and mounting it again would not
         # help. Folders of shards (Spark's, datasets' save_to_disk) are not read.
         raise DatasetError(
-            f"spec.data.source {path}: a directory, not a file; one {FILE_TYPES} file is "
+            f"{source_field} {path}: a directory, not a file; one {FILE_TYPES} file is "
             "expected (name one file in it, or join its shards into one file)"
         )
     if not is_file:
         raise DatasetError(
-            f"spec.data.source {path}: no such file in the pod (mount the volume that holds it, "
+            f"{source_field} {path}: no such file in the pod (mount the volume that holds it, "
             "or copy it into the image)"
         )
     name = path.name.lower()  # train.JSONL, data.Parquet: the type, whatever the case
@@ -70,7 +70,7 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
         with path.open(encoding="utf-8-sig", errors="surrogateescape") as text:
             head = text.read(4096).lstrip()
         if head.startswith("["):
-            yield from _json_array_rows(path)
+            yield from _json_array_rows(path, source_field)
             return
     if name.endswith(JSONL_SUFFIXES + JSON_SUFFIXES):
         # utf-8-sig: a byte order mark at the start (Windows editors, PowerShell's Out-File)
@@ -105,25 +105,25 @@ def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
             table = pq.read_table(path)
         except Exception as error:  # pyarrow raises several types for unreadable files
             raise DatasetError(
-                f"spec.data.source {path}: not a readable Parquet file: {error}"
+                f"{source_field} {path}: not a readable Parquet file: {error}"
             ) from None
         for index, row in enumerate(table.to_pylist()):
             yield f"{path} row {index}", row
     else:
-        raise DatasetError(f"spec.data.source {path}: unknown file type; use a {FILE_TYPES} file")
+        raise DatasetError(f"{source_field} {path}: unknown file type; use a {FILE_TYPES} file")
 
 
-def _json_array_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def _json_array_rows(path: Path, source_field: str) -> Iterator[tuple[str, Any]]:
     """A .json file holding one array: its items by index from 0 (what json.load indexes)."""
     text = path.read_text(encoding="utf-8-sig", errors="surrogateescape")
     undecodable = _first_undecodable(text)
     if undecodable is not None:
-        raise DatasetError(f"spec.data.source {path}: {undecodable}")
+        raise DatasetError(f"{source_field} {path}: {undecodable}")
     try:
         items = json.loads(text)
     except json.JSONDecodeError as error:
         raise DatasetError(
-            f"spec.data.source {path}: not JSON ({error.msg} at line {error.lineno}, column "
+            f"{source_field} {path}: not JSON ({error.msg} at line {error.lineno}, column "
             f"{error.colno})"
         ) from None
     for index, row in enumerate(items):
@@ -298,6 +298,7 @@ def load_problems(
     tokenizer: Any,
     encode: PromptEncoder,
     tools: list[dict[str, Any]] | None = None,
+    source_field: str = SOURCE_FIELD,
 ) -> list[Problem]:
     """Every row of spec.data.source as a Problem; DatasetError naming the bad rows (the first
     SHOWN_PROBLEMS of them, and how many) when any is unusable, or when there are none."""
@@ -305,7 +306,7 @@ def load_problems(
     render = PromptRenderer(data, tokenizer, tools)
     problems: list[Problem] = []
     bad: list[str] = []
-    for where, row in read_rows(path):
+    for where, row in read_rows(path, source_field):
         try:
             problems.append(_problem(row, where, data, render, encode))
         except _RowProblem as problem:
@@ -314,11 +315,11 @@ def load_problems(
         shown = "; ".join(bad[:SHOWN_PROBLEMS])
         more = f" (and {len(bad) - SHOWN_PROBLEMS} more)" if len(bad) > SHOWN_PROBLEMS else ""
         raise DatasetError(
-            f"spec.data.source: {len(bad)} of {len(bad) + len(problems)} rows cannot be used: "
+            f"{source_field}: {len(bad)} of {len(bad) + len(problems)} rows cannot be used: "
             f"{shown}{more}"
         )
     if not problems:
-        raise DatasetError(f"spec.data.source {path}: the file has no rows")
+        raise DatasetError(f"{source_field} {path}: the file has no rows")
     return problems
 
 
@@ -332,9 +333,10 @@ class DatasetTask:
         tokenizer: Any,
         encode: PromptEncoder,
         tools: list[dict[str, Any]] | None = None,
+        source_field: str = SOURCE_FIELD,
     ) -> None:
         self.seed = seed
-        self.problems = load_problems(data, tokenizer, encode, tools)
+        self.problems = load_problems(data, tokenizer, encode, tools, source_field)
 
     def sample(self, count: int, salt: int) -> list[Problem]:
         rng = random.Random(self.seed * 1_000_003 + salt)

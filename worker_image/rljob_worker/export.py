@@ -24,7 +24,7 @@ def _rank() -> int:
 
 def export_target_problem(spec: RLJobSpec, model_path: Path | str) -> str | None:
     """Why spec.export.path may not be written (None: it may): it is, or is above, the
-    checkpoint directory, the model's directory or the data file, compared as this pod's
+    checkpoint directory, the model's directory or a data file, compared as this pod's
     filesystem resolves them (relative paths, symbolic links). Admission compares the spellings
     only (rljob.api's EXPORT_SPARES_CHECKPOINTS_RULE); this runs at every rank's start, before
     any training, where the export would otherwise delete them at the end."""
@@ -38,6 +38,8 @@ def export_target_problem(spec: RLJobSpec, model_path: Path | str) -> str | None
         kept["the model's directory"] = Path(model_path)
     if Path(spec.data.source).exists():
         kept["spec.data.source"] = Path(spec.data.source)
+    if spec.data.validation is not None and Path(spec.data.validation.source).exists():
+        kept["spec.data.validation.source"] = Path(spec.data.validation.source)
     for what, path in kept.items():
         resolved = path.resolve()
         if resolved == target or target in resolved.parents:

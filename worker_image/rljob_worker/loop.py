@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,7 @@ from rljob_worker.reward import Scorer
 from rljob_worker.stages import StageMachine
 from rljob_worker.staging import Staging, overlap_staging
 from rljob_worker.sync_send import Bucket
-from rljob_worker.task import Problem, Task, make_task
+from rljob_worker.task import Problem, Task, make_task, validation_problems
 from rljob_worker.train import Experience, Trainer, TrainStats
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,25 @@ def rollout_stats(
 
 
 @dataclass(frozen=True)
+class ValidationStats:
+    """One rank's share of spec.data.validation at an iteration, as figures the driver combines
+    over ranks (a rank may hold no prompt: fewer prompts than ranks)."""
+
+    prompts: int
+    responses: int
+    reward_sum: float
+    correct: int
+    response_tokens: int
+    truncated: int
+    reward_errors: int
+    seconds: float
+
+
+# Validation's sampling seeds: apart from the training rollouts' (seed * 1_000_003 + salt).
+VALIDATION_SEED_OFFSET = 1 << 40
+
+
+@dataclass(frozen=True)
 class RankIteration:
     """One rank's account of one iteration (its stage samples travel separately)."""
 
@@ -174,6 +194,8 @@ class RankIteration:
     export_path: str | None = None
     # The training state's copies in order, "stage: start|wait transfer" (overlapStaging).
     staging: tuple[str, ...] = ()
+    # spec.data.validation, at the iterations it is due (validation_due).
+    validation: ValidationStats | None = None
 
 
 # A SavedCheckpoint or ModelExported on its own: one the ranks agreed complete, or an export
@@ -256,9 +278,28 @@ def prompts_per_rank(spec: RLJobSpec, world_size: int) -> int:
     return prompts // world_size
 
 
+def validation_due(spec: RLJobSpec, iteration: int) -> bool:
+    """spec.data.validation runs at iteration 0 (before any update), every N-th, and the last."""
+    validation = spec.data.validation
+    return validation is not None and (
+        iteration % validation.every_iterations == 0 or iteration == spec.algorithm.iterations
+    )
+
+
+@dataclass(frozen=True)
+class _Generated:
+    """What one generation over some problems gave: the experience (rewards scored), the reward
+    calls that failed, and (multiTurn) the conversations' counts."""
+
+    experience: Experience
+    reward_errors: int
+    counts: RolloutCounts | None = None
+
+
 @dataclass(eq=False)
 class _Rollout:
-    """The rollout stage's work: sample prompts, generate group_size responses each, reward."""
+    """The rollout stage's work: sample prompts, generate group_size responses each, reward;
+    at the iterations validation is due, then answer this rank's validation prompts."""
 
     spec: RLJobSpec
     config: RankConfig
@@ -266,8 +307,12 @@ class _Rollout:
     tokenizer: Any
     task: Task
     scorer: Scorer
+    eos_ids: Sequence[int]
+    # This rank's share of spec.data.validation's problems (validation_problems).
+    validation_problems: Sequence[Problem] = ()
     reward_errors: int = field(default=0, init=False)  # of the latest rollout
     prompts: int = field(init=False)
+    validated: ValidationStats | None = field(default=None, init=False)  # of the latest
 
     def __post_init__(self) -> None:
         self.prompts = prompts_per_rank(self.spec, self.config.world_size)
@@ -276,37 +321,83 @@ class _Rollout:
         world, rank = self.config.world_size, self.config.rank
         return self.task.sample(self.prompts, salt=iteration * world + rank)
 
+    def _seed(self, iteration: int) -> int:
+        world, rank = self.config.world_size, self.config.rank
+        return self.spec.algorithm.seed * 1_000_003 + iteration * world + rank
+
     def _sampling(self, iteration: int, max_new_tokens: int) -> SamplingParams:
-        spec, world, rank = self.spec, self.config.world_size, self.config.rank
-        sampling = spec.rollout.sampling
+        sampling = self.spec.rollout.sampling
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
-            seed=spec.algorithm.seed * 1_000_003 + iteration * world + rank,
+            seed=self._seed(iteration),
         )
 
     def __call__(self, iteration: int) -> Experience:
         spec = self.spec
-        problems = self._problems(iteration)
-        group = spec.algorithm.group_size
+        generated = self._generate(
+            self._problems(iteration),
+            spec.algorithm.group_size,
+            self._sampling(iteration, spec.data.max_response_length),
+        )
+        self.reward_errors = generated.reward_errors
+        self._took(generated)
+        self.validated = self._validate(iteration) if validation_due(spec, iteration) else None
+        return generated.experience
+
+    def _took(self, generated: _Generated) -> None:
+        """What the training rollout leaves besides its experience (multiTurn: the counts)."""
+
+    def _generate(
+        self, problems: Sequence[Problem], group: int, sampling: SamplingParams
+    ) -> _Generated:
         prompt_ids: list[list[int]] = []
         group_ids: list[int] = []
         for index, problem in enumerate(problems):
             prompt_ids += [list(problem.prompt_ids)] * group  # encoded under spec.data's rule
             group_ids += [index] * group
-        completions = self.engine.generate_with_logprobs(
-            prompt_ids, self._sampling(iteration, spec.data.max_response_length)
-        )
+        completions = self.engine.generate_with_logprobs(prompt_ids, sampling)
         responses = [c.token_ids for c in completions]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         scored = self.scorer([p for p in problems for _ in range(group)], texts)
-        self.reward_errors = scored.errors
-        return Experience(
+        experience = Experience(
             prompt_ids, [list(r) for r in responses], scored.scores, group_ids,
             [c.logprobs for c in completions],
         )  # fmt: skip
+        return _Generated(experience, scored.errors)
+
+    def _validate(self, iteration: int) -> ValidationStats:
+        """This rank's validation prompts, answered by the weights the rollout just used (the
+        engine is awake), scored by the job's reward; nothing of it is trained on."""
+        validation = self.spec.data.validation
+        assert validation is not None
+        problems = self.validation_problems
+        if not problems:
+            return ValidationStats(0, 0, 0.0, 0, 0, 0, 0, 0.0)
+        start = time.monotonic()
+        sampling = SamplingParams(
+            max_new_tokens=self.spec.data.max_response_length,
+            temperature=validation.temperature,
+            seed=self._seed(iteration) + VALIDATION_SEED_OFFSET,
+        )
+        generated = self._generate(problems, validation.samples_per_prompt, sampling)
+        rewards = generated.experience.rewards
+        stats = rollout_stats(
+            generated.experience, self.spec.data.max_response_length, self.eos_ids,
+            generated.counts,
+        )  # fmt: skip
+        return ValidationStats(
+            prompts=len(problems),
+            responses=len(rewards),
+            reward_sum=sum(rewards),
+            correct=stats.correct,
+            response_tokens=stats.response_tokens,
+            truncated=stats.truncated,
+            reward_errors=generated.reward_errors,
+            seconds=time.monotonic() - start,
+        )
 
 
 @dataclass(eq=False)
@@ -315,9 +406,8 @@ class _MultiTurnRollout(_Rollout):
     asyncio over this rank's engine (agentic/driver.py), every one ended or cut off before the
     stage returns (the engine sleeps next)."""
 
-    tools: ToolSet
-    eos_ids: Sequence[int]
-    context_length: int | None
+    tools: ToolSet = field(kw_only=True)
+    context_length: int | None = field(kw_only=True)
     multi_turn: MultiTurnRollout = field(init=False)
     counts: RolloutCounts = field(init=False)
 
@@ -371,13 +461,17 @@ class _MultiTurnRollout(_Rollout):
                 -(-conversations // settings.max_concurrent_conversations),
             )
 
-    def __call__(self, iteration: int) -> Experience:
-        problems = self._problems(iteration)
-        group = self.spec.algorithm.group_size
+    def _took(self, generated: _Generated) -> None:
+        assert generated.counts is not None
+        self.counts = generated.counts
+
+    def _generate(
+        self, problems: Sequence[Problem], group: int, sampling: SamplingParams
+    ) -> _Generated:
+        # sampling.max_new_tokens is not used: each turn asks for what is left of the
+        # trajectory's budget (multiTurn.maxResponseLength).
         asked = [p for p in problems for _ in range(group)]
         prompts = [list(p.prompt_ids) for p in asked]
-        # max_new_tokens: each turn asks for what is left of the trajectory's budget.
-        sampling = self._sampling(iteration, max_new_tokens=1)
         # spec.rollout.multiTurn.schedule: every conversation at its own pace, or turn k of all
         # of them as one batch (the same requests and seeds; docs/multi-turn.md).
         settings = self.spec.rollout.multi_turn_settings
@@ -388,10 +482,9 @@ class _MultiTurnRollout(_Rollout):
             else self.multi_turn.run_turn_by_turn
         )
         trajectories = run_on(self.engine, run(prompts, sampling))
-        self.counts = RolloutCounts.of(trajectories, [str(p.answer) for p in asked])
+        counts = RolloutCounts.of(trajectories, [str(p.answer) for p in asked])
         scored = self.scorer(asked, [t.last_turn_text for t in trajectories])
-        self.reward_errors = scored.errors
-        return Experience(
+        experience = Experience(
             [t.prompt_ids for t in trajectories],
             [t.response_ids for t in trajectories],
             scored.scores,
@@ -399,6 +492,7 @@ class _MultiTurnRollout(_Rollout):
             [t.logprobs for t in trajectories],
             [t.loss_mask for t in trajectories],
         )
+        return _Generated(experience, scored.errors, counts)
 
 
 def _auto_capacity(
@@ -438,9 +532,9 @@ def run_rank(
     # The data's rows are read and checked before any GPU work (the reward function below).
     multi_turn = spec.rollout.multi_turn_settings
     tools = make_tools(multi_turn) if multi_turn is not None else None  # user tools load here
-    task = make_task(
-        spec.data, spec.algorithm.seed, tokenizer, tools.schemas if tools is not None else None
-    )
+    schemas = tools.schemas if tools is not None else None
+    task = make_task(spec.data, spec.algorithm.seed, tokenizer, schemas)
+    validation = validation_problems(spec.data, spec.algorithm.seed, tokenizer, schemas)
 
     # The plan on the real GPU, before any engine starts: a misfit with onMisfit Reject fails
     # fast here; with offload Auto it decides what the stages offload.
@@ -505,12 +599,13 @@ def run_rank(
             checks[name] = (tensor_digest(sent), tensor_digest(held[name]))
 
     context = getattr(trainer.model.config, "max_position_embeddings", None)
+    # This rank's share of the validation prompts (every rank read and checked them all).
+    held_out = validation[config.rank :: config.world_size]
+    parts = (spec, config, engine, tokenizer, task, scorer, eos_ids, held_out)
     rollout = (
-        _Rollout(spec, config, engine, tokenizer, task, scorer)
+        _Rollout(*parts)
         if tools is None
-        else _MultiTurnRollout(
-            spec, config, engine, tokenizer, task, scorer, tools, eos_ids, context
-        )
+        else _MultiTurnRollout(*parts, tools=tools, context_length=context)
     )
     # The checkpoint writes from the host buffers the offloads use (trainer.copy_to_host).
     keeper = checkpoints.Keeper(
@@ -585,6 +680,7 @@ def run_rank(
                 checkpoint=saved[-1] if saved else None,
                 export_path=exported.path if exported is not None else None,
                 staging=outcome.staging,
+                validation=rollout.validated,
             )
             result.iterations.append(report)
             send(report)

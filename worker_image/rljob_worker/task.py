@@ -26,6 +26,13 @@ from rljob.api import (
 )
 from rljob.api import BUILTIN_DIGIT as BUILTIN_DIGIT
 
+# What messages call the file a task reads: the training prompts' or the validation prompts'.
+SOURCE_FIELD = "spec.data.source"
+VALIDATION_FIELD = "spec.data.validation.source"
+# The builtin sources' validation problems: one fixed set, drawn with a salt no training
+# iteration uses (theirs are iteration * ranks + rank, from 0).
+VALIDATION_SALT = -1
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -71,7 +78,10 @@ class PromptEncoder:
 
 
 def refuse_long_builtin_prompts(
-    source: str, prompts: Iterable[tuple[str, str]], encode: PromptEncoder
+    source: str,
+    prompts: Iterable[tuple[str, str]],
+    encode: PromptEncoder,
+    source_field: str = SOURCE_FIELD,
 ) -> None:
     """With promptOverflow Refuse, PromptTooLong naming the longest of a builtin source's
     prompts ((label, text) pairs) when any is over maxPromptLength: checked when the task is
@@ -88,7 +98,7 @@ def refuse_long_builtin_prompts(
         return
     tokens, label = max(over, key=lambda length: length[0])
     raise PromptTooLong(
-        f"spec.data.source {source}: {len(over)} of the {len(lengths)} prompts checked cannot "
+        f"{source_field} {source}: {len(over)} of the {len(lengths)} prompts checked cannot "
         f"be used: the longest, {label}, is {tokens} tokens, over spec.data.maxPromptLength="
         f"{encode.max_prompt_length} (raise it to {tokens}, or set spec.data.promptOverflow: "
         "Truncate)"
@@ -236,7 +246,11 @@ class CalculatorTask:
 
 
 def make_task(
-    data: DataSpec, seed: int, tokenizer: Any, tools: list[dict[str, Any]] | None = None
+    data: DataSpec,
+    seed: int,
+    tokenizer: Any,
+    tools: list[dict[str, Any]] | None = None,
+    source_field: str = SOURCE_FIELD,
 ) -> Task:
     """The task for spec.data; a file's rows are read, encoded and checked here (DatasetError),
     and a builtin source's prompts against maxPromptLength (PromptTooLong, with Refuse).
@@ -266,6 +280,23 @@ def make_task(
     else:
         from rljob_worker.dataset import DatasetTask
 
-        return DatasetTask(data, seed, tokenizer, encode, tools)
-    refuse_long_builtin_prompts(data.source, task.checked_prompts(), encode)
+        return DatasetTask(data, seed, tokenizer, encode, tools, source_field)
+    refuse_long_builtin_prompts(data.source, task.checked_prompts(), encode, source_field)
     return task
+
+
+def validation_problems(
+    data: DataSpec, seed: int, tokenizer: Any, tools: list[dict[str, Any]] | None = None
+) -> list[Problem]:
+    """spec.data.validation's problems, the same on every rank and run: a file's first
+    maxPrompts rows (read and checked as data.source's are, under data's keys and length
+    rule), or maxPrompts problems of a builtin source drawn apart from the training prompts."""
+    validation = data.validation
+    if validation is None:
+        return []
+    held_out = data.model_copy(update={"source": validation.source, "validation": None})
+    task = make_task(held_out, seed, tokenizer, tools, VALIDATION_FIELD)
+    rows: list[Problem] | None = getattr(task, "problems", None)  # a file's (DatasetTask)
+    if rows is not None:
+        return rows[: validation.max_prompts]
+    return task.sample(validation.max_prompts, salt=VALIDATION_SALT)

@@ -25,13 +25,14 @@ from rljob.report import (
     MultiTurnFigures,
     OOMRecord,
     StageSample,
+    ValidationFigures,
     metrics_with,
     summarize,
     summarize_load,
 )
 from rljob_worker.agentic.driver import RolloutCounts
 from rljob_worker.checkpoint import ModelExported, SavedCheckpoint
-from rljob_worker.loop import RankIteration, RolloutStats
+from rljob_worker.loop import RankIteration, RolloutStats, ValidationStats
 from rljob_worker.train import TrainStats
 
 # status.oomEvents keeps the latest few; status.oomCounts counts them all.
@@ -70,7 +71,34 @@ def iteration_reports(
         trains = [i.train for i in items if i.train is not None]
         if trains:
             _add_train(report, trains)
+        validations = [i.validation for i in items if i.validation is not None]
+        if validations:
+            report.validation = validation_figures(validations)
     return [by_iteration[i] for i in sorted(by_iteration)]
+
+
+def _rounded(value: float) -> float:
+    """As status.metrics rounds its own floats (a bounded width)."""
+    return float(f"{value:.{METRIC_DIGITS}g}")
+
+
+def validation_figures(parts: list[ValidationStats]) -> ValidationFigures:
+    """The ranks' validation shares as one iteration's figures: means over every answer of
+    every rank; seconds of the slowest rank (the others wait for it at the next collective)."""
+    responses = sum(p.responses for p in parts)
+
+    def share(total: float) -> float | None:
+        return _rounded(total / responses) if responses else None
+
+    return ValidationFigures(
+        prompts=sum(p.prompts for p in parts),
+        reward_mean=share(sum(p.reward_sum for p in parts)),
+        correct_share=share(sum(p.correct for p in parts)),
+        response_length_mean=share(sum(p.response_tokens for p in parts)),
+        truncated_share=share(sum(p.truncated for p in parts)),
+        reward_errors=sum(p.reward_errors for p in parts),
+        seconds=_rounded(max(p.seconds for p in parts)),
+    )
 
 
 def combined_variance(parts: Iterable[tuple[int, float, float]]) -> tuple[int, float, float]:
@@ -108,14 +136,13 @@ def _add_multi_turn(report: IterationReport, counts: list[RolloutCounts]) -> Non
     sent = sum(c.prompt_tokens for c in cached)
     hit = sum(c.cached_tokens or 0 for c in cached) / sent if cached and sent else None
     report.multi_turn = MultiTurnFigures(
-        # Rounded as status.metrics rounds its own floats (a bounded width).
-        turns_mean=float(f"{sum(c.turns for c in counts) / conversations:.{METRIC_DIGITS}g}"),
+        turns_mean=_rounded(sum(c.turns for c in counts) / conversations),
         tool_calls=sum(c.tool_calls for c in counts),
         tool_errors=sum(c.tool_errors for c in counts),
         tool_timeouts=sum(c.tool_timeouts for c in counts),
         cut_off=sum(c.cut_off for c in counts),
         answer_from_tool=sum(c.answer_from_tool for c in counts),
-        prefix_cache_hit_rate=None if hit is None else float(f"{hit:.{METRIC_DIGITS}g}"),
+        prefix_cache_hit_rate=None if hit is None else _rounded(hit),
     )
 
 
