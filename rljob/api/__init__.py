@@ -32,7 +32,12 @@ from rljob.api._base import (
     _quantity,
     immutable,
 )
-from rljob.api.algorithm import GRPO_GROUP_RULE, AlgorithmName, AlgorithmSpec
+from rljob.api.algorithm import (
+    GRPO_GROUP_RULE,
+    AlgorithmName,
+    AlgorithmSpec,
+    LearningRateSchedule,
+)
 from rljob.api.checkpoint import CheckpointMode, CheckpointSpec, ExportSpec, ResumeMode
 from rljob.api.data import (
     BUILTIN_ARITHMETIC,
@@ -322,6 +327,7 @@ __all__ = [
     "KeyToPath",
     "LabelKey",
     "LabelValue",
+    "LearningRateSchedule",
     "LocalObjectRef",
     "MemFraction",
     "MemoryPlanSpec",

@@ -86,6 +86,16 @@ MALFORMED: list[Malformed] = [
     Malformed("name-too-long", {}, "metadata.name", name="n" * 48, seen=True),
     # More of our own.
     Malformed(
+        "warmup-past-the-end",
+        {"algorithm": {"iterations": 3, "warmupIterations": 4}},
+        "spec.algorithm.warmupIterations",
+    ),
+    Malformed(
+        "min-rate-without-cosine",
+        {"algorithm": {"minLearningRateRatio": 0.1}},
+        "spec.algorithm.minLearningRateRatio",
+    ),
+    Malformed(
         "validation-ftp",
         {"data": {"validation": {"source": "ftp://example.com/test.jsonl"}}},
         "spec.data.validation.source",

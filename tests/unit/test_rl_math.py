@@ -56,6 +56,32 @@ def test_clipped_policy_loss_inside_and_outside_the_clip(
     assert logprobs.grad.item() == pytest.approx(grad, abs=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("ratio", "advantage", "high", "loss", "clipped", "grad"),
+    [
+        # clip-higher 0.28: a ratio of 1.25 with A > 0 is inside [0.8, 1.28]: loss -1.25 x 2,
+        # gradient -r A = -2.5 (clipRatio 0.2 alone would clip it at 1.2: loss -2.4, gradient 0).
+        (1.25, 2.0, 0.28, -2.5, False, -2.5),
+        (1.25, 2.0, None, -2.4, True, 0.0),
+        # Past the higher bound the clip holds: 1.4 -> 1.28 x 2 = -2.56, gradient 0.
+        (1.4, 2.0, 0.28, -2.56, True, 0.0),
+        # The lower side stays 1 - clipRatio: r 0.7 with A < 0 -> max(0.7 x 1, 0.8 x 1) = 0.8.
+        (0.7, -1.0, 0.28, 0.8, True, 0.0),
+    ],
+)
+def test_clip_higher_widens_only_the_upper_side(
+    ratio: float, advantage: float, high: float | None, loss: float, clipped: bool, grad: float
+) -> None:
+    old = torch.tensor([math.log(0.4)])
+    logprobs = (old + math.log(ratio)).requires_grad_(True)
+    result = clipped_policy_loss(logprobs, old, torch.tensor([advantage]), 0.2, high)
+    result.loss.sum().backward()
+    assert result.loss.item() == pytest.approx(loss, abs=1e-6)
+    assert bool(result.clipped.item()) is clipped
+    assert logprobs.grad is not None
+    assert logprobs.grad.item() == pytest.approx(grad, abs=1e-6)
+
+
 # -- KL to the reference -----------------------------------------------------------------------
 
 
@@ -96,6 +122,17 @@ def test_group_advantages_for_a_mixed_a_flat_and_a_single_member_group() -> None
     advantages = group_advantages(rewards, torch.tensor([0, 0, 1, 1, 2]))
     expected = [0.5 / (0.5 + EPS_ADV), -0.5 / (0.5 + EPS_ADV), 0.0, 0.0, 0.0]
     assert advantages.tolist() == pytest.approx(expected, abs=1e-7)
+
+
+def test_group_advantages_without_the_std_are_the_differences_from_the_mean() -> None:
+    # Dr. GRPO: group 0 {1, 0, 0, 0}: mean 0.25 -> 0.75, -0.25 x 3 (with the std, 0.433013:
+    # 1.732047, -0.577349); group 1 {0.5, 0.5}: flat -> 0.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    plain = group_advantages(rewards, groups, by_std=False)
+    assert plain.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25, 0.0, 0.0], abs=1e-7)
+    scaled = group_advantages(rewards, groups)
+    assert scaled[:2].tolist() == pytest.approx([1.732047, -0.577349], abs=1e-5)
 
 
 def test_batch_advantages_by_hand() -> None:
@@ -222,6 +259,27 @@ def test_second_epoch_ratio_is_real_and_clips() -> None:
     assert stats.grad_norm == pytest.approx(math.sqrt(24 / 81) * A / 2, abs=1e-6)
     expected = torch.tensor([[0.0, 1 / 3, -1 / 3], [-1 / 9, -1 / 9, 2 / 9], [0.0, 0.0, 0.0]])
     assert torch.allclose(model.table.detach(), expected * A, atol=1e-6)
+
+
+def test_clip_ratio_high_reaches_the_update() -> None:
+    # The second epoch above with clipRatioHigh 0.4: the two A+ ratios (1.345323, 1.233014) are
+    # inside [0.8, 1.4] now, unclipped (-r A each); the A- one (0.690712) is still clipped at
+    # the lower 0.8. Epoch 2's loss sum -(1.345323 + 1.233014) A + 0.8 A = -1.778337 A; with
+    # epoch 1's -A: -2.778337 A, and one clipped token.
+    _, update = _update(_spec(ppoEpochs=2, clipRatioHigh=0.4))
+    stats = update.run(BIGRAM)
+    assert stats.policy_loss_sum == pytest.approx(-2.778337 * A, abs=1e-5)
+    assert stats.clipped_tokens == 1
+
+
+def test_without_the_group_std_the_step_is_the_plain_differences() -> None:
+    # groupStdNormalization false (Dr. GRPO): A = +-0.5 (1 and 0 around their mean 0.5), so
+    # the loss is (-0.5 - 0.5 + 0.5) / 3 and the step is the by-hand one above scaled by 0.5.
+    model, update = _update(_spec(groupStdNormalization=False))
+    stats = update.run(BIGRAM)
+    assert stats.loss == pytest.approx(-0.5 / 3, abs=1e-6)
+    expected = torch.tensor([[0.0, 1 / 3, -1 / 3], [-1 / 9, -1 / 9, 2 / 9], [0.0, 0.0, 0.0]])
+    assert torch.allclose(model.table.detach(), expected * 0.5, atol=1e-6)
 
 
 def test_more_mini_batches_than_responses_is_refused() -> None:

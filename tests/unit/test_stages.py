@@ -38,7 +38,7 @@ class RecordingTrainer:
         self.fail_with = fail_with
         self.staging = Staging(torch.device("cpu"), overlap)
 
-    def train_step(self, experience: Experience) -> TrainStats:
+    def train_step(self, experience: Experience, iteration: int | None = None) -> TrainStats:
         self.log.append("train_step")
         if self.fail_with is not None:
             raise self.fail_with

@@ -53,6 +53,12 @@ def _spec(root: Path, iterations: int, keep: int = 2, **extra: Any) -> RLJobSpec
                 "learningRate": 1e-2,
                 "klCoef": 0.05,
                 "seed": 3,
+                # A schedule and a decay: the resumed run must train each iteration at the
+                # rate the straight run did (the schedule is a function of the iteration).
+                "learningRateSchedule": "Cosine",
+                "warmupIterations": 1,
+                "minLearningRateRatio": 0.1,
+                "weightDecay": 0.01,
             },
             "data": {"source": "builtin:digit", "trainBatchSize": 4, "maxResponseLength": 3},
             # Temperature 1: the rollout samples, so equal rewards need equal RNG use too.
@@ -130,6 +136,16 @@ def test_resumed_run_ends_with_the_straight_runs_weights_and_rewards(
     assert "offload_optimizer" not in fresh.stages
     rewards = _rewards(straight_run)
     assert {**_rewards(first), **_rewards(second)} == rewards
+    # Each training iteration at its scheduled rate, in both (the resumed run's from iteration
+    # 3; iteration 2's train is in the checkpoint): 1e-2 after the warmup, then falling.
+    algorithm = _spec(root, ITERATIONS).algorithm
+    scheduled = {i: algorithm.learning_rate_at(i) for i in range(1, ITERATIONS + 1)}
+    assert scheduled[1] == pytest.approx(1e-2) and scheduled[2] == pytest.approx(1e-2)
+    assert scheduled[4] < scheduled[3] < scheduled[2]
+    for run in (straight_run, second):
+        rates = {r.iteration: r.learning_rate for r in run.reports if r.learning_rate}
+        assert rates == {i: pytest.approx(scheduled[i]) for i in rates}
+    assert sorted(r.iteration for r in second.reports if r.learning_rate) == [3, 4]
     assert len(set(rewards.values())) > 1  # the rewards moved: equal is not trivially equal
     ours = load_file(str(root / "export" / "model.safetensors"))
     theirs = load_file(str(straight_root / "export" / "model.safetensors"))
@@ -167,6 +183,7 @@ def test_keep_leaves_the_newest_complete_checkpoints(straight: tuple[Path, Local
     assert sorted(p.name for p in (root / "ckpt").iterdir()) == [
         "iteration-00000003",
         "iteration-00000004",
+        METRICS_FILE,  # every iteration's metrics: pruning leaves it
     ]
     status = run.status()
     assert status.checkpoint is not None and status.checkpoint.iteration == ITERATIONS

@@ -425,11 +425,13 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSp
     # dcp.load fills these dicts' tensors in place.
     dcp.load({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory / STATE)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    # The optimizer's state brings back the saved param_groups, the learning rate with them:
-    # the spec's stands (there is no schedule to continue), so a rate lowered before a resume
-    # takes effect, as the spec says it does.
+    # The optimizer's state brings back the saved param_groups, the learning rate and weight
+    # decay with them: the spec's stand, so a rate lowered before a resume takes effect, as
+    # the spec says it does (each train stage then sets its iteration's rate from the
+    # schedule, a function of the iteration: nothing of it is in the checkpoint).
     for group in optimizer.param_groups:
         group["lr"] = spec.algorithm.learning_rate
+        group["weight_decay"] = spec.algorithm.weight_decay
     rank, _ = _rank()
     own = directory / f"rng-rank{rank}.pt"
     rng = torch.load(own if own.exists() else directory / "rng-rank0.pt", weights_only=False)

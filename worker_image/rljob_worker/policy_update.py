@@ -319,7 +319,10 @@ class PolicyUpdate:
     def _advantages(self, experience: Experience) -> torch.Tensor:
         rewards = torch.tensor(experience.rewards, dtype=torch.float32, device=self.device)
         if self.spec.algorithm.name == AlgorithmName.GRPO:
-            return group_advantages(rewards, torch.tensor(experience.group_ids, device=self.device))
+            groups = torch.tensor(experience.group_ids, device=self.device)
+            return group_advantages(
+                rewards, groups, by_std=self.spec.algorithm.group_std_normalization
+            )
         return batch_advantages(rewards)
 
     def run(self, experience: Experience) -> TrainStats:
@@ -409,8 +412,9 @@ class PolicyUpdate:
         current = forward_logprobs(self.model, batch, self.temperature)
         old_logprobs = per_row_to_mask(old, batch)
         policy = clipped_policy_loss(
-            current.logprobs, old_logprobs, advantages[list(batch.rows), None], algorithm.clip_ratio
-        )
+            current.logprobs, old_logprobs, advantages[list(batch.rows), None],
+            algorithm.clip_ratio, algorithm.clip_ratio_high,
+        )  # fmt: skip
         token_loss = policy.loss
         if algorithm.tis_cap is not None and engine is not None:
             weights = truncated_importance_weights(

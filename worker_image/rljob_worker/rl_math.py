@@ -20,9 +20,10 @@ KL_CLAMP = 10.0
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, by_std: bool = True
 ) -> torch.Tensor:
     """GRPO: each reward minus its group's mean, over the group's std (0 for a flat group).
+    `by_std` False: the difference alone (Dr. GRPO; verl's norm_adv_by_std_in_grpo False).
 
     In float64, and a group whose rewards are all equal gets exactly 0: in float32 the mean of
     eight rewards of 0.1 is off by one ulp, its std is ~7e-9, and (r - mean) / (std + 1e-6)
@@ -33,8 +34,10 @@ def group_advantages(
         group_rewards = rewards[members].double()
         if group_rewards.numel() < 2 or bool((group_rewards == group_rewards[0]).all()):
             continue  # flat or alone: nothing to learn from
-        std = group_rewards.std(unbiased=False)
-        advantages[members] = (group_rewards - group_rewards.mean()) / (std + eps)
+        centred = group_rewards - group_rewards.mean()
+        advantages[members] = (
+            centred / (group_rewards.std(unbiased=False) + eps) if by_std else centred
+        )
     return advantages.to(rewards.dtype)
 
 
@@ -67,17 +70,24 @@ class PolicyLoss(NamedTuple):
 
 
 def clipped_policy_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_ratio: float
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_ratio: float,
+    clip_ratio_high: float | None = None,
 ) -> PolicyLoss:
-    """Per-token PPO clipped surrogate -min(r A, clip(r, 1-e, 1+e) A), r = exp(logp - old).
+    """Per-token PPO clipped surrogate -min(r A, clip(r, 1-e, 1+e_high) A), r = exp(logp -
+    old); e_high is e unless given (DAPO's clip-higher: a larger upper bound lets unlikely
+    tokens with A > 0 grow further before their gradient stops).
 
     `clipped` marks the tokens whose clipped term is strictly the smaller objective (verl's
     pg_clipfrac): there the gradient is zero. Advantages broadcast over tokens.
     """
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -ratio * advantages
-    clipped = -ratio.clamp(1 - clip_ratio, 1 + clip_ratio) * advantages
+    clipped = -ratio.clamp(1 - clip_ratio, 1 + high) * advantages
     return PolicyLoss(torch.maximum(unclipped, clipped), (clipped > unclipped).detach())
 
 

@@ -100,7 +100,7 @@ class TrainerLike(Protocol):
     # and picks the overlapped order by it (spec.training.overlapStaging).
     staging: Staging
 
-    def train_step(self, experience: Experience) -> TrainStats: ...
+    def train_step(self, experience: Experience, iteration: int | None = None) -> TrainStats: ...
     def offload_optimizer(self) -> None: ...
     def start_offload_optimizer(self) -> None: ...
     def finish_offloads(self) -> None: ...
@@ -247,7 +247,7 @@ class StageMachine:
             # Overlapped: the moments come back during the first micro-batches' forward and
             # backward; the first optimizer step waits for them (Trainer.load_optimizer).
             self.trainer.load_optimizer()
-        self._train_stats = self.trainer.train_step(self.experience)
+        self._train_stats = self.trainer.train_step(self.experience, self._iteration)
 
     def checkpoint(self) -> None:
         assert self.checkpoint_fn is not None  # in the order only when due

@@ -8,7 +8,7 @@ by bucket (sync_send.py gathers each).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.optim import AdamW
 
-from rljob.api import RLJobSpec
+from rljob.api import AlgorithmSpec, RLJobSpec
 
 # The weight sync's buckets are planned where the memory plan sizes them (one function).
 from rljob.plan import plan_buckets as plan_buckets
@@ -119,6 +120,16 @@ class ParamPaths:
         return named
 
 
+def make_optimizer(parameters: Iterable[torch.nn.Parameter], algorithm: AlgorithmSpec) -> AdamW:
+    """AdamW at the schedule's peak rate with the spec's decoupled weight decay."""
+    return AdamW(parameters, lr=algorithm.learning_rate, weight_decay=algorithm.weight_decay)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, rate: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+
+
 class Trainer:
     """The sharded policy of one rank; every method is collective (all ranks call it together)."""
 
@@ -157,9 +168,7 @@ class Trainer:
             slice_bytes = max(slice_bytes, ref_slice_bytes)
         # The largest tensor slice one read held (host, then device): the loading's transient.
         self.load_slice_bytes = slice_bytes
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=spec.algorithm.learning_rate, weight_decay=0.0
-        )
+        self.optimizer = make_optimizer(self.model.parameters(), spec.algorithm)
         # The copies of the training state, and (overlapStaging) their side stream.
         self.staging = staging if staging is not None else Staging(device, overlap=False)
         self._optimizer_copies = _HostCopies(
@@ -184,8 +193,12 @@ class Trainer:
 
     # -- training ----------------------------------------------------------------------------
 
-    def train_step(self, experience: Experience) -> TrainStats:
-        """PPO epochs over mini-batches of the rank's experience (policy_update.PolicyUpdate)."""
+    def train_step(self, experience: Experience, iteration: int | None = None) -> TrainStats:
+        """PPO epochs over mini-batches of the rank's experience (policy_update.PolicyUpdate),
+        at the rate spec.algorithm's schedule gives `iteration` (None: as the optimizer has it,
+        for benches that train alone)."""
+        if iteration is not None:
+            set_learning_rate(self.optimizer, self.spec.algorithm.learning_rate_at(iteration))
         update = PolicyUpdate(
             self.spec,
             self.model,
