@@ -44,6 +44,13 @@ for a in s.get("attempts") or []:
 for m in (s.get("metrics") or [])[:8]:  # one entry per iteration of this run
     print("iteration", m.get("iteration"), "reward", m.get("rewardMean"))
 PY
+# The metrics history beside the checkpoints: every iteration once, across the kill.
+python3 - /tmp/rljob-ckpt/checkpoints/metrics.jsonl <<'PY' | tee -a "$out/kill.txt"
+import json, sys
+lines = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+print("metrics.jsonl iterations", [m.get("iteration") for m in lines])
+PY
+cp /tmp/rljob-ckpt/checkpoints/metrics.jsonl "$out/metrics.jsonl" 2> /dev/null
 # 3. SGLang loads the export as its model path; the weights bit for bit, greedy answers.
 python3 bench/export_check.py /tmp/rljob-ckpt/export > "$out/export-check.json" 2> "$out/export-check.log"
 echo "export check exit $?" | tee -a "$out/kill.txt"

@@ -28,11 +28,13 @@
 #                + 0.02 (the sweep's next points) (two cards)
 #   sanity       tests/gpu/test_sglang_gpu.py and test_loop_gpu.py (one card; about 5 minutes);
 #                PYTEST_K selects tests in any pytest step
-#   sanity-rest  the other one-card files: engine, saver exit, overlap staging, multi-turn
+#   sanity-rest  the other one-card files: engine, saver exit, overlap staging, multi-turn, IPC
+#                alias, validation
 #   multi-gpu    test_multi_gpu.py and test_weight_gather_gpu.py (two cards, torch and NCCL only)
 #   ckpt-resume  #30: kill, resume and export of the 1.5B job (bench/checkpoint_resume_gpu.sh)
 #   ckpt-bench   #30: bench/checkpoint_gpu.py, sync against the async (pinned) save, 1.5B and 3B
 #   mt-test      #32: tests/gpu/test_multi_turn_gpu.py
+#   val-test     tests/gpu/test_validation_gpu.py (spec.data.validation and the rate schedule)
 #   mt-bench     #32: bench/multi_turn.py on sglang (the random 0.5B model: 32k context)
 #   mt-engines   #32: two engines, sticky against random routing: one a GPU where two are
 #                visible, else both on one card
@@ -44,6 +46,8 @@
 #                MT_MODEL (qwen2.5-0.5b), MT_CONVERSATIONS (256), MT_MEM_FRACTION (0.6) and
 #                MT_TOOL_SECONDS (0.3, the tools' median wait) change the regime; MT_TURNS="2 3 4"
 #                runs each of those numbers of turns (3 unless set)
+#   mt-sched     #32: the 3B, 1024-conversation mt-long point once per sglang scheduler setting
+#                (MT_SCHED: base, delayer), each in its own process, to compare on one card
 #   tool-runner  #32: bench/tool_runner.py, builtin:python's calls/s spawn against pool (CPU only)
 #   sync-paths   #33: the weight-sync paths at 3B beside their floor (small workload)
 #   sync-direct  #33: the same for the direct hand-off against the per-tensor one (one card)
@@ -153,15 +157,16 @@ for step in "$@"; do
         "--$wake-fractions" "$fraction,$fraction,$fraction,$next" --keep-going --iterations 3 \
         --no-alone --deadline-seconds 300 --out "$out/run" > "$out/log" 2>&1
       tail -30 "$out/log" ;;
-    sanity | sanity-rest | multi-gpu | mt-test | overlap-test | ipc-test)
+    sanity | sanity-rest | multi-gpu | mt-test | overlap-test | ipc-test | val-test)
       case $step in
+        val-test) files=tests/gpu/test_validation_gpu.py ;;
         sanity) files="tests/gpu/test_sglang_gpu.py tests/gpu/test_loop_gpu.py" ;;
         ipc-test) files=tests/gpu/test_ipc_alias_gpu.py ;;
         mt-test) files=tests/gpu/test_multi_turn_gpu.py ;;
         overlap-test) files=tests/gpu/test_overlap_staging_gpu.py ;;
         sanity-rest) files="tests/gpu/test_engine_gpu.py tests/gpu/test_saver_exit_gpu.py
           tests/gpu/test_overlap_staging_gpu.py tests/gpu/test_multi_turn_gpu.py
-          tests/gpu/test_ipc_alias_gpu.py" ;;
+          tests/gpu/test_ipc_alias_gpu.py tests/gpu/test_validation_gpu.py" ;;
         *) files="tests/gpu/test_multi_gpu.py tests/gpu/test_weight_gather_gpu.py" ;;
       esac
       # shellcheck disable=SC2086  # a list of paths
@@ -193,6 +198,26 @@ for step in "$@"; do
         --turn-tokens 256 --spread --tool-seconds "${MT_TOOL_SECONDS:-0.3}" \
         --mem-fraction "${MT_MEM_FRACTION:-0.6}" --out "$out/long" > "$out/log" 2>&1
       tail -12 "$out/log" ;;
+    mt-sched)
+      # The 3B, 1024-conversation point where async lost (0.85x with decode graphs up to 1024):
+      # the same rollouts once per sglang scheduler setting, each in a process of its own, on one
+      # card. `delayer`: sglang's prefill delayer with its queue trigger (0.5.17), so the turns
+      # that arrive one by one while the batch decodes are prefilled together, not each in a
+      # pass of its own that pauses every running conversation. MT_SCHED picks the settings.
+      declare -A sched=(
+        [base]='{"cuda_graph_max_bs_decode": 1024}'
+        [delayer]='{"cuda_graph_max_bs_decode": 1024, "enable_prefill_delayer": true, "prefill_delayer_queue_min_ratio": 0.05, "prefill_delayer_max_delay_ms": 100}'
+      )
+      m=${MT_MODEL:-qwen2.5-3b}
+      model "$m"
+      for name in ${MT_SCHED:-base delayer}; do
+        RLJOB_SGLANG_ENGINE_ARGS=${sched[$name]} python3 bench/multi_turn.py --engine sglang \
+          --device cuda --dtype bfloat16 --model "/tmp/rljob-bench-models/$m" \
+          --conversations "${MT_CONVERSATIONS:-1024}" --turns ${MT_TURNS:-3} --turn-tokens 256 --spread \
+          --tool-seconds "${MT_TOOL_SECONDS:-0.3}" --mem-fraction "${MT_MEM_FRACTION:-0.85}" \
+          --out "$out/$name" > "$out/$name.log" 2>&1
+        echo "$name: exit $? ${sched[$name]}"; grep -E '^\{"turns_per' "$out/$name.log" | cut -c1-400
+      done ;;
     copy-kernels)
       python3 bench/copy_kernels.py --repeats 10 --large-bytes 1048576 8388608 33554432 \
         --out "$out" > "$out/log" 2>&1

@@ -137,7 +137,9 @@ def test_rljob_run_loop_in_mode_multi_turn_with_sglang(builtin_dir: Path) -> Non
         "spec": {
             "model": {"path": str(builtin_dir), "dtype": "bfloat16"},
             "algorithm": {"groupSize": 4, "iterations": 2},
-            "data": {"source": "builtin:calculator", "trainBatchSize": 4, "maxPromptLength": 200},
+            "data": {"source": "builtin:calculator", "trainBatchSize": 4, "maxPromptLength": 200,
+                     "validation": {"source": "builtin:calculator", "everyIterations": 2,
+                                    "maxPrompts": 8}},
             "reward": {"function": "numeric"},
             "rollout": {
                 "engine": "sglang",
@@ -165,7 +167,13 @@ def test_rljob_run_loop_in_mode_multi_turn_with_sglang(builtin_dir: Path) -> Non
         assert stages == [Stage.TRAIN, Stage.OFFLOAD_OPTIMIZER, Stage.WAKE_WEIGHTS,
                           Stage.OFFLOAD_TRAIN, Stage.WAKE_KV_CACHE, Stage.ROLLOUT, Stage.SLEEP]  # fmt: skip
         assert report.policy_loss is not None
+    # Held-out conversations (whole ones, with the tools) at iteration 0 and the last, inside
+    # the rollout stage: the staged release after them found nothing in flight (run.ok).
+    validated = {r.iteration: r.validation for r in reports if r.validation is not None}
+    assert sorted(validated) == [0, 2]
+    assert all(v is not None and v.prompts == 8 and v.reward_mean is not None
+               for v in validated.values())  # fmt: skip
     print("\n" + "\n".join(
-        f"iteration {r.iteration}: reward {r.reward_mean}, {r.multi_turn}"
+        f"iteration {r.iteration}: reward {r.reward_mean}, validation {r.validation}, {r.multi_turn}"
         for r in reports
     ))  # fmt: skip
