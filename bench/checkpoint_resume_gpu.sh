@@ -9,6 +9,10 @@ out=${1:?OUT_DIR}
 manifest=${2:-bench/plans/checkpoint-sglang-1.5b-one-gpu.yaml}
 mkdir -p "$out"
 rm -rf /tmp/rljob-ckpt /tmp/rljob-ckpt-runs
+# A 1.5B checkpoint is 19.5 GB and keep 2 holds three for a moment (the new one before the
+# oldest is pruned): 58 GB of a 64 GiB machine's disk. Say what is free at each step; run this
+# on a machine without the 3B and 7B bench models (a run after mt-sched's 3B failed its save).
+df -h /tmp | tee "$out/df.txt"
 python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; import colocate; colocate.build_model('qwen2.5-1.5b', Path('/tmp/rljob-bench-models/qwen2.5-1.5b'))"
 # 1. Run, and kill the whole process group once iteration 2's checkpoint is complete.
 start=$SECONDS
@@ -30,9 +34,11 @@ for _ in $(seq 60); do  # the GPU is free once every process of run 1 is gone
   sleep 1
 done
 ls -la /tmp/rljob-ckpt/checkpoints/* | head -40 >> "$out/kill.txt"
+df -h /tmp | tail -1 | tee -a "$out/df.txt"
 # 2. The same manifest again: it resumes.
 python3 -m rljob.cli run "$manifest" --device cuda --out /tmp/rljob-ckpt-runs/run2 > "$out/run2.log" 2>&1
 echo "run 2 exit $?" | tee -a "$out/kill.txt"
+df -h /tmp | tail -1 | tee -a "$out/df.txt"
 cp /tmp/rljob-ckpt-runs/run2/status.json "$out/run2-status.json"
 python3 - "$out/run2-status.json" <<'PY' | tee -a "$out/kill.txt"
 import json, sys
