@@ -61,3 +61,7 @@ cp /tmp/rljob-ckpt/checkpoints/metrics.jsonl "$out/metrics.jsonl" 2> /dev/null
 python3 bench/export_check.py /tmp/rljob-ckpt/export > "$out/export-check.json" 2> "$out/export-check.log"
 echo "export check exit $?" | tee -a "$out/kill.txt"
 cat "$out/export-check.json"
+# Leave the disk as it was found (three 1.5B checkpoints are 58 GB): a later step on the same
+# machine (mt-sched's 3B model, say) must not meet a full disk.
+rm -rf /tmp/rljob-ckpt /tmp/rljob-ckpt-runs
+df -h /tmp | tail -1 | tee -a "$out/df.txt"
