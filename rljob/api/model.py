@@ -22,6 +22,11 @@ TINY_QWEN2 = "builtin:tiny-qwen2"
 BUILTIN_MODELS: tuple[str, ...] = (TINY_QWEN2,)
 
 
+# config.json's model_type values whose parameters the memory plan sizes exactly, as transformers
+# builds them (tests/unit/test_plan_shape.py); another dense decoder is planned as Llama.
+PLANNED_MODEL_TYPES: tuple[str, ...] = ("qwen2", "qwen3", "llama", "mistral")
+ModelType = Literal["qwen2", "qwen3", "llama", "mistral"]
+
 BUILTIN_MODEL_RULE = _builtin_rule("model", BUILTIN_MODELS)
 MODEL_URL_RULE = _no_url_rule(
     "use a path in the pod (a mounted volume) or a Hugging Face id such as Qwen/Qwen2.5-0.5B"
@@ -45,6 +50,15 @@ HEADS_DIVIDE_RULES: tuple[CrossFieldRule, ...] = (
         field_path=".numAttentionHeads",
         check=lambda s: s.head_dim is not None or s.hidden_size % s.num_attention_heads == 0,
     ),
+    CrossFieldRule(
+        cel="!has(self.attentionBias) || (has(self.modelType) && self.modelType != 'qwen2')",
+        message="attentionBias is config.json's flag of llama, mistral and qwen3 models: set "
+        "modelType to one of them (qwen2, the default, always has q/k/v biases)",
+        field_path=".attentionBias",
+        check=lambda s: (
+            s.attention_bias is None or (s.model_type is not None and s.model_type != "qwen2")
+        ),
+    ),
 )
 
 
@@ -54,6 +68,18 @@ class ModelShapeSpec(_Spec):
 
     model_config = ConfigDict(json_schema_extra=_cel_rules(*HEADS_DIVIDE_RULES))
 
+    model_type: ModelType | None = Field(
+        default=None,
+        description="config.json's model_type: which parameters a layer has besides its "
+        "projections. qwen2 (the default): q/k/v biases; qwen3: q/k norms of one head's "
+        "width and no biases; llama and mistral: none (attentionBias where config.json sets "
+        "it). Another dense decoder: the nearest of these.",
+    )
+    attention_bias: bool | None = Field(
+        default=None,
+        description="config.json's attention_bias (llama, qwen3): biases on q/k/v/o. Unset: "
+        "false. Only with a modelType other than qwen2.",
+    )
     num_hidden_layers: int = Field(ge=1, le=1024, description="Decoder layers.")
     hidden_size: int = Field(ge=1, le=1 << 20, description="Model width.")
     intermediate_size: int = Field(ge=1, le=1 << 22, description="MLP width.")

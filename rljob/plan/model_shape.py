@@ -1,10 +1,16 @@
-"""The model's shape for the memory plan: a Qwen2/Llama-family decoder's sizes (ModelShape),
-the builtin tiny Qwen2's, and where a spec's shape comes from (shape_for).
+"""The model's shape for the memory plan: a Qwen2/Qwen3/Llama-family decoder's sizes
+(ModelShape), the builtin tiny Qwen2's, and where a spec's shape comes from (shape_for).
+
+The parameters are named and sized as transformers builds them (tests/unit/test_plan_shape.py
+compares them with its models on the meta device): Qwen2 has q/k/v biases and nothing else
+apart, Llama and Mistral have none (config.json's attention_bias where given), and Qwen3 has no
+biases but an RMSNorm of one head's width on the queries and on the keys of every layer.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from rljob.api import BUILTIN_PREFIX, TINY_QWEN2, RLJobSpec
+from rljob.api.model import PLANNED_MODEL_TYPES
+
+log = logging.getLogger(__name__)
 
 # The builtin tiny Qwen2 (rljob_worker.model builds it from exactly these fields).
 TINY_QWEN2_CONFIG: dict[str, Any] = {
@@ -30,6 +39,11 @@ TINY_QWEN2_VOCAB_SIZE = 320
 # the plan sizes dense decoders only, and would size such a model as a dense one
 # (Qwen3-30B-A3B, 30.5B parameters, as 3.3B).
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+# model_type where config.json has none (and spec.model.shape's default): the plan began with
+# Qwen2.5, the model family of the bench and of the examples.
+DEFAULT_MODEL_TYPE = "qwen2"
+# model_types with a per-head RMSNorm on the queries and the keys (q_norm, k_norm: head_dim each).
+QK_NORM_MODEL_TYPES = frozenset({"qwen3"})
 
 
 class MixtureOfExperts(ValueError):
@@ -38,7 +52,7 @@ class MixtureOfExperts(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Qwen2/Llama-family decoder's architecture (config.json's fields)."""
+    """A Qwen2/Qwen3/Llama-family decoder's architecture (config.json's fields)."""
 
     layers: int
     hidden: int
@@ -47,10 +61,13 @@ class ModelShape:
     kv_heads: int
     vocab: int
     tied_embeddings: bool
-    attention_bias: bool = True  # Qwen2 has q/k/v biases; Llama none
+    attention_bias: bool = True  # q/k/v biases: Qwen2's; Llama, Mistral and Qwen3 have none
     # config.json's head_dim where it gives one (Qwen3: 128 at hidden 2560, 32 heads); None:
     # hidden // heads, as transformers, sglang and the worker's engines derive it then.
     config_head_dim: int | None = None
+    qk_norm: bool = False  # Qwen3: q_norm and k_norm, head_dim wide, in every layer
+    output_bias: bool = False  # o_proj's bias: Llama's and Qwen3's with attention_bias true
+    mlp_bias: bool = False  # gate/up/down biases: Llama's mlp_bias
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
@@ -64,6 +81,19 @@ class ModelShape:
             )
         heads = int(config["num_attention_heads"])
         head_dim = config.get("head_dim")
+        model_type = str(config.get("model_type") or DEFAULT_MODEL_TYPE)
+        if model_type not in PLANNED_MODEL_TYPES:
+            log.warning(
+                "the memory plan sizes %s models exactly; model_type %r is planned as a "
+                "Llama-style decoder (its extra parameters, if any, are not counted)",
+                "/".join(PLANNED_MODEL_TYPES),
+                model_type,
+            )
+        # Qwen2's attention always has q/k/v biases and no o_proj bias (its config.json has no
+        # attention_bias); Llama's and Qwen3's attention_bias puts one on all four, and Llama's
+        # mlp_bias one on gate/up/down; Mistral has none of them.
+        qwen2 = model_type == "qwen2"
+        bias = bool(config.get("attention_bias") or False)
         return cls(
             layers=int(config["num_hidden_layers"]),
             hidden=int(config["hidden_size"]),
@@ -72,8 +102,11 @@ class ModelShape:
             kv_heads=int(config.get("num_key_value_heads") or heads),
             vocab=int(config["vocab_size"]),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=str(config.get("model_type", "qwen2")) == "qwen2",
+            attention_bias=qwen2 or bias,
             config_head_dim=int(head_dim) if head_dim else None,
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
+            output_bias=bias and not qwen2,
+            mlp_bias=bool(config.get("mlp_bias") or False),
         )
 
     @property
@@ -87,6 +120,10 @@ class ModelShape:
         h, i = self.hidden, self.intermediate
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         bias = self.attention_bias
+        norms = [
+            ("self_attn.q_norm.weight", (self.head_dim,)),
+            ("self_attn.k_norm.weight", (self.head_dim,)),
+        ]
         layer: list[tuple[str, tuple[int, ...]]] = [
             ("self_attn.q_proj.weight", (q, h)),
             *([("self_attn.q_proj.bias", (q,))] if bias else []),
@@ -95,9 +132,14 @@ class ModelShape:
             ("self_attn.v_proj.weight", (kv, h)),
             *([("self_attn.v_proj.bias", (kv,))] if bias else []),
             ("self_attn.o_proj.weight", (h, q)),
+            *([("self_attn.o_proj.bias", (h,))] if self.output_bias else []),
+            *(norms if self.qk_norm else []),
             ("mlp.gate_proj.weight", (i, h)),
+            *([("mlp.gate_proj.bias", (i,))] if self.mlp_bias else []),
             ("mlp.up_proj.weight", (i, h)),
+            *([("mlp.up_proj.bias", (i,))] if self.mlp_bias else []),
             ("mlp.down_proj.weight", (h, i)),
+            *([("mlp.down_proj.bias", (h,))] if self.mlp_bias else []),
             ("input_layernorm.weight", (h,)),
             ("post_attention_layernorm.weight", (h,)),
         ]

@@ -44,6 +44,12 @@ def _env(*env: dict[str, Any]) -> dict[str, Any]:
     return {"env": list(env)}
 
 
+def _shape(**fields: Any) -> dict[str, Any]:
+    """spec.model.shape: a valid small decoder's fields, then `fields` over them."""
+    return {"numHiddenLayers": 2, "hiddenSize": 64, "intermediateSize": 128,
+            "numAttentionHeads": 4, "numKeyValueHeads": 2, "vocabSize": 320, **fields}  # fmt: skip
+
+
 _HF_TOKEN = {"secretKeyRef": {"name": "hf-token", "key": "token"}}
 
 
@@ -166,6 +172,21 @@ MALFORMED: list[Malformed] = [
         "spec.resources.tolerations[0].value",
     ),
     Malformed("model-s3", {"model": {"path": "s3://bucket/qwen"}}, "spec.model.path"),
+    Malformed(
+        "shape-heads-not-dividing-hidden",
+        {"model": {"path": "Qwen/Qwen3-4B", "shape": _shape(numAttentionHeads=24)}},
+        "spec.model.shape.numAttentionHeads",
+    ),
+    Malformed(
+        "shape-bias-without-type",
+        {"model": {"path": "meta-llama/Llama-3.1-8B", "shape": _shape(attentionBias=True)}},
+        "spec.model.shape.attentionBias",
+    ),
+    Malformed(
+        "shape-type-unknown",
+        {"model": {"path": "google/gemma-2-2b", "shape": _shape(modelType="gemma2")}},
+        "spec.model.shape.modelType",
+    ),
     Malformed("model-builtin-empty", {"model": {"path": "builtin:"}}, "spec.model.path"),
     Malformed(
         "data-https",

@@ -1,5 +1,7 @@
 """The model's shape for the memory plan (rljob/plan/model_shape.py): config.json's head_dim and
-spec.model.shape.headDim, by hand against Qwen3-4B's config; mixture-of-experts configs refused."""
+spec.model.shape.headDim, by hand against Qwen3-4B's config; every parameter's name and shape
+against transformers' own Qwen2, Qwen3, Llama and Mistral models (built on the meta device);
+spec.model.shape.modelType and attentionBias; mixture-of-experts configs refused."""
 
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ QWEN3_4B: dict[str, Any] = {
 }
 # Per layer: q 4096 x 2560 and o 2560 x 4096 (10,485,760 each), k and v 1024 x 2560 (2,621,440
 # each), gate/up/down 3 x 9728 x 2560 (74,711,040), two norms (5,120); Qwen3 has no q/k/v
-# biases: 100,930,560. x 36 = 3,633,500,160, + embeddings 151,936 x 2560 (388,956,160) + the
-# final norm 2,560 = 4,022,458,880 (transformers counts 9,216 more: the q/k norms the plan omits).
-QWEN3_4B_PARAMETERS = 4_022_458_880
+# biases, but q/k norms of one head (2 x 128): 100,930,816. x 36 = 3,633,509,376, + embeddings
+# 151,936 x 2560 (388,956,160) + the final norm 2,560 = 4,022,468,096 (transformers' count of
+# Qwen3-4B: the model card's "4.0B").
+QWEN3_4B_PARAMETERS = 4_022_468_096
 # K and V: 2 x 36 layers x 8 KV heads x 128 x 2 bytes (sglang's cell_size, DenseLayout's,
 # Qwen2Shape's), where hidden / heads would give 92,160.
 QWEN3_4B_KV_BYTES_PER_TOKEN = 147_456
@@ -50,6 +53,8 @@ def test_config_json_head_dim_sizes_the_projections_and_the_kv_cache(tmp_path: P
     assert shapes["model.layers.0.self_attn.k_proj.weight"] == (1024, 2560)
     assert shapes["model.layers.0.self_attn.o_proj.weight"] == (2560, 4096)
     assert "model.layers.0.self_attn.q_proj.bias" not in shapes
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    assert shapes["model.layers.35.self_attn.k_norm.weight"] == (128,)
     assert shape.parameters == QWEN3_4B_PARAMETERS
     assert shape.kv_bytes_per_token(2) == QWEN3_4B_KV_BYTES_PER_TOKEN
     assert shape.kv_bytes_per_token(2, tp=4) == QWEN3_4B_KV_BYTES_PER_TOKEN // 4
@@ -64,8 +69,73 @@ def test_spec_model_shape_head_dim_plans_as_config_json_does() -> None:
     )  # fmt: skip
     assert shape is not None
     assert shape.kv_bytes_per_token(2) == QWEN3_4B_KV_BYTES_PER_TOKEN
-    # The spec's shape plans with Qwen2's q/k/v biases: 36 x (4096 + 2 x 1024) more.
-    assert shape.parameters == QWEN3_4B_PARAMETERS + 36 * (4096 + 2 * 1024)
+    # Without modelType the spec's shape is Qwen2's: q/k/v biases, 36 x (4096 + 2 x 1024) more,
+    # and no q/k norms, 36 x 2 x 128 fewer.
+    assert shape.parameters == QWEN3_4B_PARAMETERS + 36 * (4096 + 2 * 1024) - 36 * 2 * 128
+
+
+def test_spec_model_shape_model_type_plans_qwen3_as_its_config_json_does(tmp_path: Path) -> None:
+    fields = dict(numHiddenLayers=36, hiddenSize=2560, intermediateSize=9728,
+                  numAttentionHeads=32, numKeyValueHeads=8, headDim=128, vocabSize=151936,
+                  tieWordEmbeddings=True)  # fmt: skip
+    from_spec = shape_for(_spec_with_shape(modelType="qwen3", **fields))
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
+    from_config = shape_for(RLJobSpec.model_validate({"model": {"path": str(tmp_path)}}))
+    assert from_spec is not None and from_config is not None
+    assert from_spec.named_shapes() == from_config.named_shapes()
+    assert from_spec.parameters == QWEN3_4B_PARAMETERS
+    # attentionBias: q/k/v and o biases, as config.json's attention_bias gives them.
+    biased = shape_for(_spec_with_shape(modelType="qwen3", attentionBias=True, **fields))
+    assert biased is not None
+    assert biased.parameters == QWEN3_4B_PARAMETERS + 36 * (4096 + 2 * 1024 + 2560)
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ({"attentionBias": True}, "set modelType to one of them"),
+        ({"modelType": "qwen2", "attentionBias": False}, "set modelType to one of them"),
+        ({"modelType": "gemma"}, "Input should be 'qwen2', 'qwen3', 'llama' or 'mistral'"),
+    ],
+    ids=["bias-without-type", "bias-with-qwen2", "unknown-type"],
+)
+def test_spec_model_shape_refuses_what_it_cannot_plan(shape: dict[str, Any], message: str) -> None:
+    fields = dict(numHiddenLayers=2, hiddenSize=64, intermediateSize=8, numAttentionHeads=4,
+                  numKeyValueHeads=2, vocabSize=10)  # fmt: skip
+    with pytest.raises(ValidationError, match=message):
+        _spec_with_shape(**shape, **fields)
+
+
+# Tiny configs of each family transformers builds, in the variants the plan must tell apart.
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128)  # fmt: skip
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2": {"model_type": "qwen2", **SMALL, "tie_word_embeddings": True},
+    "qwen2-untied": {"model_type": "qwen2", **SMALL, "tie_word_embeddings": False},
+    "qwen3": {"model_type": "qwen3", **SMALL, "head_dim": 32, "tie_word_embeddings": True},
+    "qwen3-bias": {"model_type": "qwen3", **SMALL, "head_dim": 8, "attention_bias": True},
+    "llama": {"model_type": "llama", **SMALL, "tie_word_embeddings": False},
+    "llama-biases": {"model_type": "llama", **SMALL, "attention_bias": True, "mlp_bias": True},
+    "mistral": {"model_type": "mistral", **SMALL, "head_dim": 24},
+}
+
+
+@pytest.mark.parametrize("config", FAMILIES.values(), ids=FAMILIES.keys())
+def test_every_parameter_is_named_and_sized_as_transformers_builds_it(
+    config: dict[str, Any],
+) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = AutoConfig.for_model(config["model_type"], **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    built = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    # What the plan reads: config.json as transformers writes it, every default spelled out.
+    shape = ModelShape.from_config(hf_config.to_dict())
+    assert shape.named_shapes() == built
+    assert shape.parameters == sum(p.numel() for p in model.parameters())
 
 
 def test_without_head_dim_it_is_hidden_over_heads() -> None:
@@ -134,6 +204,14 @@ def test_a_mixture_of_experts_job_runs_without_a_plan_rather_than_with_a_wrong_o
     dense.mkdir()
     (dense / "config.json").write_text(json.dumps(QWEN3_4B))
     assert rank_plan(RLJobSpec.model_validate({"model": {"path": str(dense)}}), 80 << 30, 1, dense)
+
+
+def test_a_model_type_the_plan_does_not_know_is_planned_as_llama_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shape = ModelShape.from_config({**QWEN3_4B, "model_type": "olmo2"})
+    assert not shape.attention_bias and not shape.qk_norm
+    assert "model_type 'olmo2' is planned as a Llama-style decoder" in caplog.text
 
 
 def test_a_dense_config_with_its_expert_keys_empty_still_plans() -> None:
