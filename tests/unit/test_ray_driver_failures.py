@@ -85,15 +85,21 @@ def test_a_lost_event_queue_fails_the_run_and_says_so(monkeypatch: pytest.Monkey
     assert run.reason is not None and "event queue was lost" in run.reason, run.reason
 
 
+def _driver_config(tmp_path: Path) -> tuple[str, Path]:
+    """The driver's --config for examples/tiny-local.yaml: the job's name and the file."""
+    name, spec = parse_manifest(yaml.safe_load((REPO / "examples/tiny-local.yaml").read_text()))
+    config = tmp_path / "job.yaml"
+    dumped = spec.model_dump(mode="json", by_alias=True)
+    config.write_text(yaml.safe_dump({"name": name, "namespace": "ns", "spec": dumped}))
+    return name, config
+
+
 def test_run_ray_raising_is_a_failed_job_with_a_last_line(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import ray
 
-    name, spec = parse_manifest(yaml.safe_load((REPO / "examples/tiny-local.yaml").read_text()))
-    config = tmp_path / "job.yaml"
-    dumped = spec.model_dump(mode="json", by_alias=True)
-    config.write_text(yaml.safe_dump({"name": name, "namespace": "ns", "spec": dumped}))
+    name, config = _driver_config(tmp_path)
     monkeypatch.setattr(ray, "init", lambda **_: None)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
 
@@ -107,6 +113,24 @@ def test_run_ray_raising_is_a_failed_job_with_a_last_line(
     # The operator's Failed message is this line's why (KubeRay's message ends with the line).
     why = driver_failure(f"Job entrypoint command failed with exit code 1:\n{last}\n")
     assert why is not None and why.startswith("the driver: RayActorError: ")
+
+
+def test_no_ray_cluster_is_a_failed_job_with_a_last_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import ray
+
+    name, config = _driver_config(tmp_path)
+
+    def refused(**_: Any) -> None:
+        raise ConnectionError("Could not find any running Ray instance")
+
+    monkeypatch.setattr(ray, "init", refused)
+    assert ray_main.main(["--config", str(config), "--no-publish", "--address", "auto"]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"rljob driver: RLJob {name} failed: no Ray cluster at auto: ")
+    why = driver_failure(f"Job entrypoint command failed with exit code 1:\n{last}\n")
+    assert why == "no Ray cluster at auto: Could not find any running Ray instance", last
 
 
 # What rank 0's all_reduce raised when its gloo peer's process exited (torch 2.14, seen here).

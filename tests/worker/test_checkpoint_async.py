@@ -26,9 +26,11 @@ from rljob_worker.checkpoint import (
     CheckpointFailed,
     Keeper,
     SavedCheckpoint,
+    checkpoint_bytes,
     checkpoint_dir,
     complete_checkpoints,
     load,
+    space_problem,
 )
 from rljob_worker.checkpoint_writer import host_state_dict
 from rljob_worker.host_copies import _HostCopies
@@ -39,7 +41,7 @@ pytestmark = pytest.mark.worker
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _spec(root: Path, mode: str = "Async") -> RLJobSpec:
+def _spec(root: Path, mode: str = "Async", keep: int = 5) -> RLJobSpec:
     doc = {
         "apiVersion": "rljob.dev/v1alpha1",
         "kind": "RLJob",
@@ -49,7 +51,7 @@ def _spec(root: Path, mode: str = "Async") -> RLJobSpec:
             "data": {"source": "builtin:digit"},
             "rollout": {"engine": "torch"},
             "resources": {"workers": 1, "gpusPerWorker": 0},
-            "checkpoint": {"path": str(root), "keep": 5, "mode": mode},
+            "checkpoint": {"path": str(root), "keep": keep, "mode": mode},
         },
     }
     return parse_manifest(doc)[1]
@@ -405,3 +407,74 @@ def test_overlapping_writers_leave_torch_saves_crc_as_it_was() -> None:
     assert not torch.serialization.get_crc32_options()
     crc.__exit__()  # B ends
     assert torch.serialization.get_crc32_options()
+
+
+def test_the_size_estimate_is_what_a_save_writes(tmp_path: Path) -> None:
+    # The params (66,112 fp32: 264,448 bytes) and AdamW's two moments of the same size; the
+    # files add the RNG states, the metadata and the step counters, a few KiB.
+    model, optimizer = _trained()
+    estimate = checkpoint_bytes(model, optimizer)
+    assert estimate == 3 * 4 * (64 * 512 + 512 + 512 * 64 + 64)
+    keeper = Keeper(_spec(tmp_path / "ckpt"), model, optimizer, "builtin:tiny-qwen2")
+    keeper.save(1)
+    keeper.finish()
+    (saved,), _ = keeper.take()
+    assert estimate <= saved.bytes <= estimate + (64 << 10), (estimate, saved.bytes)
+
+
+class _Tied(torch.nn.Module):
+    """Embeddings tied to the head, as Qwen2.5's small models have them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(2048, 64)
+        self.mid = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 2048, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.embed(ids)))
+
+
+def test_a_tied_weight_counts_twice_in_the_size_estimate_as_the_save_writes_it(
+    tmp_path: Path,
+) -> None:
+    # The state dict names the tied matrix twice and the files hold it twice; its moments once.
+    model = _Tied()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 2048, (4, 8))).sum().backward()
+    optimizer.step()
+    tied, mid = 2048 * 64 * 4, (64 * 64 + 64) * 4
+    estimate = checkpoint_bytes(model, optimizer)
+    assert estimate == 2 * tied + mid + 2 * (tied + mid)
+    keeper = Keeper(_spec(tmp_path / "ckpt"), model, optimizer, "m")
+    keeper.save(1)
+    keeper.finish()
+    (saved,), _ = keeper.take()
+    assert estimate <= saved.bytes <= estimate + (64 << 10), (estimate, saved.bytes)
+
+
+def test_keep_plus_one_checkpoints_must_fit_less_those_already_there(tiny_disk: Path) -> None:
+    root = tiny_disk / "ckpt"
+    root.mkdir()
+    each = 100 << 10  # three (keep 2, and the next before the oldest goes) > the 256 KiB disk
+    problem = space_problem(root, 2, each)
+    assert problem is not None
+    assert problem.startswith(f"spec.checkpoint.path {root}: ")
+    assert "keep 2 needs about 0.3 MiB more (3 checkpoints of about 0.1 MiB at once" in problem
+    assert space_problem(root, 1, each) is None  # two fit
+    for iteration in (1, 2):  # two complete already: only the next one's space is needed
+        checkpoint_dir(root, iteration).mkdir()
+        (checkpoint_dir(root, iteration) / MARKER).write_text("")
+    assert space_problem(root, 2, each) is None
+
+
+def test_rank_0_warns_at_the_start_when_the_checkpoints_will_not_fit(
+    tiny_disk: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, optimizer = _trained()  # ~0.8 MB a checkpoint: none fits the 256 KiB disk
+    keeper = Keeper(_spec(tiny_disk / "ckpt", keep=2), model, optimizer, "m")
+    assert keeper.resume() is None  # nothing to resume; the run goes on (a warning, no error)
+    assert "keep 2 needs about 2.3 MiB more (3 checkpoints of about 0.8 MiB" in caplog.text
+    roomy = Keeper(_spec(tmp_path / "ckpt", keep=2), model, optimizer, "m")
+    assert roomy.check_space() is None

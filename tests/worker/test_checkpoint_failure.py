@@ -124,7 +124,8 @@ def test_a_failure_without_an_os_error_on_a_full_file_system_says_enospc(
 ) -> None:
     """The other form torch's zip writer gives a full disk: its own RuntimeError with no OSError
     behind it. With the checkpoint's file system (almost) full, the reported line says ENOSPC
-    and keeps the writer's; with room left, it is the writer's line alone."""
+    and keeps the writer's; with room left (a GPU machine's run failed so, 2026-12-05), it says
+    a short write and what the file system has free; any other error is the writer's line."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from rljob_worker.checkpoint import CheckpointFailed, _agreed
@@ -139,10 +140,19 @@ def test_a_failure_without_an_os_error_on_a_full_file_system_says_enospc(
     directory = small_disk / "ckpt" / "iteration-00000002"
     with pytest.raises(RuntimeError, match="unexpected pos"):  # not dcp's, no OSError: a bug
         _agreed(step, 2, directory)
-    with pytest.raises(CheckpointFailed) as failed:  # room left: the writer's line alone
+    with pytest.raises(CheckpointFailed) as failed:  # room left: a short write, and the room
         _agreed(dcp_step, 2, directory)
-    assert failed.value.failure.error.endswith("unexpected pos 704 vs 598")
-    assert "Errno" not in failed.value.failure.error
+    error = failed.value.failure.error
+    assert error.startswith("RuntimeError: unexpected pos 704 vs 598: a file came out shorter")
+    assert f"{small_disk} has " in error and " free of 2.5 MiB at the failure" in error, error
+    assert "Errno" not in error
+
+    def other_dcp_step() -> None:  # another error of the writer's: its line alone
+        raise CheckpointException("write", {0: (RuntimeError("bad"), traceback.extract_stack())})
+
+    with pytest.raises(CheckpointFailed) as failed:
+        _agreed(other_dcp_step, 2, directory)
+    assert failed.value.failure.error == "RuntimeError: bad"
     (small_disk / "filler").write_bytes(b"\0" * (2560 * 1024 - 4096))  # fill the 2560k tmpfs
     with pytest.raises(OSError):
         (small_disk / "more").write_bytes(b"\0" * (1 << 20))

@@ -182,22 +182,36 @@ def _os_error(exc: BaseException) -> OSError | None:
 
 # Below this many free bytes a failed write is reported as the full disk it is.
 FULL_DISK_BYTES = 1 << 20
+# torch.save's zip writer's words for a file that came out shorter than it wrote.
+SHORT_WRITE = "unexpected pos"
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def _full_disk(directory: Path, exc: BaseException) -> str:
     """The line a failure without an OSError reports. torch.save's zip writer can meet a
     short write on a full disk as its own error ("[enforce fail at inline_container.cc]
     unexpected pos ..."), with no OSError behind it: where the checkpoint's file system has
-    (almost) no space left, say so with ENOSPC's text, the writer's own line after it."""
+    (almost) no space left, say so with ENOSPC's text, the writer's own line after it; a short
+    write with room left (a quota, a thin volume that reports more than it can give, space
+    freed since) says what it is and what the file system has."""
     line = str(exc).strip().splitlines()[-1]
     existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
     if existing is None:
         return line
-    free = shutil.disk_usage(existing).free
-    if free >= FULL_DISK_BYTES:
-        return line
-    enospc = f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
-    return f"{enospc}: {free} bytes free in {existing} ({line})"
+    usage = shutil.disk_usage(existing)
+    if usage.free < FULL_DISK_BYTES:
+        enospc = f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
+        return f"{enospc}: {usage.free} bytes free in {existing} ({line})"
+    if SHORT_WRITE in line:
+        return (
+            f"{line}: a file came out shorter than written, as a full disk or a quota makes "
+            f"it; {existing} has {_size(usage.free)} free of {_size(usage.total)} at the "
+            "failure (the unfinished checkpoint is deleted next)"
+        )
+    return line
 
 
 def _agreed(step: Callable[[], None], iteration: int, directory: Path,
@@ -360,6 +374,40 @@ def unwritable(field: str, root: Path) -> str | None:
     return None
 
 
+def checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """About what one checkpoint holds (every rank's files together): each parameter at its
+    training dtype (an FSDP2 DTensor counts whole; a tied one, as the model's state dict has it
+    under both names, twice: Qwen2.5-1.5B's embeddings, 0.93 GB of its 19.46 GB), and as much
+    again for each of Adam's two moments (one per parameter); RNG states and metadata are
+    kilobytes."""
+    named = sum(
+        p.numel() * p.element_size() for _, p in model.named_parameters(remove_duplicate=False)
+    )
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = 2 if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) else 0
+    return named + moments * params
+
+
+def space_problem(root: Path, keep: int, each: int) -> str | None:
+    """Why spec.checkpoint.path's file system will fill before the run's saves are done, or
+    None: `keep` checkpoints stay and the next is written before the oldest is pruned, so
+    keep + 1 of `each` bytes, less what the complete checkpoints already there hold."""
+    held = len(complete_checkpoints(root))
+    needed = max(keep + 1 - held, 1) * each
+    existing = next((p for p in (root, *root.parents) if p.exists()), None)
+    if existing is None:
+        return None
+    free = shutil.disk_usage(existing).free
+    if free >= needed:
+        return None
+    return (
+        f"spec.checkpoint.path {root}: {_size(free)} free, and keep {keep} needs about "
+        f"{_size(needed)} more ({keep + 1} checkpoints of about {_size(each)} at once, the "
+        f"newest written before the oldest is deleted; {held} already there): a save will "
+        "fail with a full disk. Give the volume more space, or lower spec.checkpoint.keep"
+    )
+
+
 def _start_problems(spec: RLJobSpec) -> list[str]:
     """Rank 0's write checks of the checkpoint and export directories (the export is built
     beside its path, in the folder above it)."""
@@ -500,8 +548,10 @@ class Keeper:
             self._group = group
 
     def resume(self) -> int | None:
-        """Load the newest complete checkpoint (spec.checkpoint.resume Auto); its iteration."""
+        """Load the newest complete checkpoint (spec.checkpoint.resume Auto); its iteration.
+        Rank 0 first warns when the checkpoints will not fit where they go (space_problem)."""
         found = resume_point(self.spec, self.job)
+        self.check_space()
         if found is None:
             return None
         iteration, directory = found
@@ -515,6 +565,20 @@ class Keeper:
         loaded = load(self.model, self.optimizer, self.spec, directory)
         self.resumed = ResumePoint(iteration=loaded, path=str(directory))
         return loaded
+
+    def check_space(self) -> str | None:
+        """Rank 0: the warning space_problem gives for spec.checkpoint.path, logged at the start
+        rather than found at the save that fails an hour in. A warning, not an error: the
+        size is an estimate, and a volume can grow while the job runs."""
+        checkpoint = self.spec.checkpoint
+        if checkpoint is None or _rank()[0] != 0:
+            return None
+        problem = space_problem(
+            Path(checkpoint.path), checkpoint.keep, checkpoint_bytes(self.model, self.optimizer)
+        )
+        if problem is not None:
+            log.warning("%s", problem)
+        return problem
 
     def save(self, iteration: int) -> None:
         """The checkpoint stage (collective): the state to host memory, the writer started."""

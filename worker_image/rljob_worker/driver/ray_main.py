@@ -101,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ray.init(address=args.address, namespace="rljob", log_to_driver=True)
     except ConnectionError as error:
-        print(f"rljob driver: no Ray cluster at {args.address}: {error}", file=sys.stderr)
-        return 2
+        # A failed job's last line, which the operator's Failed message is made of (KubeRay's
+        # message ends with the job log's tail), not a bare one it would not find.
+        why = f"no Ray cluster at {args.address}: {plain(str(error))[:500]}"
+        print(driver_failed_line(job.name, why), file=sys.stderr)
+        return 1
     listener = None
     if args.publish:
         # In the RayJob's head pod this authenticates as the per-job ServiceAccount, whose Role
