@@ -18,9 +18,20 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from rljob.api import GROUP, PLURAL, VERSION
+from rljob.api import GROUP, PLURAL, VERSION, RLJobSpec
 from rljob.oom_policy import admit
-from rljob_operator import attempts, causes, identity, kube, metrics, notices, oom, render, status
+from rljob_operator import (
+    attempts,
+    causes,
+    identity,
+    kube,
+    metrics,
+    notices,
+    oom,
+    render,
+    status,
+    storage,
+)
 from rljob_operator.children import apply_children
 from rljob_operator.process_memos import APPLIED, CAUSES, KILLS, LOCKS, MIRRORED, forget_job
 from rljob_operator.status_writer import Observing, carry, parse_spec, write_status
@@ -73,6 +84,8 @@ def reconcile(
                 owner, spec, run_spec, retry, logger, rayjob=start and not done, attempt=attempt
             )
             APPLIED.remember(namespace, name, stored["ConfigMap"], run_spec)
+            if start and not done:
+                warn_about_claims(stored_rljob, run_spec, logger)
             ended = (
                 identity.own(kube.get_rayjob(namespace, attempt.ray_job), uid)
                 if done
@@ -83,6 +96,29 @@ def reconcile(
         logger.info(f"reconciled RLJob {namespace}/{name}")
     except (ApiException, HTTPError) as exc:
         raise kube.as_kopf_error(exc, f"RLJob {namespace}/{name}") from exc
+
+
+REASON_VOLUME_ACCESS = "VolumeAccessMode"
+
+
+def warn_about_claims(
+    rljob: Mapping[str, Any], spec: RLJobSpec, logger: kopf.Logger | logging.Logger
+) -> None:
+    """A Warning Event per mounted claim the job's pods cannot all mount (storage.py): once
+    per job (by uid) and claim. Not a refusal: a ReadWriteOnce claim works where every pod lands
+    on one node. A claim that cannot be read is left to the scheduler's own message."""
+    meta = rljob["metadata"]
+    namespace, job, uid = meta["namespace"], meta["name"], meta["uid"]
+    try:
+        problems = storage.claim_access_problems(
+            spec, lambda claim: kube.claim_access_modes(namespace, claim)
+        )
+        for claim, message in problems:
+            event = causes.event_name(job, uid, f"claim/{claim}")
+            if kube.post_event_once(rljob, event, REASON_VOLUME_ACCESS, message):
+                logger.warning(f"RLJob {namespace}/{job}: {message}")
+    except (ApiException, HTTPError) as exc:  # e.g. an older chart's rules without the read
+        logger.warning(f"RLJob {namespace}/{job}: claims' access modes not checked: {exc}")
 
 
 @kopf.on.event("ray.io", "v1", "rayjobs", labels=RAYJOB_LABELS)

@@ -127,6 +127,41 @@ def get_config_map(namespace: str, name: str) -> dict[str, Any] | None:
     return _get(lambda: _core().read_namespaced_config_map(name, namespace, _preload_content=False))
 
 
+def claim_access_modes(namespace: str, claim: str) -> list[str] | None:
+    """A persistentVolumeClaim's spec.accessModes, or None where it does not exist (yet)."""
+    found = _get(lambda: _core().read_namespaced_persistent_volume_claim(
+        claim, namespace, _preload_content=False))  # fmt: skip
+    if found is None:
+        return None
+    return [str(mode) for mode in (found.get("spec") or {}).get("accessModes") or []]
+
+
+def post_event_once(rljob: Mapping[str, Any], name: str, reason: str, message: str) -> bool:
+    """A Warning Event on the RLJob under a name of its own (one per job uid and subject): the
+    first post makes it, a later one (the next reconcile, an operator restart) finds it and
+    posts nothing. True where this call made it."""
+    meta = rljob["metadata"]
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    body: Any = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": name, "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
+            "namespace": meta["namespace"], "uid": meta["uid"],
+        },
+        "reason": reason, "message": message, "type": "Warning", "count": 1,
+        "firstTimestamp": now, "lastTimestamp": now,
+        "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
+    }  # fmt: skip
+    try:
+        _core().create_namespaced_event(meta["namespace"], body, _preload_content=False)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        return False
+    return True
+
+
 def get_child(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     """A child of the kind render.children() makes (RayJob or a built-in kind), or None."""
     if kind == "RayJob":

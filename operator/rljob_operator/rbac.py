@@ -59,6 +59,12 @@ OPERATOR_RULES: tuple[Rule, ...] = (
     Rule(("",), ("pods",), ("get", "list", "watch"), "see OOMKilled containers of the job"),
     Rule(
         ("",),
+        ("persistentvolumeclaims",),
+        ("get",),
+        "read a mounted claim's access modes (ReadWriteOnce on pods of several nodes)",
+    ),
+    Rule(
+        ("",),
         ("events",),
         ("get", "create", "patch"),
         "Events on RLJobs (kopf posts core/v1); a cause's Event is read to count on",

@@ -9,7 +9,12 @@ the export is gone when KubeRay deletes the finished job's pods, while the job s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rljob.api import RLJobSpec, VolumeMount
+
+# Access modes of a claim that pods on more than one node can mount together.
+SHARED_MODES = frozenset({"ReadWriteMany", "ReadOnlyMany"})
 
 
 def _covering(path: str, mounts: list[VolumeMount]) -> VolumeMount | None:
@@ -53,4 +58,41 @@ def storage_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
         else:
             continue
         problems.append((field, f"{path} cannot be written: {why}; use a writable volume"))
+    return problems
+
+
+def claim_access_problems(
+    spec: RLJobSpec, access_modes: Callable[[str], list[str] | None]
+) -> list[tuple[str, str]]:
+    """(claim, message) for each persistentVolumeClaim the job's pods mount that they cannot all
+    mount: every pod (the Ray head, whose driver writes metrics.jsonl beside the checkpoints, and
+    each worker) mounts every volume, and a ReadWriteOnce claim attaches to one node, a
+    ReadWriteOncePod one to one pod. `access_modes`: the claim's spec.accessModes, or None where
+    it cannot be read (not made yet: the scheduler's own Unschedulable says so)."""
+    mounted = {m.name for m in spec.volume_mounts}
+    pods = 1 + spec.resources.workers
+    problems = []
+    for volume in spec.volumes:
+        claim = volume.persistent_volume_claim
+        if claim is None or volume.name not in mounted:
+            continue
+        modes = access_modes(claim.claim_name)
+        if not modes or SHARED_MODES & set(modes):
+            continue
+        where = f"persistentVolumeClaim {claim.claim_name} (volume {volume.name})"
+        if "ReadWriteOnce" not in modes:  # ReadWriteOncePod alone
+            problems.append((claim.claim_name, (
+                f"{where} is ReadWriteOncePod: one pod may mount it, and the job's {pods} pods "
+                "(the Ray head and each worker) all do: all but one wait in ContainerCreating. "
+                "Use a ReadWriteMany claim (NFS, CephFS, a CSI file store): "
+                "docs/volumes-and-env.md"
+            )))  # fmt: skip
+        else:
+            problems.append((claim.claim_name, (
+                f"{where} is ReadWriteOnce: it attaches to one node, and the job's {pods} pods "
+                "(the Ray head and each worker) all mount it, so they run only if all are "
+                "placed on that node; a pod on another waits in ContainerCreating (the kubelet's "
+                "Multi-Attach error). Use a ReadWriteMany claim (NFS, CephFS, a CSI file store) "
+                "where the pods span nodes: docs/volumes-and-env.md"
+            )))  # fmt: skip
     return problems

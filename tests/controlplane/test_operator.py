@@ -203,6 +203,59 @@ def test_checkpoints_on_no_volume_fail_the_job_as_invalid_and_create_nothing(
     assert get(admin, namespace, "rayjobs", "novol") is None
 
 
+def _claim(name: str, mode: str) -> client.V1PersistentVolumeClaim:
+    return client.V1PersistentVolumeClaim(
+        metadata=client.V1ObjectMeta(name=name),
+        spec=client.V1PersistentVolumeClaimSpec(
+            access_modes=[mode],
+            resources=client.V1VolumeResourceRequirements(requests={"storage": "1Gi"}),
+        ),
+    )
+
+
+def test_a_read_write_once_claim_on_the_jobs_pods_is_one_warning_event(
+    operator: Operator, admin: client.ApiClient, namespace: str
+) -> None:
+    """Every pod of the job mounts every volume, and a ReadWriteOnce claim attaches to one node:
+    a Warning Event names the claim (once, across reconciles); a ReadWriteMany one is quiet."""
+    core = client.CoreV1Api(admin)
+    core.create_namespaced_persistent_volume_claim(namespace, _claim("once", "ReadWriteOnce"))
+    core.create_namespaced_persistent_volume_claim(namespace, _claim("many", "ReadWriteMany"))
+    volumes = {
+        "volumes": [
+            {"name": "ckpt", "persistentVolumeClaim": {"claimName": "once"}},
+            {"name": "data", "persistentVolumeClaim": {"claimName": "many"}},
+        ],
+        "volumeMounts": [
+            {"name": "ckpt", "mountPath": "/ckpt"},
+            {"name": "data", "mountPath": "/data"},
+        ],
+    }
+    spec = {**CPU_SPEC, **volumes, "checkpoint": {"path": "/ckpt/run"}}
+    uid = create(admin, namespace, "rwo", spec)["metadata"]["uid"]
+    wait_for("RayJob rwo", lambda: get(admin, namespace, "rayjobs", "rwo"))
+
+    def warnings() -> list[client.CoreV1Event]:
+        events = core.list_namespaced_event(
+            namespace, field_selector="involvedObject.name=rwo,reason=VolumeAccessMode"
+        )
+        return list(events.items)
+
+    wait_for("VolumeAccessMode Event", lambda: len(warnings()) == 1)
+    (event,) = warnings()
+    assert event.type == "Warning" and event.involved_object.uid == uid
+    assert str(event.message).startswith(
+        "persistentVolumeClaim once (volume ckpt) is ReadWriteOnce: it attaches to one node, "
+        "and the job's 2 pods"
+    ), event.message
+    # Another reconcile (a spec change) posts nothing more.
+    custom(admin).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "rwo", {"spec": {"suspend": True}}
+    )
+    wait_for("RayJob suspended", rayjob_suspend_is(admin, namespace, "rwo", True))
+    assert len(warnings()) == 1
+
+
 def test_suspend_round_trips_to_the_rayjob(
     operator: Operator, admin: client.ApiClient, namespace: str
 ) -> None:

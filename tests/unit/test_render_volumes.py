@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from rljob.api import OPERATOR_ENV, OPERATOR_MOUNT_PATHS, OPERATOR_VOLUMES, RLJobSpec
 from rljob_operator.render import Owner, children, ray_job
+from rljob_operator.storage import claim_access_problems
 
 OWNER = Owner(name="j", namespace="ns", uid="00000000-0000-0000-0000-000000000001")
 CPU = {"rollout": {"engine": "torch"}, "resources": {"gpusPerWorker": 0}}
@@ -198,3 +199,50 @@ def test_the_heads_shared_memory_stays_within_the_heads_memory(
         for pod in _pods(spec)
     ]
     assert sizes == [head, workers]
+
+
+CLAIMS = {"once": ["ReadWriteOnce"], "pod": ["ReadWriteOncePod"], "many": ["ReadWriteMany"],
+          "both": ["ReadWriteOnce", "ReadOnlyMany"]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("claim", "workers", "expected"),
+    [
+        ("once", 1, "persistentVolumeClaim once (volume v) is ReadWriteOnce: it attaches to one "
+                    "node, and the job's 2 pods"),
+        ("once", 2, "is ReadWriteOnce: it attaches to one node, and the job's 3 pods"),
+        ("pod", 1, "persistentVolumeClaim pod (volume v) is ReadWriteOncePod: one pod may mount "
+                   "it, and the job's 2 pods"),
+        ("many", 4, None),
+        ("both", 2, None),  # ReadOnlyMany: pods of several nodes may mount it
+        ("missing", 2, None),  # not made yet: the scheduler says so itself
+    ],
+)  # fmt: skip
+def test_a_claim_the_jobs_pods_cannot_all_mount_is_named(
+    claim: str, workers: int, expected: str | None
+) -> None:
+    spec = RLJobSpec.model_validate({
+        **CPU, "resources": {"gpusPerWorker": 0, "workers": workers},
+        "volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": claim}}],
+        "volumeMounts": [{"name": "v", "mountPath": "/v"}],
+    })  # fmt: skip
+    problems = claim_access_problems(spec, CLAIMS.get)
+    if expected is None:
+        assert problems == []
+    else:
+        ((name, message),) = problems
+        assert name == claim and expected in message, message
+
+
+def test_a_claim_no_container_mounts_is_not_checked() -> None:
+    spec = RLJobSpec.model_validate({
+        **CPU, "volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": "once"}}],
+    })  # fmt: skip
+    asked: list[str] = []
+
+    def modes(claim: str) -> list[str] | None:
+        asked.append(claim)
+        return CLAIMS.get(claim)
+
+    assert claim_access_problems(spec, modes) == []
+    assert asked == []
