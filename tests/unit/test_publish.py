@@ -209,7 +209,7 @@ def test_the_listener_counts_checkpoint_parts_sent_alone() -> None:
     for rank in range(2):
         listener(SavedCheckpoint(1, "/ckpt/iteration-00000001", 100 + rank, 2.0 + rank,
                                  "2026-11-26T22:00:00Z" if rank == 0 else None))  # fmt: skip
-    assert listener.samples == []
+    assert listener.run.samples == []
     listener.flush()
     (status,) = recorder.published
     assert status.checkpoint is not None
@@ -228,7 +228,7 @@ def test_the_listener_reports_an_export_sent_alone() -> None:
     recorder = _Recorder()
     listener = PublishingListener(cast(Any, recorder), world_size=2)
     listener(ModelExported(3, "/export/iteration-00000003"))
-    assert listener.samples == []
+    assert listener.run.samples == []
     listener.flush()
     (status,) = recorder.published
     assert status.export is not None

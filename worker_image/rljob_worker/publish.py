@@ -297,10 +297,10 @@ class StatusPublisher:
 
 
 class PublishingListener:
-    """The local driver's `on_event`: aggregates rank events as the driver does and publishes
-    when every rank finished an iteration, and at once on a CUDA OOM. A failed write is logged
-    and retried with the next one (each write is the whole driver-owned state), so the
-    apiserver being slow never stops training."""
+    """The local driver's `on_event`: aggregates rank events as the driver does (a LocalRun's,
+    so the two never count differently) and publishes when every rank finished an iteration,
+    and at once on a CUDA OOM. A failed write is logged and retried with the next one (each
+    write is the whole driver-owned state), so the apiserver being slow never stops training."""
 
     def __init__(
         self,
@@ -308,61 +308,31 @@ class PublishingListener:
         world_size: int,
         then: Callable[[Any], None] | None = None,
     ) -> None:
+        from rljob_worker.driver.local import LocalRun
+
         self.publisher, self.world_size, self.then = publisher, world_size, then
-        self.samples: list[Any] = []
-        self.iterations: list[Any] = []
-        self.ooms: list[OOMRecord] = []
-        self.checkpoint_failures: list[CheckpointFailure] = []
-        # Checkpoint parts a rank sent alone (completed in the iteration of a newer one, or
-        # before its iteration failed), as LocalRun keeps them.
-        self.checkpoints: list[Any] = []
-        self.exports: list[Any] = []
+        # What the ranks sent: memory samples, iterations, OOMs, checkpoint parts (one sent
+        # alone, completed in the iteration of a newer one, counts too), exports, failures.
+        self.run = LocalRun(world_size, device="")
         self.failures: list[Exception] = []
 
     def status(self) -> RLJobStatus:
-        from rljob_worker.driver import driver_status, iteration_reports
-
-        reports = iteration_reports(self.samples, self.iterations)
-        return driver_status(
-            reports,
-            self.iterations,
-            self.ooms,
-            self.world_size,
-            self.checkpoint_failures,
-            self.checkpoints,
-            self.exports,
-        )
+        return self.run.status()
 
     def __call__(self, event: Any) -> None:
-        from rljob_worker.checkpoint import ModelExported, SavedCheckpoint
         from rljob_worker.loop import RankIteration
 
         if self.then is not None:
             self.then(event)
-        new: list[OOMRecord] = []
+        if isinstance(event, RankIteration) and event.plan is not None:
+            self.publisher.plan = event.plan  # rank 0's plan, before iteration 1: status.plan
+        completed = self.run.add(event)
+        # A checkpoint failure is published with the final flush, a checkpoint part or an
+        # export with the iteration's report.
         if isinstance(event, OOMRecord):
-            self.ooms.append(event)
-            new.append(event)
-        elif isinstance(event, CheckpointFailure):
-            self.checkpoint_failures.append(event)  # published with the final flush
-            return
-        elif isinstance(event, SavedCheckpoint):
-            self.checkpoints.append(event)  # published with the iteration's report
-            return
-        elif isinstance(event, ModelExported):
-            self.exports.append(event)  # the same
-            return
-        elif isinstance(event, RankIteration):
-            self.iterations.append(event)
-            if event.plan is not None:  # rank 0's plan, before iteration 1: status.plan
-                self.publisher.plan = event.plan
-            done = sum(1 for i in self.iterations if i.iteration == event.iteration)
-            if done < self.world_size:
-                return
-        else:
-            self.samples.append(event)
-            return
-        self.flush(new)
+            self.flush([event])
+        elif completed:
+            self.flush()
 
     def flush(self, new_ooms: Sequence[OOMRecord] = ()) -> None:
         """Publish what has been gathered so far (also at the end, so the last samples of a

@@ -86,15 +86,19 @@ class LocalRun:
             self.checkpoint_failures, self.checkpoints, self.exports,
         )  # fmt: skip
 
-    def add(self, event: RankEvent) -> None:
+    def add(self, event: RankEvent) -> bool:
+        """Take one rank's event; True where it completed an iteration on every rank."""
         if isinstance(event, StageSample):
             self.samples.append(event)
         elif isinstance(event, RankIteration):
             self.iterations.append(event)
             done = sum(1 for i in self.iterations if i.iteration == event.iteration)
-            if self.metrics_log is not None and done == self.world_size:
+            if done < self.world_size:
+                return False
+            if self.metrics_log is not None:
                 report = next(r for r in self.reports if r.iteration == event.iteration)
                 self.metrics_log.record(report, self.resumed_from)
+            return True
         elif isinstance(event, OOMRecord):
             self.ooms.append(event)
         elif isinstance(event, CheckpointFailure):
@@ -103,6 +107,7 @@ class LocalRun:
             self.checkpoints.append(event)
         elif isinstance(event, ModelExported):
             self.exports.append(event)
+        return False
 
 
 def _rank_main(launch: RankLaunch, config: RankConfig, events: Any) -> None:
