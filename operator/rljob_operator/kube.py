@@ -136,25 +136,37 @@ def claim_access_modes(namespace: str, claim: str) -> list[str] | None:
     return [str(mode) for mode in (found.get("spec") or {}).get("accessModes") or []]
 
 
-def post_event_once(rljob: Mapping[str, Any], name: str, reason: str, message: str) -> bool:
-    """A Warning Event on the RLJob under a name of its own (one per job uid and subject): the
-    first post makes it, a later one (the next reconcile, an operator restart) finds it and
-    posts nothing. True where this call made it."""
+def _warning_event(
+    rljob: Mapping[str, Any], name: str, reason: str, message: str, count: int,
+    annotations: Mapping[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """A core/v1 Warning Event on the RLJob under a name of the operator's choosing."""
     meta = rljob["metadata"]
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    body: Any = {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"name": name, "namespace": meta["namespace"]},
+    metadata: dict[str, Any] = {"name": name, "namespace": meta["namespace"]}
+    if annotations is not None:
+        metadata["annotations"] = dict(annotations)
+    return {
+        "apiVersion": "v1", "kind": "Event", "metadata": metadata,
         "involvedObject": {
             "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
             "namespace": meta["namespace"], "uid": meta["uid"],
         },
-        "reason": reason, "message": message, "type": "Warning", "count": 1,
+        "reason": reason, "message": message, "type": "Warning", "count": count,
         "firstTimestamp": now, "lastTimestamp": now,
         "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
     }  # fmt: skip
+
+
+def post_event_once(rljob: Mapping[str, Any], name: str, reason: str, message: str) -> bool:
+    """A Warning Event on the RLJob under a name of its own (one per job uid and subject): the
+    first post makes it, a later one (the next reconcile, an operator restart) finds it and
+    posts nothing. True where this call made it."""
+    body: Any = _warning_event(rljob, name, reason, message, 1)  # the client takes the dict
     try:
-        _core().create_namespaced_event(meta["namespace"], body, _preload_content=False)
+        _core().create_namespaced_event(
+            rljob["metadata"]["namespace"], body, _preload_content=False
+        )
     except ApiException as exc:
         if exc.status != 409:
             raise
@@ -224,23 +236,12 @@ def post_cause_event(
     (causes.counted), its count, message and lastTimestamp updated (the kubelet's way of
     aggregating repeats). The count it wrote, or None where the Event had counted every source
     already."""
-    meta = rljob["metadata"]
-    namespace = meta["namespace"]
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    namespace = rljob["metadata"]["namespace"]
     count, listed = causes.counted(None, 0, sources) or (0, [])
-    body: Any = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"name": name, "namespace": namespace,
-                     "annotations": {causes.SOURCES_ANNOTATION: json.dumps(listed)}},
-        "involvedObject": {
-            "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
-            "namespace": namespace, "uid": meta["uid"],
-        },
-        "reason": reason, "message": causes.event_message(line, count), "type": "Warning",
-        "count": count, "firstTimestamp": now, "lastTimestamp": now,
-        "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
-    }  # fmt: skip
+    body: Any = _warning_event(
+        rljob, name, reason, causes.event_message(line, count), count,
+        {causes.SOURCES_ANNOTATION: json.dumps(listed)},
+    )  # fmt: skip
     try:
         _core().create_namespaced_event(namespace, body, _preload_content=False)
         return count
@@ -261,7 +262,8 @@ def post_cause_event(
         # announcement, so the job's next event tries again
         "metadata": {"resourceVersion": stored["metadata"]["resourceVersion"],
                      "annotations": {causes.SOURCES_ANNOTATION: json.dumps(listed)}},
-        "count": count, "message": causes.event_message(line, count), "lastTimestamp": now,
+        "count": count, "message": causes.event_message(line, count),
+        "lastTimestamp": body["lastTimestamp"],
     }  # fmt: skip
     _core().patch_namespaced_event(name, namespace, update, _preload_content=False)
     return count

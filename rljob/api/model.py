@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -24,8 +24,8 @@ BUILTIN_MODELS: tuple[str, ...] = (TINY_QWEN2,)
 
 # config.json's model_type values whose parameters the memory plan sizes exactly, as transformers
 # builds them (tests/unit/test_plan_shape.py); another dense decoder is planned as Llama.
-PLANNED_MODEL_TYPES: tuple[str, ...] = ("qwen2", "qwen3", "llama", "mistral")
 ModelType = Literal["qwen2", "qwen3", "llama", "mistral"]
+PLANNED_MODEL_TYPES: tuple[str, ...] = get_args(ModelType)
 
 BUILTIN_MODEL_RULE = _builtin_rule("model", BUILTIN_MODELS)
 MODEL_URL_RULE = _no_url_rule(

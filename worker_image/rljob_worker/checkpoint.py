@@ -190,6 +190,11 @@ def _size(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
+def _nearest_existing(path: Path) -> Path | None:
+    """`path`, else the nearest folder above it that exists: whose file system it will be on."""
+    return next((p for p in (path, *path.parents) if p.exists()), None)
+
+
 def _full_disk(directory: Path, exc: BaseException) -> str:
     """The line a failure without an OSError reports. torch.save's zip writer can meet a
     short write on a full disk as its own error ("[enforce fail at inline_container.cc]
@@ -198,7 +203,7 @@ def _full_disk(directory: Path, exc: BaseException) -> str:
     write with room left (a quota, a thin volume that reports more than it can give, space
     freed since) says what it is and what the file system has."""
     line = str(exc).strip().splitlines()[-1]
-    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    existing = _nearest_existing(directory)
     if existing is None:
         return line
     usage = shutil.disk_usage(existing)
@@ -394,7 +399,7 @@ def space_problem(root: Path, keep: int, each: int) -> str | None:
     keep + 1 of `each` bytes, less what the complete checkpoints already there hold."""
     held = len(complete_checkpoints(root))
     needed = max(keep + 1 - held, 1) * each
-    existing = next((p for p in (root, *root.parents) if p.exists()), None)
+    existing = _nearest_existing(root)
     if existing is None:
         return None
     free = shutil.disk_usage(existing).free

@@ -310,7 +310,7 @@ class PublishingListener:
     ) -> None:
         from rljob_worker.driver.local import LocalRun
 
-        self.publisher, self.world_size, self.then = publisher, world_size, then
+        self.publisher, self.then = publisher, then
         # What the ranks sent: memory samples, iterations, OOMs, checkpoint parts (one sent
         # alone, completed in the iteration of a newer one, counts too), exports, failures.
         self.run = LocalRun(world_size, device="")
