@@ -45,7 +45,8 @@
 #   mt-long      #32: mt-tools at 3 turns with turns of up to 256 x 1/4..4 tokens (agentic lengths);
 #                MT_MODEL (qwen2.5-0.5b), MT_CONVERSATIONS (256), MT_MEM_FRACTION (0.6) and
 #                MT_TOOL_SECONDS (0.3, the tools' median wait) change the regime; MT_TURNS="2 3 4"
-#                runs each of those numbers of turns (3 unless set)
+#                runs each of those numbers of turns (3 unless set); MT_ARGS more arguments of
+#                bench/multi_turn.py (here and in mt-sched), e.g. "--partial 0.5 --rollouts 3"
 #   mt-sched     #32: the 3B, 1024-conversation mt-long point once per sglang scheduler setting
 #                (MT_SCHED: base, delayer), each in its own process, to compare on one card
 #   tool-runner  #32: bench/tool_runner.py, builtin:python's calls/s spawn against pool (CPU only)
@@ -196,7 +197,7 @@ for step in "$@"; do
       model "$m" && python3 bench/multi_turn.py --engine sglang --device cuda --dtype bfloat16 \
         --model "/tmp/rljob-bench-models/$m" --conversations "${MT_CONVERSATIONS:-256}" --turns ${MT_TURNS:-3} \
         --turn-tokens 256 --spread --tool-seconds "${MT_TOOL_SECONDS:-0.3}" \
-        --mem-fraction "${MT_MEM_FRACTION:-0.6}" --out "$out/long" > "$out/log" 2>&1
+        --mem-fraction "${MT_MEM_FRACTION:-0.6}" ${MT_ARGS:-} --out "$out/long" > "$out/log" 2>&1
       tail -12 "$out/log" ;;
     mt-sched)
       # The 3B, 1024-conversation point where async lost (0.85x with decode graphs up to 1024):
@@ -215,7 +216,7 @@ for step in "$@"; do
           --device cuda --dtype bfloat16 --model "/tmp/rljob-bench-models/$m" \
           --conversations "${MT_CONVERSATIONS:-1024}" --turns ${MT_TURNS:-3} --turn-tokens 256 --spread \
           --tool-seconds "${MT_TOOL_SECONDS:-0.3}" --mem-fraction "${MT_MEM_FRACTION:-0.85}" \
-          --out "$out/$name" > "$out/$name.log" 2>&1
+          ${MT_ARGS:-} --out "$out/$name" > "$out/$name.log" 2>&1
         echo "$name: exit $? ${sched[$name]}"; grep -E '^\{"turns_per' "$out/$name.log" | cut -c1-400
       done ;;
     copy-kernels)

@@ -7,6 +7,12 @@ turns (--turns 2 3 4):
   (MultiTurnRollout.run: every conversation at its own pace) against turn-by-turn
   (run_turn_by_turn: turn k of every conversation as one batch, then all their tools);
 - p50/p99 conversation latency and the straggler share: (last end - median end) / the rollout;
+- with --partial F: the partial rollout as well (MultiTurnRollout.run_partial, spec.rollout.
+  multiTurn.partialRollout): --rollouts back-to-back rollouts, each training --conversations
+  conversations in groups of --group-size, with F times as many groups again under way; each
+  stops once enough groups have ended and carries the rest over to the next rollout. Its
+  tokens/s are over the rollouts after the first (the steady state: the first has nothing
+  carried in), the first's beside them;
 - with --engines 2: the prefix-cache hit rate (cached prompt tokens / prompt tokens sent) of
   sticky against random routing, where the engine reports cached tokens (sglang; torch has no
   prefix cache, so n/a).
@@ -32,6 +38,7 @@ import platform
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +204,63 @@ def measure(rollout: BenchRollout, runner: Any, prompts: list[list[int]], mode: 
     }
 
 
+def measure_partial(rollout: BenchRollout, runner: Any, prompts: list[list[int]],
+                    sampling: SamplingParams, group_size: int, over_sample: float,
+                    rollouts: int) -> dict[str, Any]:  # fmt: skip
+    """--partial: `rollouts` partial rollouts, each training len(prompts) conversations (whole
+    groups of `group_size`) with ceil(groups x over_sample) more groups under way; new
+    conversations cycle through `prompts`."""
+    if len(prompts) % group_size:
+        raise ValueError(f"--conversations {len(prompts)} is not a multiple of --group-size")
+    groups = len(prompts) // group_size
+    under_way = groups + math.ceil(groups * over_sample)
+    carried: list[Trajectory] = []
+    started = 0
+    parts: list[dict[str, Any]] = []
+    for k in range(rollouts):
+        new = (under_way - len({t.group for t in carried})) * group_size
+        fresh = rollout.start([prompts[(started + i) % len(prompts)] for i in range(new)],
+                              group_size, first=started)  # fmt: skip
+        started += new
+        batch = [*carried, *fresh]
+        before = sum(len(t.response_ids) for t in batch)
+        sampled_before = sum(sum(t.loss_mask) for t in batch)
+        seed = None if sampling.seed is None else sampling.seed + k
+        start = time.perf_counter()
+        result = runner(rollout.run_partial(batch, replace(sampling, seed=seed), groups))
+        seconds = time.perf_counter() - start
+        parts.append({
+            "seconds": round(seconds, 3),
+            "trajectory_tokens": sum(len(t.response_ids) for t in batch) - before,
+            "sampled_tokens": sum(sum(t.loss_mask) for t in batch) - sampled_before,
+            "trained": len(result.trained),
+            "resumed": sum(t.rollouts > 1 for t in result.trained),
+            "paused": result.paused,
+            "carried": len(result.carried),
+        })  # fmt: skip
+        carried = result.carried
+    steady = parts[1:] or parts
+    seconds = sum(p["seconds"] for p in steady)
+    tokens = sum(p["trajectory_tokens"] for p in steady)
+    return {
+        "mode": "async-partial",
+        "seconds": round(seconds, 3),
+        "trajectory_tokens": tokens,
+        "sampled_tokens": sum(p["sampled_tokens"] for p in steady),
+        "tokens_per_second": round(tokens / seconds, 1),
+        "first_rollout_tokens_per_second": round(
+            parts[0]["trajectory_tokens"] / parts[0]["seconds"], 1
+        ),
+        "group_size": group_size,
+        "over_sample": over_sample,
+        "rollouts": parts,
+        "p50_latency_seconds": None,
+        "p99_latency_seconds": None,
+        "straggler_share": None,
+        "prefix_cache_hit_rate": None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
@@ -228,6 +292,12 @@ def main() -> None:
                         help="a copy of --model whose config.json says this many positions "
                         "(max_position_embeddings): the builtin tiny model's 256 hold too few "
                         "turns; its weights are random, so a longer context changes no quality")  # fmt: skip
+    parser.add_argument("--partial", type=float, default=None, metavar="F",
+                        help="also the partial rollout, F times the trained groups again under "
+                        "way (spec.rollout.multiTurn.partialRollout.overSample)")  # fmt: skip
+    parser.add_argument("--group-size", type=int, default=8, help="--partial: a group's size")
+    parser.add_argument("--rollouts", type=int, default=4,
+                        help="--partial: rollouts back to back (the first is not the steady state)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "multi_turn")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -257,9 +327,15 @@ def main() -> None:
         "max_position_embeddings"
     )
 
+    # The partial rollout has more conversations under way than it trains.
+    concurrent = args.conversations
+    if args.partial is not None:
+        groups = args.conversations // args.group_size
+        concurrent = (groups + math.ceil(groups * args.partial)) * args.group_size
+
     def rollout_of(turns: int, routing: Routing) -> BenchRollout:
         limits = Limits(max_turns=turns, max_response_length=turns * (4 * args.turn_tokens + 64),
-                        max_tool_response_length=32, max_concurrent_conversations=args.conversations,
+                        max_tool_response_length=32, max_concurrent_conversations=concurrent,
                         max_turn_tokens=args.turn_tokens, context_length=context)  # fmt: skip
         for engine in engines:  # each measurement starts with a cold cache
             engine.flush_cache()
@@ -282,6 +358,12 @@ def main() -> None:
             for mode in ("turn-by-turn", "async"):
                 row = {"turns_per_conversation": turns, "routing": str(routing),
                        **measure(rollout_of(turns, routing), runner, prompts, mode, sampling)}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if args.partial is not None:
+                row = {"turns_per_conversation": turns, "routing": str(routing),
+                       **measure_partial(rollout_of(turns, routing), runner, prompts, sampling,
+                                         args.group_size, args.partial, args.rollouts)}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {
@@ -314,6 +396,10 @@ def main() -> None:
     print(markdown(result))
 
 
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Multi-turn rollout: {result['engine']} engine x{result['engines']}, {result['model']}",
@@ -344,10 +430,29 @@ def markdown(result: dict[str, Any]) -> str:
         hit = row["prefix_cache_hit_rate"]
         lines.append(
             f"| {key[0]} | {key[1]} | {row['mode']} | {row['tokens_per_second']} | "
-            f"{'-' if speed is None else f'{speed:.2f}x'} | {row['p50_latency_seconds']} | "
-            f"{row['p99_latency_seconds']} | {row['straggler_share']} | "
+            f"{'-' if speed is None else f'{speed:.2f}x'} | {_cell(row['p50_latency_seconds'])} | "
+            f"{_cell(row['p99_latency_seconds'])} | {_cell(row['straggler_share'])} | "
             f"{'n/a' if hit is None else hit} |"
         )
+    partial = [row for row in result["rows"] if row["mode"] == "async-partial"]
+    if partial:
+        lines += [
+            "",
+            "async-partial: tokens/s over the rollouts after the first; per rollout (seconds, "
+            "trajectory tokens, trained / resumed among them / paused at its end):",
+            "",
+        ]
+        for row in partial:
+            parts = "; ".join(
+                f"{p['seconds']} s, {p['trajectory_tokens']} tok, "
+                f"{p['trained']}/{p['resumed']}/{p['paused']}"
+                for p in row["rollouts"]
+            )
+            lines.append(
+                f"- {row['turns_per_conversation']} turns, groups of {row['group_size']}, "
+                f"over-sample {row['over_sample']}: first rollout "
+                f"{row['first_rollout_tokens_per_second']} tok/s; {parts}"
+            )
     return "\n".join(lines) + "\n"
 
 

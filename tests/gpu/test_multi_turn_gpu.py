@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,6 +60,41 @@ def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+def _setup(model: Path, problems: int, salt: int) -> tuple[Any, Any, list[list[int]], Any, Any]:
+    """The tokenizer, the tools, `problems` calculator prompts 4 times each (groups of 4), the
+    model's weights on the GPU (what the trainer would send) and an sglang engine, asleep."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(model)
+    tools = make_tools(MultiTurnSpec(tools=["builtin:calculator", "builtin:python"]))
+    task = make_task(DataSpec(source="builtin:calculator", max_prompt_length=512), 0, tokenizer)
+    prompts = [list(p.prompt_ids) for p in task.sample(problems, salt=salt) for _ in range(4)]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    weights = [(n, p.detach().to("cuda")) for n, p in hf.named_parameters()]
+    engine = SGLangEngine(model_path=str(model), dtype="bfloat16", mem_fraction_static=0.3)
+    return tokenizer, tools, prompts, weights, engine
+
+
+def _wake(engine: Any, weights: Any) -> None:
+    """wake_weights, the update, then wake_kv_cache, as the staged loop does."""
+    engine.resume([TAG_WEIGHTS])
+    engine.update_weights(weights)
+    engine.flush_cache()
+    engine.resume([t for t in ALL_TAGS if t != TAG_WEIGHTS])
+
+
+def _on(cls: Any, engine: Any, tokenizer: Any, tools: Any, limits: Limits) -> Any:
+    """A rollout of class `cls` over `engine` alone."""
+    return cls(
+        EngineRouter([engine]),
+        ChatFormat(tokenizer, tools.schemas),
+        tools,
+        limits,
+        [tokenizer.eos_token_id],
+        lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+    )
+
+
 class ThreeTurns(MultiTurnRollout):
     """Every conversation calls builtin:python after its first two turns (the random model
     would rarely write a call itself); generation is sglang's."""
@@ -72,33 +108,16 @@ class ThreeTurns(MultiTurnRollout):
 def test_staged_multi_turn_rollouts_end_before_release_and_give_every_byte_back(
     long_context_dir: Path,
 ) -> None:
-    builtin_dir = long_context_dir
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = load_tokenizer(builtin_dir)
-    tools = make_tools(MultiTurnSpec(tools=["builtin:calculator", "builtin:python"]))
-    task = make_task(DataSpec(source="builtin:calculator", max_prompt_length=512), 0, tokenizer)
-    prompts = [list(p.prompt_ids) for p in task.sample(16, salt=0) for _ in range(4)]
-    hf = AutoModelForCausalLM.from_pretrained(builtin_dir, dtype=torch.bfloat16)
-    weights = [(n, p.detach().to("cuda")) for n, p in hf.named_parameters()]
-    engine = SGLangEngine(model_path=str(builtin_dir), dtype="bfloat16", mem_fraction_static=0.3)
+    tokenizer, tools, prompts, weights, engine = _setup(long_context_dir, 16, salt=0)
     try:
         asleep = _free()
         kept: list[int] = []
         for iteration in range(2):  # the second iteration is where stage-ordering bugs show
-            engine.resume([TAG_WEIGHTS])  # wake_weights, update, then wake_kv_cache
-            engine.update_weights(weights)
-            engine.flush_cache()
-            engine.resume([t for t in ALL_TAGS if t != TAG_WEIGHTS])
-            rollout = ThreeTurns(
-                EngineRouter([engine]),
-                ChatFormat(tokenizer, tools.schemas),
-                tools,
-                Limits(max_turns=4, max_response_length=160, max_tool_response_length=16,
-                       max_concurrent_conversations=32, max_turn_tokens=32, context_length=2048),
-                [tokenizer.eos_token_id],
-                lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
-            )  # fmt: skip
+            _wake(engine, weights)
+            rollout = _on(ThreeTurns, engine, tokenizer, tools,
+                          Limits(max_turns=4, max_response_length=160, max_tool_response_length=16,
+                                 max_concurrent_conversations=32, max_turn_tokens=32,
+                                 context_length=2048))  # fmt: skip
             sampling = SamplingParams(max_new_tokens=1, temperature=1.0, seed=iteration)
             trajectories = engine.run_async(rollout.run(prompts, sampling))
             # No request in flight when the rollout returns: the release below is allowed (the
@@ -177,3 +196,65 @@ def test_rljob_run_loop_in_mode_multi_turn_with_sglang(builtin_dir: Path) -> Non
         f"iteration {r.iteration}: reward {r.reward_mean}, validation {r.validation}, {r.multi_turn}"
         for r in reports
     ))  # fmt: skip
+
+
+class LongTurns(ThreeTurns):
+    """ThreeTurns whose turns sample 16 to 128 tokens by conversation and turn, so that a
+    partial rollout's stop finds requests mid-turn on the engine."""
+
+    def turn_tokens(self, t: Trajectory) -> int | None:
+        return 16 * (1 + (t.conversation * 7 + t.turns) % 8)
+
+
+def test_partial_rollouts_abort_mid_turn_go_on_next_time_and_give_every_byte_back(
+    long_context_dir: Path,
+) -> None:
+    """spec.rollout.multiTurn.partialRollout on sglang: each staged iteration keeps 16 groups of
+    4 under way and trains the 8 oldest that end; sglang's abort stops the rest (each keeps what
+    it sampled), the release finds nothing in flight, and the next iteration goes on from
+    there. A turn cut by a stop and finished later has exactly the tokens it was asked for."""
+    tokenizer, tools, prompts, weights, engine = _setup(long_context_dir, 64, salt=1)
+    eos = tokenizer.eos_token_id
+    try:
+        asleep = _free()
+        kept: list[int] = []
+        carried: list[Trajectory] = []
+        started, cut_mid_turn, trained_all = 0, 0, []
+        for iteration in range(3):
+            _wake(engine, weights)
+            rollout = _on(LongTurns, engine, tokenizer, tools,
+                          Limits(max_turns=4, max_response_length=1024, max_tool_response_length=16,
+                                 max_concurrent_conversations=64, context_length=2048))  # fmt: skip
+            new = (16 - len({t.group for t in carried})) * 4
+            fresh = rollout.start(prompts[started : started + new], 4, first=started)
+            started += new
+            sampling = SamplingParams(max_new_tokens=1, temperature=1.0, seed=iteration)
+            result = engine.run_async(rollout.run_partial([*carried, *fresh], sampling, 8))
+            assert engine.requests_in_flight == 0 and rollout.router.requests_in_flight == 0
+            assert len(result.trained) == 32 and all(t.ending for t in result.trained)
+            cut_mid_turn += sum(t.turn_start is not None for t in result.carried)
+            print(f"\niteration {iteration}: trained 32 ({sum(t.rollouts > 1 for t in result.trained)}"
+                  f" resumed), carried {len(result.carried)} ({result.paused} paused, "
+                  f"{sum(t.turn_start is not None for t in result.carried)} mid-turn)")  # fmt: skip
+            trained_all += result.trained
+            carried = result.carried
+            engine.release(list(ALL_TAGS))  # sleep: allowed, nothing in flight
+            kept.append(asleep - _free())
+        assert cut_mid_turn > 0, "no stop found a request mid-turn: the abort was not exercised"
+        resumed = [t for t in trained_all if t.rollouts > 1]
+        assert resumed, "no trained conversation went on from an earlier rollout"
+        for t in trained_all:
+            assert len(t.logprobs) == sum(t.loss_mask) and t.turn_start is None
+            sampled = [tok for tok, m in zip(t.response_ids, t.loss_mask, strict=True) if m]
+            if eos not in sampled and t.ending == "answer":  # every turn ran to its cap
+                caps = []
+                for turn in range(t.turns):
+                    probe = Trajectory(t.conversation, [], turns=turn)
+                    caps.append(rollout.turn_tokens(probe) or 0)
+                assert len(sampled) == sum(caps), (t.conversation, t.rollouts, caps)
+        print(f"after each iteration's release: {[round(k / MiB) for k in kept]} MiB stay taken")
+        assert all(k <= 2 * GiB for k in kept)
+        assert max(kept[1:]) <= kept[0] + PAGE_SLACK
+    finally:
+        engine.shutdown()
+        tools.close()

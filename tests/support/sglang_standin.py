@@ -144,6 +144,16 @@ class SGLangEngineStandIn:
         self.cached_versions: set[int] = set()
         self.direct_loads = 0  # buckets loaded through rljob's loader (the direct path)
         self.direct_names: list[list[str]] = []  # each such load's names, in order
+        # The tokenizer manager's abort (the contract's `abort`): requests in flight when it
+        # comes answer their first token, finish_reason abort, as sglang's running ones do.
+        self.aborts = 0
+        _, _, method, keyword = contract.abort
+
+        def abort(**kwargs: Any) -> None:
+            assert kwargs == {keyword: True}, kwargs
+            self.aborts += 1
+
+        self.tokenizer_manager = SimpleNamespace(event_loop=None, **{method: abort})
 
     def __getattr__(self, method: str) -> Any:
         contract = self.contract
@@ -168,9 +178,16 @@ class SGLangEngineStandIn:
     async def _async_answer(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         import asyncio
 
+        aborts = self.aborts
         await asyncio.sleep(0.01)  # the scheduler's turn: the request is in flight meanwhile
         answer = self._generated(kwargs["input_ids"], kwargs.get("return_logprob", False))
         answer["meta_info"][self.contract.cached_tokens_key] = len(kwargs["input_ids"]) // 2
+        if self.aborts > aborts:
+            answer[self.contract.output_ids_key] = answer[self.contract.output_ids_key][:1]
+            logprobs = answer["meta_info"].get(self.contract.output_logprobs_key)
+            if logprobs is not None:
+                answer["meta_info"][self.contract.output_logprobs_key] = logprobs[:1]
+            answer["meta_info"]["finish_reason"] = {"type": "abort", "message": "Aborted"}
         return answer
 
     def _answer(self, method: str, kwargs: dict[str, Any]) -> Any:

@@ -540,6 +540,87 @@ def test_turn_by_turn_gives_the_same_trajectories_as_async(tokenizer: Any) -> No
     assert trajectories(True) == trajectories(False)
 
 
+# -- the partial rollout ---------------------------------------------------------------------------
+
+
+def test_a_partial_rollout_trains_whole_groups_and_resumes_the_rest_token_for_token(
+    tokenizer: Any,
+) -> None:
+    # 8 groups of 2; conversation i calls the calculator i % 3 times, then answers. Each
+    # rollout keeps 4 groups under way (the carried ones first, then new ones) and trains 2.
+    prompts = _prompts(tokenizer, 16)
+    scripts = {p: [call("calculator", expression=f"{i}*7")] * (i % 3) + [f"Answer: {i * 7}"]
+               for i, p in enumerate(prompts)}  # fmt: skip
+    # Requests of different lengths, so that a stop finds some of them under way.
+    delays = {p: 0.01 * (1 + i % 4) for i, p in enumerate(prompts)}
+    engine = ScriptedEngine(_encode(tokenizer), scripts, tokenizer.eos_token_id, delays=delays)
+    limits = Limits(max_turns=4, max_response_length=4000, max_tool_response_length=8,
+                    max_concurrent_conversations=16)  # fmt: skip
+    rollout = _rollout(tokenizer, [engine], limits)
+    fresh = rollout.start([list(p) for p in prompts], group_size=2)
+    carried: list[Any] = []
+    trained: list[Any] = []
+    rollouts = 0
+    while len(trained) < 16 and rollouts < 12:
+        under_way = len({t.group for t in carried})
+        new, fresh = fresh[: 2 * (4 - under_way)], fresh[2 * (4 - under_way) :]
+        under_way = len({t.group for t in [*carried, *new]})
+        result = asyncio.run(rollout.run_partial([*carried, *new], SAMPLING, min(2, under_way)))
+        rollouts += 1
+        assert rollout.router.requests_in_flight == 0 and engine.in_flight == 0
+        groups = sorted({t.group for t in result.trained})
+        assert len(result.trained) == 2 * len(groups) and all(t.ending for t in result.trained)
+        # The oldest ended groups are trained; no ended group older than them is carried.
+        ended_carried = {t.group for t in result.carried
+                         if all(u.ending for u in result.carried if u.group == t.group)}  # fmt: skip
+        assert all(g > max(groups) for g in ended_carried)
+        assert result.paused == sum(t.ending is None for t in result.carried)
+        trained += result.trained
+        carried = result.carried
+    assert sorted(t.conversation for t in trained) == list(range(16))
+    assert engine.aborted > 0  # the stops cut requests mid-turn
+    assert any(t.rollouts > 1 for t in trained)  # and those went on in a later rollout
+    counts = RolloutCounts.of(trained)
+    assert counts.resumed == sum(t.rollouts > 1 for t in trained) > 0
+
+    sampled: dict[tuple[int, ...], list[int]] = {}
+    for prompt, ids in engine.answers:
+        sampled.setdefault(prompt, []).extend(ids)
+    for t in trained:
+        script = scripts[tuple(t.prompt_ids)]
+        assert t.ending is Ending.ANSWER and t.turns == len(script)
+        assert t.last_turn_text == script[-1]
+        trained_ids = [tok for tok, m in zip(t.response_ids, t.loss_mask, strict=True) if m]
+        # Exactly what the engine sampled, the aborted requests' tokens included, in order.
+        assert trained_ids == sampled[tuple(t.prompt_ids)]
+        assert len(t.logprobs) == sum(t.loss_mask)
+        # The same tokens an uninterrupted rollout gives: a stop changes no token.
+        eos = tokenizer.eos_token_id
+        whole = [tok for text in script for tok in [*_encode(tokenizer)(text), eos]]
+        assert trained_ids == whole
+        # Every request, the continuations of cut turns too, was the trajectory so far.
+        for request, _ in engine.requests:
+            if tuple(request[: len(t.prompt_ids)]) == tuple(t.prompt_ids):
+                assert t.prompt_ids + t.response_ids[: len(request) - len(t.prompt_ids)] == request
+
+
+def test_a_partial_rollout_with_enough_ended_groups_sends_nothing(tokenizer: Any) -> None:
+    prompts = _prompts(tokenizer, 4)
+    engine = ScriptedEngine(_encode(tokenizer), {p: ["Answer: 1"] for p in prompts},
+                            tokenizer.eos_token_id)  # fmt: skip
+    rollout = _rollout(tokenizer, [engine], LIMITS)
+    first = asyncio.run(rollout.run_partial(rollout.start([list(p) for p in prompts], 2),
+                                            SAMPLING, groups=1))  # fmt: skip
+    # Nothing was aborted (every answer is one short turn): both groups may have ended.
+    assert [t.group for t in first.trained] == [0, 0]
+    requests = len(engine.requests)
+    if first.carried and all(t.ending for t in first.carried):
+        again = asyncio.run(rollout.run_partial(first.carried, SAMPLING, groups=1))
+        assert len(engine.requests) == requests and again.trained == first.carried
+    with pytest.raises(ValueError, match="2 groups to train from 1 groups"):
+        asyncio.run(rollout.run_partial(first.trained, SAMPLING, groups=2))
+
+
 # -- the policy update on masked trajectories, by hand --------------------------------------------
 
 EPS_ADV = 1e-6

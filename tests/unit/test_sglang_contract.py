@@ -327,6 +327,13 @@ def check_contract(contract: SGLangContract, root: Path) -> list[str]:
             problems.append(
                 f"Engine.{method} requires {missing!r}, which the adapter does not pass"
             )
+    # The partial rollout's stop: the tokenizer manager's abort of every request.
+    module, cls, method, keyword = contract.abort
+    manager = tree.methods(module, cls) if tree.find_class(module, cls) is not None else {}
+    if method not in manager:
+        problems.append(f"{module}.{cls}.{method} does not exist")
+    elif keyword not in _parameters(manager[method])[0]:
+        problems.append(f"{cls}.{method} has no parameter {keyword!r}")
     # A release with weight-update sessions (0.5.23) refuses updates outside one.
     if "begin_weight_update" in methods and not contract.opens_weight_update_session:
         problems.append(
@@ -809,6 +816,10 @@ DIRECT_DRIFTS: list[tuple[Drift, str]] = [
             "sglang.srt.weight_sync.utils.FlattenedTensorMetadata is not defined there",
         ),
         *DIRECT_DRIFTS,
+        (
+            lambda c: {"abort": (*c.abort[:3], "everything")},
+            "TokenizerManager.abort_request has no parameter 'everything'",
+        ),
     ],
 )
 def test_checker_reports_a_contract_that_drifted_from_the_release(

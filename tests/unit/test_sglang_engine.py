@@ -1017,3 +1017,25 @@ def test_request_seeds_of_neighbouring_batches_never_meet() -> None:
     assert len(set(seeds)) == len(seeds)
     assert request_seed(8, 1) != request_seed(9, 0)
     assert all(0 <= s < 1 << 63 for s in (request_seed(2**62, 3), request_seed(7, 2**21)))
+
+
+def test_an_abort_stops_the_requests_in_flight_with_what_they_sampled() -> None:
+    """The partial rollout's stop: abort_requests() is the tokenizer manager's abort of every
+    request (the contract's `abort`); a request it stops answers what it had sampled,
+    finish_reason abort, and comes back marked aborted; one sent after it runs to its end."""
+    import asyncio
+
+    engine = SGLangEngine(model_path="/m", dtype="bfloat16", mem_fraction_static=0.3,
+                          engine_class=SGLangEngineStandIn, contract=NEWEST)  # fmt: skip
+    engine.resume(list(ALL_TAGS))
+
+    async def scenario() -> tuple[Any, Any]:
+        cut = asyncio.ensure_future(engine.async_generate([1, 2], SAMPLING))
+        await asyncio.sleep(0)  # sent
+        engine.abort_requests()
+        return await cut, await engine.async_generate([1, 2], SAMPLING)
+
+    cut, whole = engine.run_async(scenario())
+    assert cut.aborted and cut.token_ids == [2] and len(cut.logprobs) == 1
+    assert not whole.aborted and whole.token_ids == [2, 7] and len(whole.logprobs) == 2
+    assert engine.requests_in_flight == 0

@@ -5,6 +5,7 @@ A tiny Qwen2 model is saved to a temporary directory and loaded through from_pre
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -350,3 +351,42 @@ def test_engine_refuses_use_after_shutdown(tiny: tuple[Path, Qwen2ForCausalLM]) 
     engine.shutdown()
     with pytest.raises(RuntimeError, match="after shutdown"):
         engine.generate(PROMPTS, GREEDY)
+
+
+def test_a_stopped_request_keeps_its_tokens_and_its_continuation_ends_as_if_uncut(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    # The partial rollout's abort (agentic/driver.py): rows stop after two decode steps with
+    # what they sampled, a prefix of the uncut answer; asked again from there, they go on to
+    # the uncut answer, log-probs too (greedy).
+    engine = _engine(tiny[0])
+    whole = engine.generate_with_logprobs(PROMPTS, GREEDY)
+    checks = iter([False, False, False, True])  # the wave, two steps, then stop
+    cut = engine._generate_rows(PROMPTS, [12] * len(PROMPTS), GREEDY, lambda: next(checks))
+    for part, full, prompt in zip(cut, whole, PROMPTS, strict=True):
+        assert part.aborted and len(part.token_ids) == 3
+        assert part.token_ids == full.token_ids[:3]
+        rest = engine.generate_with_logprobs(
+            [prompt + part.token_ids], SamplingParams(max_new_tokens=9, temperature=0.0)
+        )[0]
+        assert part.token_ids + rest.token_ids == full.token_ids
+        assert part.logprobs + rest.logprobs == pytest.approx(full.logprobs, abs=1e-4)
+
+
+def test_an_abort_answers_waiting_requests_at_once_and_spares_later_ones(
+    tiny: tuple[Path, Qwen2ForCausalLM],
+) -> None:
+    engine = _engine(tiny[0])
+    engine.batch_window_seconds = 0.05
+
+    async def scenario() -> tuple[list[Any], Any]:
+        waiting = [asyncio.ensure_future(engine.async_generate(p, GREEDY)) for p in PROMPTS]
+        await asyncio.sleep(0)  # sent: waiting for their batch (the 50 ms window)
+        engine.abort_requests()
+        later = asyncio.ensure_future(engine.async_generate(PROMPTS[0], GREEDY))
+        return list(await asyncio.gather(*waiting)), await later
+
+    aborted, later = asyncio.run(scenario())
+    assert all(a.aborted and a.token_ids == [] == a.logprobs for a in aborted)
+    assert not later.aborted
+    assert later.token_ids == engine.generate_with_logprobs([PROMPTS[0]], GREEDY)[0].token_ids

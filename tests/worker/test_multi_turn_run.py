@@ -67,6 +67,9 @@ class Recording:
         self.answers.append((list(input_ids), answer))
         return answer
 
+    def abort_requests(self) -> None:
+        self.engine.abort_requests()
+
 
 def test_torch_engine_trajectories_train_exactly_the_sampled_ids() -> None:
     path = resolve_model_path(TINY_QWEN2)
@@ -188,3 +191,70 @@ def test_the_spec_schedule_picks_how_the_rollout_stage_sends_its_turns(
         assert experience.response_ids == first.response_ids
         assert experience.loss_masks == first.loss_masks
         assert experience.rewards == first.rewards
+
+
+def test_partial_rollouts_on_the_torch_engine_cut_turns_and_finish_them_token_for_token() -> None:
+    """spec.rollout.multiTurn.partialRollout with the real engine: three rollouts, each with 8
+    groups of 2 under way and 4 trained; the stops abort the running batch (its rows keep what
+    they sampled) and the next rollout finishes those turns. Every trained token is one the
+    engine sampled, in order, and a cut turn ends with exactly the tokens it was asked for."""
+    from rljob.api import DataSpec
+    from rljob_worker.agentic.driver import Trajectory
+    from rljob_worker.agentic.tool_calls import ParsedCall, ToolCall
+
+    class TwoCalls(MultiTurnRollout):
+        def calls_of(self, t: Trajectory) -> list[ParsedCall]:
+            return [ToolCall("calculator", {"expression": "2+2"})] if t.turns < 3 else []
+
+        def turn_tokens(self, t: Trajectory) -> int | None:
+            return 4 * (1 + (t.conversation * 5 + t.turns) % 6)
+
+        async def _tool_turn(self, t: Trajectory, calls: list[ParsedCall], eos: bool) -> None:
+            # Tools of different lengths: the conversations' turns fall into different
+            # batches, so a stop comes while one is running.
+            await asyncio.sleep(0.01 * (t.conversation % 5))
+            await super()._tool_turn(t, calls, eos)
+
+    path = resolve_model_path(TINY_QWEN2)
+    tokenizer = load_tokenizer(path)
+    # No end-of-sequence: every turn runs to its cap, so a cut turn's length is checkable.
+    engine = TorchEngine(path, dtype="float32", kv_capacity_tokens=16384, eos_token_ids=[])
+    spy = Recording(engine)
+    tools = make_tools(MultiTurnSpec(max_turns=3, max_tool_response_length=8))
+    task = make_task(DataSpec(source="builtin:calculator", max_prompt_length=256), 0, tokenizer)
+    prompts = [list(p.prompt_ids) for p in task.sample(40, salt=2)]
+    rollout = TwoCalls(
+        EngineRouter([spy]),
+        ChatFormat(tokenizer, tools.schemas),
+        tools,
+        Limits(3, 200, 8, max_concurrent_conversations=16, context_length=4096),
+        [],
+        lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+    )
+    carried: list[Trajectory] = []
+    trained: list[Trajectory] = []
+    started = cut = 0
+    for k in range(3):
+        new = (8 - len({t.group for t in carried})) * 2
+        fresh = rollout.start(prompts[started : started + new], 2, first=started)
+        started += new
+        sampling = SamplingParams(1, temperature=1.0, seed=k)
+        result = asyncio.run(rollout.run_partial([*carried, *fresh], sampling, 4))
+        assert rollout.router.requests_in_flight == 0 and len(result.trained) == 8
+        cut += sum(t.turn_start is not None for t in result.carried)
+        trained += result.trained
+        carried = result.carried
+    assert cut > 0 and any(a.aborted for _, a in spy.answers)
+    assert any(t.rollouts > 1 for t in trained)
+    answers: dict[tuple[int, ...], list[int]] = {}
+    for ids, answer in spy.answers:  # each request's answer, keyed by its conversation's prompt
+        prompt = next(tuple(p) for p in prompts if ids[: len(p)] == p)
+        answers.setdefault(prompt, []).extend(answer.token_ids)
+    for t in trained:
+        sampled = [x for x, m in zip(t.response_ids, t.loss_mask, strict=True) if m]
+        assert sampled == answers[tuple(t.prompt_ids)] and len(t.logprobs) == len(sampled)
+        caps = [rollout.turn_tokens(Trajectory(t.conversation, [], turns=n)) or 0
+                for n in range(t.turns)]  # fmt: skip
+        assert t.turns == 3 and len(sampled) == sum(caps)
+    engine.shutdown()
+    tools.close()

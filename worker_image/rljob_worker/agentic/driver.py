@@ -6,6 +6,11 @@ mask 1, with their log-probs) and each tool turn's ids (mask 0). Every conversat
 answer (a turn that calls no tool), or is cut off at maxResponseLength, at maxTurns or where the
 model's context is full, and trained with what it has: none is dropped, and when run() returns no request is in flight, so the
 engine may sleep (sglang refuses to release memory while a request is queued or running).
+
+run_partial() (spec.rollout.multiTurn.partialRollout) does not wait for the slowest
+conversations: once enough whole groups have ended it stops the engines' requests and returns the
+rest paused, mid-turn or between turns, to go on in the next rollout from where they stopped
+(their sampled tokens kept, with the log-probs of the policy that sampled them).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from rljob_worker.agentic.chat import ChatFormat
 from rljob_worker.agentic.routing import EngineRouter
 from rljob_worker.agentic.tool_calls import ParsedCall, parse_tool_calls
 from rljob_worker.agentic.tools import ToolSet
-from rljob_worker.engines.base import AsyncGenerate, SamplingParams, request_seed
+from rljob_worker.engines.base import AsyncGenerate, Completion, SamplingParams, request_seed
 
 
 class Ending(StrEnum):
@@ -53,9 +58,16 @@ class Trajectory:
     # Prompt tokens sent over all turns, and those the engine had cached (None: not reported).
     prompt_tokens: int = 0
     cached_tokens: int | None = None
-    engines: list[int] = field(default_factory=list)  # the engine of each turn
-    seconds: float = 0.0  # from its first request to its end
+    engines: list[int] = field(default_factory=list)  # the engine of each request
+    seconds: float = 0.0  # from its first request to its end (over the rollouts it ran in)
     finished_seconds: float = 0.0  # from the rollout's start to its end (stragglers)
+    # The partial rollout (run_partial): the prompt's group (its GRPO group: trained together),
+    # the rollouts the conversation ran in (more than 1: it was paused and went on, so its
+    # tokens come from more than one policy), and where a model turn a stop cut begins in
+    # response_ids (None: no turn is open; the next request starts a new turn).
+    group: int = 0
+    rollouts: int = 0
+    turn_start: int | None = None
 
     @property
     def cut_off(self) -> bool:
@@ -104,13 +116,21 @@ class RolloutCounts:
     # Conversations in which a tool's result was the problem's answer: the tool was called
     # correctly (what the model then wrote is the reward's business).
     answer_from_tool: int = 0
+    # Partial rollout: trained conversations that ran in more than one rollout (paused, then
+    # went on), and conversations left paused for the next rollout.
+    resumed: int = 0
+    paused: int = 0
 
     @classmethod
     def of(
-        cls, trajectories: Sequence[Trajectory], answers: Sequence[str] | None = None
+        cls,
+        trajectories: Sequence[Trajectory],
+        answers: Sequence[str] | None = None,
+        paused: int = 0,
     ) -> RolloutCounts:
         """The figures of `trajectories`; `answers` (one per trajectory, the ground truth as
-        text) counts those a tool answered."""
+        text) counts those a tool answered; `paused`: conversations carried to the next
+        rollout (not among `trajectories`)."""
         cached = [t.cached_tokens for t in trajectories if t.cached_tokens is not None]
         if answers is not None and len(answers) != len(trajectories):
             raise ValueError(f"{len(answers)} answers for {len(trajectories)} trajectories")
@@ -128,7 +148,23 @@ class RolloutCounts:
             prompt_tokens=sum(t.prompt_tokens for t in trajectories),
             cached_tokens=sum(cached) if cached else None,
             answer_from_tool=answered,
+            resumed=sum(t.rollouts > 1 for t in trajectories),
+            paused=paused,
         )
+
+
+@dataclass(frozen=True)
+class PartialRollout:
+    """What run_partial gives: `trained`, the oldest whole groups that ended (as many as were
+    asked for), and `carried`, every other conversation (paused, or of an ended group beyond
+    those) for the next rollout, to be passed back in first."""
+
+    trained: list[Trajectory]
+    carried: list[Trajectory]
+
+    @property
+    def paused(self) -> int:
+        return sum(t.ending is None for t in self.carried)
 
 
 class MultiTurnRollout:
@@ -147,40 +183,55 @@ class MultiTurnRollout:
         self.router, self.chat, self.tools, self.limits = router, chat, tools, limits
         self.eos_ids = frozenset(eos_ids)
         self.decode = decode
+        # run_partial's stop: no conversation sends another request once it is set.
+        self._stopping = False
 
     async def _model_turn(
         self, t: Trajectory, sampling: SamplingParams
     ) -> tuple[list[ParsedCall], bool]:
-        """One model turn; the calls it makes and whether it ended with end-of-sequence."""
+        """One model turn (or the rest of one a stop cut); the calls it makes and whether it
+        ended with end-of-sequence. A request the stop aborts leaves the turn open
+        (t.turn_start), its tokens kept."""
+        start = len(t.response_ids) if t.turn_start is None else t.turn_start
+        had = len(t.response_ids) - start  # sampled before a stop cut this turn
         remaining = self.limits.max_response_length - len(t.response_ids)
         turn_tokens = self.turn_tokens(t)
         if turn_tokens is not None:
-            remaining = min(remaining, turn_tokens)
+            remaining = min(remaining, turn_tokens - had)
         input_ids = t.prompt_ids + t.response_ids
         room = self.limits.room(len(input_ids))
         if room is not None:
             remaining = min(remaining, room)
-        if remaining <= 0:  # a prompt that fills the context on its own
+        if remaining <= 0 and had == 0:  # a prompt that fills the context on its own
             t.ending = Ending.CONTEXT
             return [], False
-        seed = None
-        if sampling.seed is not None:  # a stream of its own per (batch seed, conversation, turn)
-            seed = request_seed(sampling.seed, t.conversation * self.limits.max_turns + t.turns)
-        request = dataclasses.replace(sampling, max_new_tokens=remaining, seed=seed)
-        index, engine = self.router.acquire(t.conversation)
-        try:
-            answer = await engine.async_generate(input_ids, request)
-        finally:
-            self.router.release(index)
-        ids = list(answer.token_ids[:remaining])
+        answer = Completion([], [])  # a cut turn that had all its tokens: nothing to ask
+        if remaining > 0:
+            seed = None
+            if (
+                sampling.seed is not None
+            ):  # a stream of its own per (batch seed, conversation, turn)
+                seed = request_seed(sampling.seed, t.conversation * self.limits.max_turns + t.turns)
+            request = dataclasses.replace(sampling, max_new_tokens=remaining, seed=seed)
+            index, engine = self.router.acquire(t.conversation)
+            try:
+                answer = await engine.async_generate(input_ids, request)
+            finally:
+                self.router.release(index)
+            t.engines.append(index)
+            t.prompt_tokens += len(input_ids)
+            if answer.cached_tokens is not None:
+                t.cached_tokens = (t.cached_tokens or 0) + answer.cached_tokens
+        ids = list(answer.token_ids[: max(remaining, 0)])
         t.append(ids, sampled=True, logprobs=answer.logprobs[: len(ids)])
+        if answer.aborted and len(ids) < remaining and not (ids and ids[-1] in self.eos_ids):
+            t.turn_start = start  # stopped mid-turn: the next rollout goes on from here
+            return [], False
+        t.turn_start = None
+        turn = t.response_ids[start:]
         t.turns += 1
-        t.engines.append(index)
-        t.prompt_tokens += len(input_ids)
-        if answer.cached_tokens is not None:
-            t.cached_tokens = (t.cached_tokens or 0) + answer.cached_tokens
-        ended_with_eos = bool(ids) and ids[-1] in self.eos_ids
-        t.last_turn_text = self.decode(ids)  # decoded once: parsed and (last turn) rewarded
+        ended_with_eos = bool(turn) and turn[-1] in self.eos_ids
+        t.last_turn_text = self.decode(turn)  # decoded once: parsed and (last turn) rewarded
         if len(t.response_ids) >= self.limits.max_response_length and not ended_with_eos:
             t.ending = Ending.BUDGET
             return [], ended_with_eos
@@ -227,34 +278,115 @@ class MultiTurnRollout:
         t.append(turn.ids, sampled=False)
 
     async def _conversation(
-        self, t: Trajectory, sampling: SamplingParams, slots: asyncio.Semaphore, began: float
+        self,
+        t: Trajectory,
+        sampling: SamplingParams,
+        slots: asyncio.Semaphore,
+        began: float,
+        ended: Callable[[Trajectory], None] | None = None,
     ) -> Trajectory:
+        """`t` to its end, or (run_partial) to the stop: paused within a model turn or before
+        the next one (a tool turn under way finishes first)."""
         async with slots:
+            if self._stopping:
+                return t
+            t.rollouts += 1
             start = time.perf_counter()
             try:
-                while t.ending is None:
+                while t.ending is None and not self._stopping:
                     calls, ended_with_eos = await self._model_turn(t, sampling)
-                    if t.ending is None:
+                    if t.ending is None and t.turn_start is None:
                         await self._tool_turn(t, calls, ended_with_eos)
             finally:
                 self.router.forget(t.conversation)
                 end = time.perf_counter()
-                t.seconds, t.finished_seconds = end - start, end - began
+                t.seconds += end - start
+                t.finished_seconds = end - began
+            if t.ending is not None and ended is not None:
+                ended(t)
         return t
 
-    def _start(self, prompts: Sequence[Sequence[int]]) -> list[Trajectory]:
-        return [Trajectory(i, list(p)) for i, p in enumerate(prompts)]
+    def start(
+        self, prompts: Sequence[Sequence[int]], group_size: int = 1, first: int = 0
+    ) -> list[Trajectory]:
+        """New conversations of `prompts`, numbered from `first` (a number is its identity: its
+        sticky engine, its requests' seeds), `group_size` consecutive ones a group."""
+        return [
+            Trajectory(first + i, list(p), group=(first + i) // group_size)
+            for i, p in enumerate(prompts)
+        ]
 
     async def run(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[Trajectory]:
         """Every conversation to its end, at most maxConcurrentConversations at a time."""
         slots = asyncio.Semaphore(self.limits.max_concurrent_conversations)
-        trajectories = self._start(prompts)
+        trajectories = self.start(prompts)
         began = time.perf_counter()
+        self._stopping = False
         await asyncio.gather(*(self._conversation(t, sampling, slots, began) for t in trajectories))
         self._check_idle()
         return trajectories
+
+    async def run_partial(
+        self, trajectories: Sequence[Trajectory], sampling: SamplingParams, groups: int
+    ) -> PartialRollout:
+        """The partial rollout: run the conversations of `trajectories` (the previous run's
+        carried ones first, then new ones from start()) until `groups` whole groups have ended,
+        then stop the rest: the engines abort their requests (each keeps the tokens it has
+        sampled), tool turns under way finish, and no new request is sent. Returns the
+        `groups` oldest ended groups to train and everything else to carry. No request is in
+        flight when it returns."""
+        members: dict[int, list[Trajectory]] = {}
+        for t in trajectories:
+            members.setdefault(t.group, []).append(t)
+        if groups > len(members):
+            raise ValueError(f"{groups} groups to train from {len(members)} groups")
+        open_ = {g: sum(t.ending is None for t in ts) for g, ts in members.items()}
+        ended_groups = sum(n == 0 for n in open_.values())
+        self._stopping = ended_groups >= groups
+        stopper: list[asyncio.Task[None]] = []
+
+        def ended(t: Trajectory) -> None:
+            nonlocal ended_groups
+            open_[t.group] -= 1
+            if open_[t.group] == 0:
+                ended_groups += 1
+                if ended_groups >= groups and not self._stopping:
+                    self._stopping = True
+                    stopper.append(asyncio.ensure_future(self._abort_until_idle()))
+
+        slots = asyncio.Semaphore(self.limits.max_concurrent_conversations)
+        began = time.perf_counter()
+        try:
+            await asyncio.gather(
+                *(
+                    self._conversation(t, sampling, slots, began, ended)
+                    for t in trajectories
+                    if t.ending is None
+                )
+            )
+        finally:
+            for task in stopper:
+                task.cancel()
+            self._stopping = False
+        self._check_idle()
+        done = sorted(g for g, n in open_.items() if n == 0)[:groups]
+        chosen = set(done)
+        trained = [t for g in done for t in members[g]]
+        carried = [t for t in trajectories if t.group not in chosen]
+        return PartialRollout(trained, carried)
+
+    async def _abort_until_idle(self) -> None:
+        """The stop: abort every engine's requests, and again every 50 ms for any request sent
+        just before the stop that an engine had not yet registered when the abort came."""
+        engines = list({id(e): e for e in self.router.engines}.values())
+        while True:
+            for engine in engines:
+                engine.abort_requests()
+            await asyncio.sleep(0.05)
+            if not self.router.requests_in_flight:
+                return
 
     async def run_turn_by_turn(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
@@ -262,7 +394,7 @@ class MultiTurnRollout:
         """spec.rollout.multiTurn.schedule turnByTurn (and the bench's baseline): turn k of the
         open conversations, maxConcurrentConversations at a time, each group's answers and then
         its tools before the next group; turn k+1 once every group has had turn k."""
-        trajectories = self._start(prompts)
+        trajectories = self.start(prompts)
         start = time.perf_counter()
         size = self.limits.max_concurrent_conversations
         while open_ := [t for t in trajectories if t.ending is None]:

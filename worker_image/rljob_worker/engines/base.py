@@ -58,6 +58,9 @@ class Completion:
     # Prompt tokens the engine found in its prefix cache (sglang's meta_info cached_tokens);
     # None where the engine has no prefix cache (torch).
     cached_tokens: int | None = None
+    # Stopped by abort_requests() before its end: token_ids are what it had sampled by then
+    # (the partial rollout keeps them and goes on from them in the next rollout).
+    aborted: bool = False
 
 
 def token_ids(completions: Sequence[Completion]) -> list[list[int]]:
@@ -173,4 +176,10 @@ class AsyncGenerate(Protocol):
         self, input_ids: Sequence[int], sampling: SamplingParams
     ) -> Completion:
         """Sample a continuation of input_ids (up to sampling.max_new_tokens tokens)."""
+        ...
+
+    def abort_requests(self) -> None:
+        """Stop every request in flight: each async_generate returns soon with what it has
+        sampled so far, marked `aborted` (none sampled for one still queued). Requests sent
+        afterwards run as usual (call it again for those)."""
         ...

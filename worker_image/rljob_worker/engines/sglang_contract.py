@@ -81,6 +81,12 @@ class SGLangContract:
     direct_loader: tuple[str, str] | None = ("custom_weight_loader", "custom_weight_loaders")
     # (module, function, function): where a scheduler reads its TP rank and TP size.
     tp_place: tuple[str, str, str] = TP_PLACE
+    # The partial rollout's stop (abort_requests): (module, class, method, keyword) of the
+    # engine's tokenizer manager call that aborts every request, as /abort_request does; an
+    # aborted request answers what it sampled with meta_info finish_reason type "abort".
+    abort: tuple[str, str, str, str] = (
+        "sglang.srt.managers.tokenizer_manager", "TokenizerManager", "abort_request", "abort_all"
+    )  # fmt: skip
 
     @property
     def opens_weight_update_session(self) -> bool:

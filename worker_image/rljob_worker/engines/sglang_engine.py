@@ -447,9 +447,20 @@ class SGLangEngine(ColocatedEngine):
         finally:
             self.requests_in_flight -= 1
         cached = output["meta_info"].get(self._contract.cached_tokens_key)
+        reason = output["meta_info"].get("finish_reason") or {}
+        aborted = isinstance(reason, Mapping) and reason.get("type") == "abort"
         return dataclasses.replace(
-            self._completion(output), cached_tokens=None if cached is None else int(cached)
+            self._completion(output, aborted),
+            cached_tokens=None if cached is None else int(cached),
+            aborted=aborted,
         )
+
+    def abort_requests(self) -> None:
+        """Every request sent so far ends: sglang's tokenizer manager aborts them all (a queued
+        one answers no tokens, a running one what it has sampled, finish_reason abort), as its
+        server's /abort_request does. The partial rollout's stop (agentic/driver.py)."""
+        method, keyword = self._contract.abort[2:]
+        getattr(self._engine.tokenizer_manager, method)(**{keyword: True})
 
     @property
     def event_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -466,9 +477,11 @@ class SGLangEngine(ColocatedEngine):
             return asyncio.run(coroutine)
         return loop.run_until_complete(coroutine)  # type: ignore[no-any-return]
 
-    def _completion(self, output: Mapping[str, Any]) -> Completion:
+    def _completion(self, output: Mapping[str, Any], aborted: bool = False) -> Completion:
         ids = list(output[self._contract.output_ids_key])
-        entries = output["meta_info"][self._contract.output_logprobs_key]
+        entries = output["meta_info"].get(self._contract.output_logprobs_key) or []
+        if aborted:  # stopped mid-way: the tokens that have their log-probs
+            ids = ids[: len(entries)]
         if len(entries) != len(ids):
             raise SGLangEngineError(
                 f"sglang returned {len(entries)} token log-probs for {len(ids)} tokens"

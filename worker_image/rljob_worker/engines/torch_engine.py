@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -300,9 +301,14 @@ class TorchEngine(ColocatedEngine):
         return self._generate_rows(prompts, [sampling.max_new_tokens] * len(prompts), sampling)
 
     def _generate_rows(
-        self, prompts: Sequence[Sequence[int]], limits: Sequence[int], sampling: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        limits: Sequence[int],
+        sampling: SamplingParams,
+        stop: Callable[[], bool] | None = None,
     ) -> list[Completion]:
-        """generate_with_logprobs with each prompt's own max_new_tokens (`limits`)."""
+        """generate_with_logprobs with each prompt's own max_new_tokens (`limits`); once `stop()`
+        is true (checked every step) the rows still sampling end, aborted, with what they have."""
         self._require_alive()
         if self._released & {TAG_WEIGHTS, TAG_KV_CACHE}:
             raise RuntimeError(
@@ -321,9 +327,13 @@ class TorchEngine(ColocatedEngine):
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         outputs: list[Completion | None] = [None] * len(prompts)
         for wave in self._plan_waves(prompts, limits):
-            answers = self._generate_wave(
-                [list(prompts[i]) for i in wave], [limits[i] for i in wave], sampling, generator
-            )
+            if stop is not None and stop():
+                answers = [Completion([], [], aborted=True) for _ in wave]
+            else:
+                answers = self._generate_wave(
+                    [list(prompts[i]) for i in wave], [limits[i] for i in wave], sampling,
+                    generator, stop,
+                )  # fmt: skip
             for index, answer in zip(wave, answers, strict=True):
                 outputs[index] = answer
         return [o for o in outputs if o is not None]
@@ -338,6 +348,12 @@ class TorchEngine(ColocatedEngine):
         if self._batcher is None or self._batcher.loop is not loop:
             self._batcher = _Batcher(self, loop)
         return await self._batcher.submit(list(input_ids), sampling)
+
+    def abort_requests(self) -> None:
+        """Every async_generate request sent so far ends at the running batch's next step (or
+        at once, if still waiting for a batch) with what it has sampled, marked aborted."""
+        if self._batcher is not None:
+            self._batcher.abort()
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -377,6 +393,7 @@ class TorchEngine(ColocatedEngine):
         limits: list[int],
         sampling: SamplingParams,
         generator: torch.Generator | None,
+        stop: Callable[[], bool] | None = None,
     ) -> list[Completion]:
         device, bs = self.device, self.block_size
         batch = len(prompts)
@@ -428,6 +445,12 @@ class TorchEngine(ColocatedEngine):
                         still.append(row)
                 if not still:
                     break
+                if stop is not None and stop():  # abort_requests(): the rest end here
+                    aborted = set(still)
+                    return [
+                        Completion(r, lp, aborted=row in aborted)
+                        for row, (r, lp) in enumerate(zip(responses, logprobs, strict=True))
+                    ]
                 keep = [active.index(r) for r in still] if len(still) < len(active) else None
                 rows = torch.tensor(still, device=device)
                 if keep is not None:
@@ -500,10 +523,21 @@ class _Batcher:
         self._pending: list[tuple[list[int], SamplingParams, asyncio.Future[Completion]]] = []
         self._running: asyncio.Task[None] | None = None
         self.batches = 0
+        # abort() counts up; a batch stops once the count passes the one it was taken at, and
+        # requests waiting for a batch when it does are answered at once.
+        self._aborts = 0
+        self._waiting_aborts: list[int] = []  # the count each pending request was sent at
+
+    def abort(self) -> None:
+        self._aborts += 1
+
+    def _aborted_since(self, count: int) -> bool:
+        return self._aborts > count
 
     async def submit(self, input_ids: list[int], sampling: SamplingParams) -> Completion:
         future: asyncio.Future[Completion] = self.loop.create_future()
         self._pending.append((input_ids, sampling, future))
+        self._waiting_aborts.append(self._aborts)
         if self._running is None or self._running.done():
             self._running = self.loop.create_task(self._drain())
         return await future
@@ -514,9 +548,16 @@ class _Batcher:
             # window, those that come within it too (fewer, larger batches).
             await asyncio.sleep(self.engine.batch_window_seconds)
             taken, self._pending = self._pending, []
+            sent_at, self._waiting_aborts = self._waiting_aborts, []
+            taken_at = self._aborts
+            for (_, _, future), count in zip(taken, sent_at, strict=True):
+                if count < taken_at and not future.done():  # aborted before its batch
+                    future.set_result(Completion([], [], aborted=True))
             # Requests sample alike but for max_new_tokens (and the seed: the first one's).
             groups: dict[SamplingParams, list[int]] = {}
-            for index, (_, sampling, _) in enumerate(taken):
+            for index, (_, sampling, future) in enumerate(taken):
+                if future.done():
+                    continue
                 key = dataclasses.replace(sampling, max_new_tokens=1, seed=None)
                 groups.setdefault(key, []).append(index)
             for rows in groups.values():
@@ -527,6 +568,7 @@ class _Batcher:
                         [taken[i][0] for i in rows],
                         [taken[i][1].max_new_tokens for i in rows],
                         dataclasses.replace(first, seed=first.seed),
+                        functools.partial(self._aborted_since, taken_at),
                     )
                 except Exception as error:  # every waiting request gets the failure
                     for i in rows:
