@@ -292,9 +292,9 @@ def main() -> None:
                         help="a copy of --model whose config.json says this many positions "
                         "(max_position_embeddings): the builtin tiny model's 256 hold too few "
                         "turns; its weights are random, so a longer context changes no quality")  # fmt: skip
-    parser.add_argument("--partial", type=float, default=None, metavar="F",
+    parser.add_argument("--partial", type=float, nargs="+", default=[], metavar="F",
                         help="also the partial rollout, F times the trained groups again under "
-                        "way (spec.rollout.multiTurn.partialRollout.overSample)")  # fmt: skip
+                        "way (spec.rollout.multiTurn.partialRollout.overSample), once per F")  # fmt: skip
     parser.add_argument("--group-size", type=int, default=8, help="--partial: a group's size")
     parser.add_argument("--rollouts", type=int, default=4,
                         help="--partial: rollouts back to back (the first is not the steady state)")  # fmt: skip
@@ -329,9 +329,9 @@ def main() -> None:
 
     # The partial rollout has more conversations under way than it trains.
     concurrent = args.conversations
-    if args.partial is not None:
+    for over_sample in args.partial:
         groups = args.conversations // args.group_size
-        concurrent = (groups + math.ceil(groups * args.partial)) * args.group_size
+        concurrent = max(concurrent, (groups + math.ceil(groups * over_sample)) * args.group_size)
 
     def rollout_of(turns: int, routing: Routing) -> BenchRollout:
         limits = Limits(max_turns=turns, max_response_length=turns * (4 * args.turn_tokens + 64),
@@ -360,10 +360,10 @@ def main() -> None:
                        **measure(rollout_of(turns, routing), runner, prompts, mode, sampling)}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            if args.partial is not None:
+            for over_sample in args.partial:
                 row = {"turns_per_conversation": turns, "routing": str(routing),
                        **measure_partial(rollout_of(turns, routing), runner, prompts, sampling,
-                                         args.group_size, args.partial, args.rollouts)}  # fmt: skip
+                                         args.group_size, over_sample, args.rollouts)}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {

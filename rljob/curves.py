@@ -58,6 +58,11 @@ def metrics_table(metrics: Sequence[IterationMetrics], title: str, rows: int = T
             ("timeouts", lambda m: _number(_turns(m, "tool_timeouts"), ".0f")),
             ("cut off", lambda m: _number(_turns(m, "cut_off"), ".0f")),
         ]
+    if any(m.multi_turn is not None and m.multi_turn.paused for m in shown):  # partialRollout
+        columns[-1:-1] = [
+            ("resumed", lambda m: _number(_turns(m, "resumed"), ".0f")),
+            ("paused", lambda m: _number(_turns(m, "paused"), ".0f")),
+        ]
     if any(m.validation is not None for m in shown):  # spec.data.validation
         columns[-1:-1] = [
             ("val reward", lambda m: _number(_validated(m, "reward_mean"), ".3f")),

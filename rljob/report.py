@@ -139,7 +139,9 @@ class MultiTurnFigures(_Model):
     """One iteration's multi-turn rollout, all ranks (docs/multi-turn.md): model turns per
     conversation, tool calls, those that failed (an error text to the model) or timed out,
     conversations cut off at the trajectory budget or maxTurns (trained, loss-masked), and
-    those in which a tool answered with the problem's answer (the tool was called correctly)."""
+    those in which a tool answered with the problem's answer (the tool was called correctly);
+    with spec.rollout.multiTurn.partialRollout, the trained conversations that began in an
+    earlier rollout (resumed) and those left under way for the next one (paused)."""
 
     turns_mean: float = Field(ge=0)
     tool_calls: int = Field(ge=0)
@@ -150,6 +152,10 @@ class MultiTurnFigures(_Model):
     answer_from_tool: int = Field(default=0, ge=0)
     # Prompt tokens the engines found cached / prompt tokens sent, where they report it (sglang).
     prefix_cache_hit_rate: float | None = None
+    # Partial rollout: trained conversations that ran in more than one rollout, and those the
+    # rollout left paused (mid-turn or between turns) for the next one.
+    resumed: int = Field(default=0, ge=0)
+    paused: int = Field(default=0, ge=0)
 
 
 class ValidationFigures(_Model):

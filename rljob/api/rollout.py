@@ -201,10 +201,36 @@ TOOL_RESPONSE_FITS_RULE = CrossFieldRule(
 )
 
 
+class PartialRolloutSpec(_Spec):
+    """spec.rollout.multiTurn.partialRollout: a rollout that does not wait for its slowest
+    conversations (docs/multi-turn.md#partial-rollout)."""
+
+    over_sample: float = Field(
+        default=0.25,
+        gt=0,
+        le=4,
+        description="Groups under way beyond those an iteration trains, as a fraction of them "
+        "(rounded up): each rollout keeps prompts x (1 + overSample) groups going, stops once "
+        "the prompts' number of groups have ended, trains the oldest of those, and pauses the "
+        "rest (requests aborted, sampled tokens kept) to go on first in the next rollout.",
+    )
+
+
+PARTIAL_NEEDS_ASYNC_RULE = CrossFieldRule(
+    cel="!has(self.partialRollout) || self.schedule == 'async'",
+    message="partialRollout needs schedule async (turnByTurn has no conversation to pause "
+    "mid-way): set schedule: async, or remove partialRollout",
+    field_path=".partialRollout",
+    check=lambda m: m.partial_rollout is None or m.schedule is MultiTurnSchedule.ASYNC,
+)
+
+
 class MultiTurnSpec(_Spec):
     """Conversations of several turns with tools (spec.rollout.mode multiTurn; docs/multi-turn.md)."""
 
-    model_config = ConfigDict(json_schema_extra=_cel_rules(TOOL_RESPONSE_FITS_RULE))
+    model_config = ConfigDict(
+        json_schema_extra=_cel_rules(TOOL_RESPONSE_FITS_RULE, PARTIAL_NEEDS_ASYNC_RULE)
+    )
 
     max_turns: int = Field(
         default=4,
@@ -267,10 +293,20 @@ class MultiTurnSpec(_Spec):
         # A repeat is refused at apply (the apiserver's "Duplicate value"), not by every rank.
         json_schema_extra={"x-kubernetes-list-type": "set"},
     )
+    partial_rollout: PartialRolloutSpec | None = Field(
+        default=None,
+        description="Set to stop each rollout once enough whole groups have ended, carrying "
+        "the conversations still under way over to the next rollout (slime's partial rollout; "
+        "their tokens then come from more than one policy, with the sampling policy's "
+        "log-probs kept for algorithm.tisCap). Unset: every conversation ends in its rollout. "
+        "docs/multi-turn.md#partial-rollout.",
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> MultiTurnSpec:
-        _check_rules(self, (TOOL_RESPONSE_FITS_RULE,), "spec.rollout.multiTurn")
+        _check_rules(
+            self, (TOOL_RESPONSE_FITS_RULE, PARTIAL_NEEDS_ASYNC_RULE), "spec.rollout.multiTurn"
+        )
         return self
 
 

@@ -424,6 +424,21 @@ MALFORMED: list[Malformed] = [
         "spec.rollout.multiTurn.maxToolResponseLength",
     ),
     Malformed(
+        "partial-rollout-turn-by-turn",
+        {
+            "rollout": {
+                "mode": "multiTurn",
+                "multiTurn": {"schedule": "turnByTurn", "partialRollout": {"overSample": 0.5}},
+            }
+        },
+        "spec.rollout.multiTurn.partialRollout",
+    ),
+    Malformed(
+        "partial-rollout-no-over-sample",
+        {"rollout": {"mode": "multiTurn", "multiTurn": {"partialRollout": {"overSample": 0}}}},
+        "spec.rollout.multiTurn.partialRollout.overSample",
+    ),
+    Malformed(
         "multi-turn-zero-turns",
         {"rollout": {"mode": "multiTurn", "multiTurn": {"maxTurns": 0}}},
         "spec.rollout.multiTurn.maxTurns",

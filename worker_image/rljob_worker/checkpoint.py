@@ -492,6 +492,28 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: RLJobSp
     return int(meta["iteration"])
 
 
+# The key of a rank's RNG file that holds its rollout's state (the partial rollout's carried
+# conversations; loop._MultiTurnRollout.rollout_state).
+ROLLOUT_KEY = "rollout"
+
+
+def rollout_state(directory: Path) -> Any:
+    """This rank's rollout state in the checkpoint `directory` (None: none kept). Kept per rank:
+    a checkpoint of another world size gives none back, with a warning (the conversations its
+    ranks carried are not trained)."""
+    meta = json.loads((directory / META).read_text())
+    rank, world = _rank()
+    own = directory / f"rng-rank{rank}.pt"
+    if not own.exists():
+        return None
+    state = torch.load(own, weights_only=False).get(ROLLOUT_KEY)
+    if state is not None and int(meta.get("worldSize", world)) != world:
+        log.warning("%s was saved by %s ranks, this run has %d: the conversations its partial "
+                    "rollout carried are not resumed", directory, meta.get("worldSize"), world)  # fmt: skip
+        return None
+    return state
+
+
 # When an asynchronous save's writer starts writing (RLJOB_CHECKPOINT_WRITER_START, the rank's
 # environment): "after_sync" (the default) at the boundary after wake_weights, so that the
 # weight sync does not run beside the writer; "stage" in the checkpoint stage, right after the
@@ -531,9 +553,14 @@ class Keeper:
 
     def __init__(self, spec: RLJobSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  model_path: Path | str, host: HostCopies | None = None,
-                 job: str | None = None) -> None:  # fmt: skip
+                 job: str | None = None,
+                 rollout: Callable[[], Any] | None = None) -> None:  # fmt: skip
         self.spec, self.model, self.optimizer, self.model_path = spec, model, optimizer, model_path
         self.job = job  # recorded in each checkpoint (resume_point)
+        # The rollout's state each save keeps beside the RNG states (ROLLOUT_KEY), and the one
+        # resume() found.
+        self.rollout = rollout
+        self.resumed_rollout: Any = None
         self.host = host
         # Completed (agreed) since the last take, oldest first: two can complete between
         # takes (a save settles the previous writer, then its own completes at a later boundary
@@ -569,6 +596,7 @@ class Keeper:
         log.info("resuming from %s", directory)
         loaded = load(self.model, self.optimizer, self.spec, directory)
         self.resumed = ResumePoint(iteration=loaded, path=str(directory))
+        self.resumed_rollout = rollout_state(directory) if self.rollout is not None else None
         return loaded
 
     def check_space(self) -> str | None:
@@ -594,6 +622,8 @@ class Keeper:
         directory = checkpoint_dir(Path(self.spec.checkpoint.path), iteration)
         _agreed(lambda: _prepare(directory), iteration, directory)
         rng = _rng_state()
+        if self.rollout is not None:
+            rng[ROLLOUT_KEY] = self.rollout()
         lookup = self.host.copy_to_host() if self.host is not None else None
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         host = host_state_dict(

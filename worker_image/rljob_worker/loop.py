@@ -6,8 +6,10 @@ not know whether a local process group, Ray or a test drives it (the caller sets
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +39,13 @@ from rljob.report import LoadSample, OOMRecord, StageSample
 from rljob_worker import allocator_report
 from rljob_worker import checkpoint as checkpoints
 from rljob_worker.agentic.chat import ChatFormat
-from rljob_worker.agentic.driver import Limits, MultiTurnRollout, RolloutCounts, run_on
+from rljob_worker.agentic.driver import (
+    Limits,
+    MultiTurnRollout,
+    RolloutCounts,
+    Trajectory,
+    run_on,
+)
 from rljob_worker.agentic.routing import EngineRouter
 from rljob_worker.agentic.tools import ToolSet, make_tools
 from rljob_worker.engines import make_engine
@@ -336,16 +344,21 @@ class _Rollout:
         )
 
     def __call__(self, iteration: int) -> Experience:
+        generated = self._train_rollout(iteration)
         spec = self.spec
-        generated = self._generate(
-            self._problems(iteration),
-            spec.algorithm.group_size,
-            self._sampling(iteration, spec.data.max_response_length),
-        )
         self.reward_errors = generated.reward_errors
         self._took(generated)
         self.validated = self._validate(iteration) if validation_due(spec, iteration) else None
         return generated.experience
+
+    def _train_rollout(self, iteration: int) -> _Generated:
+        """The iteration's rollout for training: this rank's prompts, group_size responses each."""
+        spec = self.spec
+        return self._generate(
+            self._problems(iteration),
+            spec.algorithm.group_size,
+            self._sampling(iteration, spec.data.max_response_length),
+        )
 
     def _took(self, generated: _Generated) -> None:
         """What the training rollout leaves besides its experience (multiTurn: the counts)."""
@@ -447,7 +460,25 @@ class _MultiTurnRollout(_Rollout):
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
         )
         self.counts = RolloutCounts()  # of the latest rollout
+        # spec.rollout.multiTurn.partialRollout: the conversations a rollout left under way (or
+        # ended in groups it did not train), the problem of each of their groups, and the
+        # number the next new conversation gets. Saved with each checkpoint (rollout_state).
+        self.carried: list[Trajectory] = []
+        self.problems_of: dict[int, Problem] = {}
+        self.next_conversation = 0
         conversations = self.prompts * spec.algorithm.group_size
+        if settings.partial_rollout is not None:
+            under_way = spec.algorithm.group_size * (
+                self.prompts + math.ceil(self.prompts * settings.partial_rollout.over_sample)
+            )
+            if settings.max_concurrent_conversations < under_way:
+                log.warning(
+                    "spec.rollout.multiTurn.partialRollout keeps %d conversations a rank under "
+                    "way, maxConcurrentConversations %d: the rest wait for a free place "
+                    "(docs/multi-turn.md#partial-rollout)",
+                    under_way,
+                    settings.max_concurrent_conversations,
+                )
         if (
             settings.schedule is MultiTurnSchedule.TURN_BY_TURN
             and settings.max_concurrent_conversations < conversations
@@ -464,6 +495,65 @@ class _MultiTurnRollout(_Rollout):
     def _took(self, generated: _Generated) -> None:
         assert generated.counts is not None
         self.counts = generated.counts
+
+    @property
+    def partial(self) -> bool:
+        """spec.rollout.multiTurn.partialRollout is set."""
+        settings = self.spec.rollout.multi_turn_settings
+        return settings is not None and settings.partial_rollout is not None
+
+    def _train_rollout(self, iteration: int) -> _Generated:
+        settings = self.spec.rollout.multi_turn_settings
+        assert settings is not None
+        if settings.partial_rollout is None:
+            return super()._train_rollout(iteration)
+        # The partial rollout: prompts x (1 + overSample) groups under way, the carried ones
+        # first; the oldest `prompts` groups that end are trained, the rest carried on.
+        group = self.spec.algorithm.group_size
+        under_way = self.prompts + math.ceil(self.prompts * settings.partial_rollout.over_sample)
+        new = under_way - len({t.group for t in self.carried})
+        world, rank = self.config.world_size, self.config.rank
+        problems = self.task.sample(new, salt=iteration * world + rank) if new > 0 else []
+        first = self.next_conversation
+        fresh = self.multi_turn.start(
+            [list(p.prompt_ids) for p in problems for _ in range(group)], group, first
+        )
+        self.next_conversation += len(fresh)
+        for index, problem in enumerate(problems):
+            self.problems_of[first // group + index] = problem
+        sampling = self._sampling(iteration, self.spec.data.max_response_length)
+        result = run_on(
+            self.engine,
+            self.multi_turn.run_partial([*self.carried, *fresh], sampling, self.prompts),
+        )
+        self.carried = result.carried
+        groups = sorted({t.group for t in result.trained})
+        asked = [self.problems_of[t.group] for t in result.trained]
+        for g in groups:
+            del self.problems_of[g]
+        position = {g: i for i, g in enumerate(groups)}
+        return self._trained(
+            asked, result.trained, [position[t.group] for t in result.trained], result.paused
+        )
+
+    def rollout_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the partial rollout, for resume() to give back: a copy
+        (the checkpoint's writer pickles it while the next rollout goes on)."""
+        return copy.deepcopy(
+            {
+                "carried": self.carried,
+                "problems": self.problems_of,
+                "nextConversation": self.next_conversation,
+            }
+        )
+
+    def resume_rollout(self, state: dict[str, Any] | None) -> None:
+        """The partial rollout as a checkpoint kept it (None: it kept none, nothing carried)."""
+        if state is None:
+            return
+        self.carried = list(state["carried"])
+        self.problems_of = dict(state["problems"])
+        self.next_conversation = int(state["nextConversation"])
 
     def _generate(
         self, problems: Sequence[Problem], group: int, sampling: SamplingParams
@@ -482,13 +572,24 @@ class _MultiTurnRollout(_Rollout):
             else self.multi_turn.run_turn_by_turn
         )
         trajectories = run_on(self.engine, run(prompts, sampling))
-        counts = RolloutCounts.of(trajectories, [str(p.answer) for p in asked])
-        scored = self.scorer(asked, [t.last_turn_text for t in trajectories])
+        group_ids = [index for index in range(len(problems)) for _ in range(group)]
+        return self._trained(asked, trajectories, group_ids)
+
+    def _trained(
+        self,
+        asked: Sequence[Problem],
+        trajectories: Sequence[Trajectory],
+        group_ids: list[int],
+        paused: int = 0,
+    ) -> _Generated:
+        """The experience of `trajectories` (each of its problem in `asked`), rewarded."""
+        counts = RolloutCounts.of(trajectories, [str(p.answer) for p in asked], paused)
+        scored = self.scorer(list(asked), [t.last_turn_text for t in trajectories])
         experience = Experience(
             [t.prompt_ids for t in trajectories],
             [t.response_ids for t in trajectories],
             scored.scores,
-            [index for index in range(len(problems)) for _ in range(group)],
+            group_ids,
             [t.logprobs for t in trajectories],
             [t.loss_mask for t in trajectories],
         )
@@ -608,9 +709,13 @@ def run_rank(
         else _MultiTurnRollout(*parts, tools=tools, context_length=context)
     )
     # The checkpoint writes from the host buffers the offloads use (trainer.copy_to_host).
+    # The partial rollout's carried conversations go into every checkpoint.
+    carries = isinstance(rollout, _MultiTurnRollout) and rollout.partial
     keeper = checkpoints.Keeper(
-        spec, trainer.model, trainer.optimizer, model_path, host=trainer, job=config.job
-    )
+        spec, trainer.model, trainer.optimizer, model_path, host=trainer, job=config.job,
+        rollout=rollout.rollout_state if isinstance(rollout, _MultiTurnRollout) and carries
+        else None,
+    )  # fmt: skip
     machine = StageMachine(
         trainer,
         engine,
@@ -630,6 +735,8 @@ def run_rank(
     # checkpoint: its iteration N is trained, so the run starts with N's second half.
     try:
         resumed_from = keeper.resume()
+        if isinstance(rollout, _MultiTurnRollout):
+            rollout.resume_rollout(keeper.resumed_rollout)
         start = resumed_from or 0
         for iteration in range(start, spec.algorithm.iterations + 1):
             checks.clear()
@@ -638,6 +745,9 @@ def run_rank(
             resumed = resumed_from is not None and iteration == start
             outcome = machine.run_iteration(iteration, resumed=resumed)
             if iteration == spec.algorithm.iterations:
+                if isinstance(rollout, _MultiTurnRollout) and rollout.carried:
+                    log.info("rank %d: %d conversations the last partial rollout carried are "
+                             "not trained (the job ends)", config.rank, len(rollout.carried))  # fmt: skip
                 keeper.export_final()  # the policy as its last update left it
                 keeper.finish()  # the last writer: its checkpoint complete, or its failure
             saved, exported = keeper.take()

@@ -143,6 +143,8 @@ def _add_multi_turn(report: IterationReport, counts: list[RolloutCounts]) -> Non
         cut_off=sum(c.cut_off for c in counts),
         answer_from_tool=sum(c.answer_from_tool for c in counts),
         prefix_cache_hit_rate=None if hit is None else _rounded(hit),
+        resumed=sum(c.resumed for c in counts),
+        paused=sum(c.paused for c in counts),
     )
 
 
