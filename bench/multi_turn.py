@@ -350,9 +350,11 @@ def main() -> None:
     if args.warmup:
         # Untimed: the first rollout of a process pays for start-up work (the engine's first
         # batches, the tool runners' first forks). On an H100 the first measured row, 2 turns
-        # turn by turn, ran at a third of the 3-turn row's tokens/s without it.
-        measure(rollout_of(min(args.turns), Routing.STICKY), runner, prompts, "turn-by-turn",
-                sampling)  # fmt: skip
+        # turn by turn, ran at a third of the 3-turn row's tokens/s without it. Without the
+        # tools' drawn waits (--tool-seconds): they warm nothing and took a minute at 3 s.
+        warm = rollout_of(min(args.turns), Routing.STICKY)
+        warm.tool_seconds = 0.0
+        measure(warm, runner, prompts, "turn-by-turn", sampling)
     for turns in args.turns:
         for routing in routings:
             for mode in ("turn-by-turn", "async"):
