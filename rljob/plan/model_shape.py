@@ -50,6 +50,10 @@ class MixtureOfExperts(ValueError):
     """A config.json of a mixture-of-experts model: the plan cannot size it."""
 
 
+# model_types whose planning-as-Llama warning this process has logged.
+_WARNED_MODEL_TYPES: set[str] = set()
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A Qwen2/Qwen3/Llama-family decoder's architecture (config.json's fields)."""
@@ -82,7 +86,9 @@ class ModelShape:
         heads = int(config["num_attention_heads"])
         head_dim = config.get("head_dim")
         model_type = str(config.get("model_type") or DEFAULT_MODEL_TYPE)
-        if model_type not in PLANNED_MODEL_TYPES:
+        if model_type not in PLANNED_MODEL_TYPES and model_type not in _WARNED_MODEL_TYPES:
+            # Once per model_type and process: the operator plans again at every reconcile.
+            _WARNED_MODEL_TYPES.add(model_type)
             log.warning(
                 "the memory plan sizes %s models exactly; model_type %r is planned as a "
                 "Llama-style decoder (its extra parameters, if any, are not counted)",

@@ -212,6 +212,9 @@ def test_a_model_type_the_plan_does_not_know_is_planned_as_llama_with_a_warning(
     shape = ModelShape.from_config({**QWEN3_4B, "model_type": "olmo2"})
     assert not shape.attention_bias and not shape.qk_norm
     assert "model_type 'olmo2' is planned as a Llama-style decoder" in caplog.text
+    # Once per model_type and process (the operator plans again at every reconcile).
+    ModelShape.from_config({**QWEN3_4B, "model_type": "olmo2"})
+    assert caplog.text.count("model_type 'olmo2' is planned") == 1
 
 
 def test_a_dense_config_with_its_expert_keys_empty_still_plans() -> None:
