@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from rljob.api import BUILTIN_CALCULATOR, DataSpec, MultiTurnSpec
+from rljob.api import BUILTIN_CALCULATOR, DataSpec, MultiTurnSpec, PartialRolloutSpec
 from rljob_worker.agentic.chat import ChatFormat
 from rljob_worker.agentic.driver import Limits, MultiTurnRollout, Trajectory
 from rljob_worker.agentic.routing import EngineRouter, Routing
@@ -213,7 +213,7 @@ def measure_partial(rollout: BenchRollout, runner: Any, prompts: list[list[int]]
     if len(prompts) % group_size:
         raise ValueError(f"--conversations {len(prompts)} is not a multiple of --group-size")
     groups = len(prompts) // group_size
-    under_way = groups + math.ceil(groups * over_sample)
+    under_way = PartialRolloutSpec(over_sample=over_sample).groups_under_way(groups)
     carried: list[Trajectory] = []
     started = 0
     parts: list[dict[str, Any]] = []
@@ -331,7 +331,8 @@ def main() -> None:
     concurrent = args.conversations
     for over_sample in args.partial:
         groups = args.conversations // args.group_size
-        concurrent = max(concurrent, (groups + math.ceil(groups * over_sample)) * args.group_size)
+        under_way = PartialRolloutSpec(over_sample=over_sample).groups_under_way(groups)
+        concurrent = max(concurrent, under_way * args.group_size)
 
     def rollout_of(turns: int, routing: Routing) -> BenchRollout:
         limits = Limits(max_turns=turns, max_response_length=turns * (4 * args.turn_tokens + 64),

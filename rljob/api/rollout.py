@@ -4,6 +4,7 @@ wake-up mode, sampling, and the multiTurn settings (tools, turns, budgets).
 
 from __future__ import annotations
 
+import math
 import re
 from enum import StrEnum
 from typing import Annotated, Literal
@@ -214,6 +215,11 @@ class PartialRolloutSpec(_Spec):
         "the prompts' number of groups have ended, trains the oldest of those, and pauses the "
         "rest (requests aborted, sampled tokens kept) to go on first in the next rollout.",
     )
+
+    def groups_under_way(self, prompts: int) -> int:
+        """The groups a rollout keeps going when it trains `prompts` groups: prompts plus
+        prompts x overSample rounded up (100 x 0.07 is 7, not float's 7.000000000000001 -> 8)."""
+        return prompts + math.ceil(round(prompts * self.over_sample, 9))
 
 
 PARTIAL_NEEDS_ASYNC_RULE = CrossFieldRule(

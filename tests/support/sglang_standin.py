@@ -147,6 +147,7 @@ class SGLangEngineStandIn:
         # The tokenizer manager's abort (the contract's `abort`): requests in flight when it
         # comes answer their first token, finish_reason abort, as sglang's running ones do.
         self.aborts = 0
+        self.abort_queued = False  # True: an abort answers as one of a queued request, no ids
         _, _, method, keyword = contract.abort
 
         def abort(**kwargs: Any) -> None:
@@ -182,6 +183,8 @@ class SGLangEngineStandIn:
         await asyncio.sleep(0.01)  # the scheduler's turn: the request is in flight meanwhile
         answer = self._generated(kwargs["input_ids"], kwargs.get("return_logprob", False))
         answer["meta_info"][self.contract.cached_tokens_key] = len(kwargs["input_ids"]) // 2
+        if self.aborts > aborts and self.abort_queued:  # aborted before its prefill
+            return {"meta_info": {"finish_reason": {"type": "abort", "message": "queued"}}}
         if self.aborts > aborts:
             answer[self.contract.output_ids_key] = answer[self.contract.output_ids_key][:1]
             logprobs = answer["meta_info"].get(self.contract.output_logprobs_key)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -619,6 +620,62 @@ def test_a_partial_rollout_with_enough_ended_groups_sends_nothing(tokenizer: Any
         assert len(engine.requests) == requests and again.trained == first.carried
     with pytest.raises(ValueError, match="2 groups to train from 1 groups"):
         asyncio.run(rollout.run_partial(first.trained, SAMPLING, groups=2))
+
+
+def test_an_abort_no_stop_asked_for_ends_the_turn_with_what_it_has(tokenizer: Any) -> None:
+    # An engine that aborts on its own (sglang's scheduler can) outside a partial rollout: the
+    # turn ends with its tokens, as any short answer would; nothing is sent again.
+    prompts = _prompts(tokenizer, 4)
+    script = ["The sum of one and one, worked out step by step, is two. Answer: 2"]
+    engine = ScriptedEngine(_encode(tokenizer), {p: list(script) for p in prompts},
+                            tokenizer.eos_token_id, delay_seconds=0.05)  # fmt: skip
+    rollout = _rollout(
+        tokenizer, [engine], dataclasses.replace(LIMITS, max_concurrent_conversations=4)
+    )
+
+    async def scenario() -> list[Any]:
+        running = asyncio.ensure_future(rollout.run([list(p) for p in prompts], SAMPLING))
+        await asyncio.sleep(0.01)
+        engine.abort_requests()
+        return list(await running)
+
+    trajectories = asyncio.run(scenario())
+    assert engine.aborted == 4 and len(engine.requests) == 4  # one request each, cut
+    whole = len(_encode(tokenizer)(script[0])) + 1
+    for t in trajectories:  # the turn ended with the half it had, not sent again
+        assert t.ending is Ending.ANSWER and t.turns == 1 and t.turn_start is None
+        assert 0 < len(t.response_ids) < whole
+
+
+def test_a_failing_conversation_stops_the_partial_rollouts_others(tokenizer: Any) -> None:
+    prompts = _prompts(tokenizer, 4)
+
+    class Failing(ScriptedEngine):
+        async def async_generate(self, input_ids: Any, sampling: SamplingParams) -> Any:
+            if tuple(input_ids[: len(prompts[0])]) == prompts[0]:
+                raise RuntimeError("engine died")
+            return await super().async_generate(input_ids, sampling)
+
+    engine = Failing(_encode(tokenizer), {p: ["Answer: 1"] for p in prompts},
+                     tokenizer.eos_token_id, delay_seconds=0.2)  # fmt: skip
+    rollout = _rollout(tokenizer, [engine], LIMITS)
+
+    async def scenario() -> None:
+        with pytest.raises(RuntimeError, match="engine died"):
+            await rollout.run_partial(rollout.start([list(p) for p in prompts], 2), SAMPLING, 1)
+        await asyncio.sleep(0.3)  # nothing of the failed rollout goes on running
+
+    asyncio.run(scenario())
+    assert engine.in_flight == 0 and rollout.router.requests_in_flight == 0
+    assert not engine.answers  # the others were stopped, not answered after the failure
+
+
+def test_the_groups_under_way_round_up_what_overSample_says() -> None:
+    from rljob.api import PartialRolloutSpec
+
+    assert PartialRolloutSpec(over_sample=0.07).groups_under_way(100) == 107
+    assert PartialRolloutSpec(over_sample=0.25).groups_under_way(2) == 3
+    assert PartialRolloutSpec(over_sample=0.5).groups_under_way(32) == 48
 
 
 # -- the policy update on masked trajectories, by hand --------------------------------------------

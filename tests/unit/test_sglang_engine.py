@@ -1039,3 +1039,7 @@ def test_an_abort_stops_the_requests_in_flight_with_what_they_sampled() -> None:
     assert cut.aborted and cut.token_ids == [2] and len(cut.logprobs) == 1
     assert not whole.aborted and whole.token_ids == [2, 7] and len(whole.logprobs) == 2
     assert engine.requests_in_flight == 0
+    # One aborted while queued: an answer without ids or log-probs, an empty aborted completion.
+    engine._engine._target.abort_queued = True
+    queued, _ = engine.run_async(scenario())
+    assert queued.aborted and queued.token_ids == [] == queued.logprobs

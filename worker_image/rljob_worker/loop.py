@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -466,10 +465,11 @@ class _MultiTurnRollout(_Rollout):
         self.carried: list[Trajectory] = []
         self.problems_of: dict[int, Problem] = {}
         self.next_conversation = 0
+        self.next_group = 0
         conversations = self.prompts * spec.algorithm.group_size
         if settings.partial_rollout is not None:
-            under_way = spec.algorithm.group_size * (
-                self.prompts + math.ceil(self.prompts * settings.partial_rollout.over_sample)
+            under_way = spec.algorithm.group_size * settings.partial_rollout.groups_under_way(
+                self.prompts
             )
             if settings.max_concurrent_conversations < under_way:
                 log.warning(
@@ -510,17 +510,20 @@ class _MultiTurnRollout(_Rollout):
         # The partial rollout: prompts x (1 + overSample) groups under way, the carried ones
         # first; the oldest `prompts` groups that end are trained, the rest carried on.
         group = self.spec.algorithm.group_size
-        under_way = self.prompts + math.ceil(self.prompts * settings.partial_rollout.over_sample)
+        under_way = settings.partial_rollout.groups_under_way(self.prompts)
         new = under_way - len({t.group for t in self.carried})
         world, rank = self.config.world_size, self.config.rank
         problems = self.task.sample(new, salt=iteration * world + rank) if new > 0 else []
-        first = self.next_conversation
         fresh = self.multi_turn.start(
-            [list(p.prompt_ids) for p in problems for _ in range(group)], group, first
+            [list(p.prompt_ids) for p in problems for _ in range(group)],
+            group,
+            self.next_conversation,
+            self.next_group,
         )
-        self.next_conversation += len(fresh)
         for index, problem in enumerate(problems):
-            self.problems_of[first // group + index] = problem
+            self.problems_of[self.next_group + index] = problem
+        self.next_conversation += len(fresh)
+        self.next_group += len(problems)
         sampling = self._sampling(iteration, self.spec.data.max_response_length)
         result = run_on(
             self.engine,
@@ -544,6 +547,7 @@ class _MultiTurnRollout(_Rollout):
                 "carried": self.carried,
                 "problems": self.problems_of,
                 "nextConversation": self.next_conversation,
+                "nextGroup": self.next_group,
             }
         )
 
@@ -554,6 +558,7 @@ class _MultiTurnRollout(_Rollout):
         self.carried = list(state["carried"])
         self.problems_of = dict(state["problems"])
         self.next_conversation = int(state["nextConversation"])
+        self.next_group = int(state["nextGroup"])
 
     def _generate(
         self, problems: Sequence[Problem], group: int, sampling: SamplingParams

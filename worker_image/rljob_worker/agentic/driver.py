@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from rljob_worker.agentic.routing import EngineRouter
 from rljob_worker.agentic.tool_calls import ParsedCall, parse_tool_calls
 from rljob_worker.agentic.tools import ToolSet
 from rljob_worker.engines.base import AsyncGenerate, Completion, SamplingParams, request_seed
+
+log = logging.getLogger(__name__)
 
 
 class Ending(StrEnum):
@@ -203,7 +206,7 @@ class MultiTurnRollout:
         if room is not None:
             remaining = min(remaining, room)
         if remaining <= 0 and had == 0:  # a prompt that fills the context on its own
-            t.ending = Ending.CONTEXT
+            t.ending, t.turn_start = Ending.CONTEXT, None
             return [], False
         answer = Completion([], [])  # a cut turn that had all its tokens: nothing to ask
         if remaining > 0:
@@ -219,13 +222,17 @@ class MultiTurnRollout:
             finally:
                 self.router.release(index)
             t.engines.append(index)
-            t.prompt_tokens += len(input_ids)
-            if answer.cached_tokens is not None:
-                t.cached_tokens = (t.cached_tokens or 0) + answer.cached_tokens
+            if not (answer.aborted and not answer.token_ids):  # one aborted before its prefill
+                t.prompt_tokens += len(input_ids)  # sent no prompt through the engine
+                if answer.cached_tokens is not None:
+                    t.cached_tokens = (t.cached_tokens or 0) + answer.cached_tokens
         ids = list(answer.token_ids[: max(remaining, 0)])
         t.append(ids, sampled=True, logprobs=answer.logprobs[: len(ids)])
-        if answer.aborted and len(ids) < remaining and not (ids and ids[-1] in self.eos_ids):
-            t.turn_start = start  # stopped mid-turn: the next rollout goes on from here
+        # Cut by run_partial's stop: the next rollout goes on from here. An abort nobody asked
+        # for (the engine's own) ends the turn with what it has, as before the partial rollout.
+        cut = answer.aborted and self._stopping
+        if cut and len(ids) < remaining and not (ids and ids[-1] in self.eos_ids):
+            t.turn_start = start
             return [], False
         t.turn_start = None
         turn = t.response_ids[start:]
@@ -307,12 +314,18 @@ class MultiTurnRollout:
         return t
 
     def start(
-        self, prompts: Sequence[Sequence[int]], group_size: int = 1, first: int = 0
+        self,
+        prompts: Sequence[Sequence[int]],
+        group_size: int = 1,
+        first: int = 0,
+        first_group: int | None = None,
     ) -> list[Trajectory]:
         """New conversations of `prompts`, numbered from `first` (a number is its identity: its
-        sticky engine, its requests' seeds), `group_size` consecutive ones a group."""
+        sticky engine, its requests' seeds), `group_size` consecutive ones a group, the groups
+        numbered from `first_group` (None: first // group_size)."""
+        base = first // group_size if first_group is None else first_group
         return [
-            Trajectory(first + i, list(p), group=(first + i) // group_size)
+            Trajectory(first + i, list(p), group=base + i // group_size)
             for i, p in enumerate(prompts)
         ]
 
@@ -358,17 +371,25 @@ class MultiTurnRollout:
 
         slots = asyncio.Semaphore(self.limits.max_concurrent_conversations)
         began = time.perf_counter()
+        tasks = [
+            asyncio.ensure_future(self._conversation(t, sampling, slots, began, ended))
+            for t in trajectories
+            if t.ending is None
+        ]
         try:
-            await asyncio.gather(
-                *(
-                    self._conversation(t, sampling, slots, began, ended)
-                    for t in trajectories
-                    if t.ending is None
-                )
-            )
+            await asyncio.gather(*tasks)
+        except BaseException:
+            # One conversation failed: stop the others too, so that none sends a request
+            # after the rollout (sglang's loop runs its tasks again at its next call).
+            self._stopping = True
+            self._abort(self._engines())
+            for conversation in tasks:
+                conversation.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         finally:
-            for task in stopper:
-                task.cancel()
+            for stop in stopper:
+                stop.cancel()
             self._stopping = False
         self._check_idle()
         done = sorted(g for g, n in open_.items() if n == 0)[:groups]
@@ -380,13 +401,23 @@ class MultiTurnRollout:
     async def _abort_until_idle(self) -> None:
         """The stop: abort every engine's requests, and again every 50 ms for any request sent
         just before the stop that an engine had not yet registered when the abort came."""
-        engines = list({id(e): e for e in self.router.engines}.values())
+        engines = self._engines()
         while True:
-            for engine in engines:
-                engine.abort_requests()
+            self._abort(engines)
             await asyncio.sleep(0.05)
             if not self.router.requests_in_flight:
                 return
+
+    def _engines(self) -> list[AsyncGenerate]:
+        return list({id(e): e for e in self.router.engines}.values())
+
+    @staticmethod
+    def _abort(engines: Sequence[AsyncGenerate]) -> None:
+        for engine in engines:
+            try:
+                engine.abort_requests()
+            except Exception:  # the stop goes on: each conversation then ends its own turn
+                log.exception("abort_requests() of %r failed", engine)
 
     async def run_turn_by_turn(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams

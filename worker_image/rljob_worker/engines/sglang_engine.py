@@ -478,7 +478,12 @@ class SGLangEngine(ColocatedEngine):
         return loop.run_until_complete(coroutine)  # type: ignore[no-any-return]
 
     def _completion(self, output: Mapping[str, Any], aborted: bool = False) -> Completion:
-        ids = list(output[self._contract.output_ids_key])
+        # An abort's answer may have no ids at all (one aborted while queued, in some releases).
+        ids = (
+            list(output.get(self._contract.output_ids_key) or [])
+            if aborted
+            else list(output[self._contract.output_ids_key])
+        )
         entries = output["meta_info"].get(self._contract.output_logprobs_key) or []
         if aborted:  # stopped mid-way: the tokens that have their log-probs
             ids = ids[: len(entries)]
