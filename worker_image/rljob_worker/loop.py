@@ -715,11 +715,14 @@ def run_rank(
     )
     # The checkpoint writes from the host buffers the offloads use (trainer.copy_to_host).
     # The partial rollout's carried conversations go into every checkpoint.
-    carries = isinstance(rollout, _MultiTurnRollout) and rollout.partial
+    carried = (
+        rollout.rollout_state
+        if isinstance(rollout, _MultiTurnRollout) and rollout.partial
+        else None
+    )
     keeper = checkpoints.Keeper(
         spec, trainer.model, trainer.optimizer, model_path, host=trainer, job=config.job,
-        rollout=rollout.rollout_state if isinstance(rollout, _MultiTurnRollout) and carries
-        else None,
+        rollout=carried,
     )  # fmt: skip
     machine = StageMachine(
         trainer,

@@ -211,9 +211,8 @@ class MultiTurnRollout:
         answer = Completion([], [])  # a cut turn that had all its tokens: nothing to ask
         if remaining > 0:
             seed = None
-            if (
-                sampling.seed is not None
-            ):  # a stream of its own per (batch seed, conversation, turn)
+            # A stream of its own per (batch seed, conversation, turn).
+            if sampling.seed is not None:
                 seed = request_seed(sampling.seed, t.conversation * self.limits.max_turns + t.turns)
             request = dataclasses.replace(sampling, max_new_tokens=remaining, seed=seed)
             index, engine = self.router.acquire(t.conversation)
@@ -336,7 +335,6 @@ class MultiTurnRollout:
         slots = asyncio.Semaphore(self.limits.max_concurrent_conversations)
         trajectories = self.start(prompts)
         began = time.perf_counter()
-        self._stopping = False
         await asyncio.gather(*(self._conversation(t, sampling, slots, began) for t in trajectories))
         self._check_idle()
         return trajectories
