@@ -27,6 +27,7 @@ from rljob_worker.agentic.driver import Limits, MultiTurnRollout, Trajectory
 from rljob_worker.agentic.routing import EngineRouter
 from rljob_worker.agentic.tool_calls import ParsedCall, ToolCall
 from rljob_worker.agentic.tools import make_tools
+from rljob_worker.checkpoint import ROLLOUT_KEY, checkpoint_dir
 from rljob_worker.driver.local import run_local
 from rljob_worker.engines.base import SamplingParams
 from rljob_worker.engines.sglang_engine import SGLangEngine
@@ -148,30 +149,43 @@ def test_staged_multi_turn_rollouts_end_before_release_and_give_every_byte_back(
         tools.close()
 
 
-def test_rljob_run_loop_in_mode_multi_turn_with_sglang(builtin_dir: Path) -> None:
+def _loop_job(
+    model: Path,
+    iterations: int,
+    data: dict[str, Any] | None = None,
+    multi_turn: dict[str, Any] | None = None,
+    **spec: Any,
+) -> Any:
+    """An RLJob of the loop in mode multiTurn on sglang (staged, half the card) over the builtin
+    calculator task, 4 prompts x 4 a rollout; `data`, `multi_turn` and `spec` add settings."""
     doc = {
         "apiVersion": "rljob.dev/v1alpha1",
         "kind": "RLJob",
         "metadata": {"name": "multi-turn-sglang"},
         "spec": {
-            "model": {"path": str(builtin_dir), "dtype": "bfloat16"},
-            "algorithm": {"groupSize": 4, "iterations": 2},
+            "model": {"path": str(model), "dtype": "bfloat16"},
+            "algorithm": {"groupSize": 4, "iterations": iterations},
             "data": {"source": "builtin:calculator", "trainBatchSize": 4, "maxPromptLength": 200,
-                     "validation": {"source": "builtin:calculator", "everyIterations": 2,
-                                    "maxPrompts": 8}},
+                     **(data or {})},
             "reward": {"function": "numeric"},
             "rollout": {
-                "engine": "sglang",
-                "wakeUp": "staged",
-                "memFractionStatic": 0.5,
+                "engine": "sglang", "wakeUp": "staged", "memFractionStatic": 0.5,
                 "mode": "multiTurn",
-                "multiTurn": {"maxTurns": 3, "maxResponseLength": 96, "maxToolResponseLength": 16,
-                              "tools": ["builtin:calculator", "builtin:python"]},
+                "multiTurn": {"maxTurns": 3, "maxToolResponseLength": 16,
+                              "tools": ["builtin:calculator", "builtin:python"],
+                              **(multi_turn or {})},
             },
             "resources": {"gpusPerWorker": 1},
+            **spec,
         },
     }  # fmt: skip
-    run = run_local(parse_manifest(doc)[1], 1, "cuda")
+    return parse_manifest(doc)[1]
+
+
+def test_rljob_run_loop_in_mode_multi_turn_with_sglang(builtin_dir: Path) -> None:
+    validation = {"source": "builtin:calculator", "everyIterations": 2, "maxPrompts": 8}
+    job = _loop_job(builtin_dir, 2, {"validation": validation}, {"maxResponseLength": 96})
+    run = run_local(job, 1, "cuda")
     assert run.ok, run.errors
     reports = run.reports
     assert [r.iteration for r in reports] == [0, 1, 2]
@@ -258,3 +272,57 @@ def test_partial_rollouts_abort_mid_turn_go_on_next_time_and_give_every_byte_bac
     finally:
         engine.shutdown()
         tools.close()
+
+
+def _partial_job(model: Path, root: Path, iterations: int) -> Any:
+    """The loop's job with partialRollout: 4 prompts trained a rollout, 8 groups of 4 under way
+    (overSample 1.0), 8 conversations at a time, a checkpoint every iteration."""
+    partial = {"maxResponseLength": 56, "maxConcurrentConversations": 8, "schedule": "async",
+               "partialRollout": {"overSample": 1.0}}  # fmt: skip
+    checkpoint = {"path": str(root / "ckpt"), "everyIterations": 1, "keep": 10}
+    return _loop_job(model, iterations, multi_turn=partial, checkpoint=checkpoint)
+
+
+def _carry(root: Path, iteration: int) -> tuple[int, int]:
+    """What the checkpoint of `iteration` keeps for the next rollout: the next conversation's
+    number and how many groups it carries."""
+    own = torch.load(checkpoint_dir(root / "ckpt", iteration) / "rng-rank0.pt",
+                     weights_only=False)[ROLLOUT_KEY]  # fmt: skip
+    return int(own["nextConversation"]), len({t.group for t in own["carried"]})
+
+
+def test_rljob_run_with_partial_rollout_on_sglang_trains_its_groups_and_resumes_the_carried(
+    builtin_dir: Path, tmp_path: Path
+) -> None:
+    """partialRollout through the whole loop on sglang (staged): every iteration trains exactly
+    its 4 groups of 4, the rest stay under way (paused: sglang aborts what is mid-turn, and the
+    release after it finds nothing in flight), each checkpoint keeps them, and a run resumed
+    from the last one starts the next rollout with them, numbering new conversations on."""
+    under_way = 8
+    run = run_local(_partial_job(builtin_dir, tmp_path, 2), 1, "cuda")
+    assert run.ok, run.errors
+    reports = sorted(run.reports, key=lambda r: r.iteration)
+    assert [r.iteration for r in reports] == [0, 1, 2]
+    for report in reports:
+        assert report.multi_turn is not None
+        # Exactly the trained groups' conversations have rewards, never the carried ones.
+        assert [i.reward_count for i in run.iterations if i.iteration == report.iteration] == [16]
+        # Paused: carried and not ended (a carried group may hold ended conversations).
+        assert report.multi_turn.paused <= (under_way - 4) * 4
+    # The first rollout: 8 at a time, stopped once 16 have ended: the last 8 never began.
+    assert reports[0].multi_turn is not None and reports[0].multi_turn.paused >= 8
+    for report in reports[1:]:
+        assert [s.stage for s in report.samples] == [
+            Stage.TRAIN, Stage.CHECKPOINT, Stage.OFFLOAD_OPTIMIZER, Stage.WAKE_WEIGHTS,
+            Stage.OFFLOAD_TRAIN, Stage.WAKE_KV_CACHE, Stage.ROLLOUT, Stage.SLEEP]  # fmt: skip
+    following, carried = _carry(tmp_path, 2)
+    assert carried > 0 and following > 0
+    resumed = run_local(_partial_job(builtin_dir, tmp_path, 3), 1, "cuda")
+    assert resumed.ok, resumed.errors
+    assert resumed.resumed_from == 2
+    # The resumed rollout began with the checkpoint's carried groups and started only the
+    # groups missing to 8, numbered on from where the checkpoint left off (a run that resumed
+    # without them starts 8 new groups from conversation 0).
+    assert _carry(tmp_path, 3)[0] == following + (under_way - carried) * 4
+    print("\n" + "\n".join(f"iteration {r.iteration}: {r.multi_turn}" for r in
+                              [*reports, *resumed.reports]))  # fmt: skip

@@ -647,7 +647,8 @@ def test_an_abort_no_stop_asked_for_ends_the_turn_with_what_it_has(tokenizer: An
         assert 0 < len(t.response_ids) < whole
 
 
-def test_a_failing_conversation_stops_the_partial_rollouts_others(tokenizer: Any) -> None:
+@pytest.mark.parametrize("partial", [True, False], ids=["run_partial", "run"])
+def test_a_failing_conversation_stops_the_others(tokenizer: Any, partial: bool) -> None:
     prompts = _prompts(tokenizer, 4)
 
     class Failing(ScriptedEngine):
@@ -662,12 +663,17 @@ def test_a_failing_conversation_stops_the_partial_rollouts_others(tokenizer: Any
 
     async def scenario() -> None:
         with pytest.raises(RuntimeError, match="engine died"):
-            await rollout.run_partial(rollout.start([list(p) for p in prompts], 2), SAMPLING, 1)
+            if partial:
+                trajectories = rollout.start([list(p) for p in prompts], 2)
+                await rollout.run_partial(trajectories, SAMPLING, 1)
+            else:
+                await rollout.run([list(p) for p in prompts], SAMPLING)
         await asyncio.sleep(0.3)  # nothing of the failed rollout goes on running
 
     asyncio.run(scenario())
     assert engine.in_flight == 0 and rollout.router.requests_in_flight == 0
     assert not engine.answers  # the others were stopped, not answered after the failure
+    assert not rollout._stopping  # the next rollout is not stopped before it starts
 
 
 def test_the_groups_under_way_round_up_what_overSample_says() -> None:

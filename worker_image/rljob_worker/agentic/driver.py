@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -335,9 +335,28 @@ class MultiTurnRollout:
         slots = asyncio.Semaphore(self.limits.max_concurrent_conversations)
         trajectories = self.start(prompts)
         began = time.perf_counter()
-        await asyncio.gather(*(self._conversation(t, sampling, slots, began) for t in trajectories))
+        try:
+            await self._all([self._conversation(t, sampling, slots, began) for t in trajectories])
+        finally:
+            self._stopping = False
         self._check_idle()
         return trajectories
+
+    async def _all(self, conversations: Sequence[Awaitable[Trajectory]]) -> None:
+        """Await every conversation. If one fails, stop the others before raising (abort their
+        requests, cancel and await them), so that none sends a request after the rollout:
+        sglang's loop runs what is left of its tasks again at its next call. The caller resets
+        the stop flag this sets."""
+        tasks = [asyncio.ensure_future(c) for c in conversations]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            self._stopping = True
+            self._abort(self._engines())
+            for conversation in tasks:
+                conversation.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def run_partial(
         self, trajectories: Sequence[Trajectory], sampling: SamplingParams, groups: int
@@ -369,22 +388,12 @@ class MultiTurnRollout:
 
         slots = asyncio.Semaphore(self.limits.max_concurrent_conversations)
         began = time.perf_counter()
-        tasks = [
-            asyncio.ensure_future(self._conversation(t, sampling, slots, began, ended))
-            for t in trajectories
-            if t.ending is None
-        ]
         try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            # One conversation failed: stop the others too, so that none sends a request
-            # after the rollout (sglang's loop runs its tasks again at its next call).
-            self._stopping = True
-            self._abort(self._engines())
-            for conversation in tasks:
-                conversation.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            await self._all([
+                self._conversation(t, sampling, slots, began, ended)
+                for t in trajectories
+                if t.ending is None
+            ])  # fmt: skip
         finally:
             for stop in stopper:
                 stop.cancel()
