@@ -353,8 +353,8 @@ class RolloutSpec(_Spec):
     engine: EngineName = Field(
         default=EngineName.SGLANG,
         description="sglang: the production engine. torch: the reference engine on "
-        "transformers (CPU runs, tests and measurement; not a production engine). "
-        "Immutable after creation.",
+        "transformers' weights, for Qwen2, Qwen3, Llama and Mistral decoders (CPU runs, tests "
+        "and measurement; not a production engine). Immutable after creation.",
         json_schema_extra=immutable("spec.rollout.engine"),
     )
     tensor_parallel_size: int = Field(

@@ -117,7 +117,7 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        """What sglang's and the worker's layouts (DenseLayout, Qwen2Shape) use: config.json's
+        """What sglang's and the worker's layouts (DenseLayout, DecoderShape) use: config.json's
         head_dim first, else hidden // heads."""
         return self.config_head_dim or self.hidden // self.heads
 

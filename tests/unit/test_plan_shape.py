@@ -36,7 +36,7 @@ QWEN3_4B: dict[str, Any] = {
 # Qwen3-4B: the model card's "4.0B").
 QWEN3_4B_PARAMETERS = 4_022_468_096
 # K and V: 2 x 36 layers x 8 KV heads x 128 x 2 bytes (sglang's cell_size, DenseLayout's,
-# Qwen2Shape's), where hidden / heads would give 92,160.
+# DecoderShape's), where hidden / heads would give 92,160.
 QWEN3_4B_KV_BYTES_PER_TOKEN = 147_456
 
 

@@ -1,6 +1,7 @@
 """The torch reference engine on CPU: generation against transformers, weights, tags, KV sizing.
 
-A tiny Qwen2 model is saved to a temporary directory and loaded through from_pretrained.
+A tiny Qwen2 model is saved to a temporary directory and loaded through from_pretrained; tiny
+Llama, Qwen3 and Mistral models for the other decoders the engine runs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rljob_worker.engines.base import RolloutEngine, SamplingParams
+from rljob_worker.engines.paged_decoder import DecoderShape, Llama3Rope
 from rljob_worker.engines.torch_engine import (
     CPU_FALLBACK_KV_CAPACITY_TOKENS,
     KVCapacityError,
@@ -390,3 +392,112 @@ def test_an_abort_answers_waiting_requests_at_once_and_spares_later_ones(
     assert all(a.aborted and a.token_ids == [] == a.logprobs for a in aborted)
     assert not later.aborted
     assert later.token_ids == engine.generate_with_logprobs([PROMPTS[0]], GREEDY)[0].token_ids
+
+
+# The other decoders the memory plan sizes exactly: each a tiny random model saved and loaded
+# through from_pretrained, with the options that change the forward switched on.
+def _llama(**options: Any) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**_TINY, **options)
+    return LlamaForCausalLM(config)
+
+
+def _qwen3() -> Any:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # head_dim 32, not hidden / heads (16): Qwen3 configs give it explicitly.
+    return Qwen3ForCausalLM(Qwen3Config(**_TINY, head_dim=32))
+
+
+def _mistral() -> Any:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(**_TINY, sliding_window=None))
+
+
+_TINY: dict[str, Any] = {
+    "vocab_size": 97, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+    "rope_theta": 5000.0, "initializer_range": 0.3, "tie_word_embeddings": False,
+}  # fmt: skip
+# Llama 3.1's scaling with an original context of 16 positions, so that the prompts below
+# (up to 25 positions) reach past it and the head's 8 frequencies fall on both sides of it.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+ARCHITECTURES: dict[str, Any] = {
+    "llama": lambda: _llama(),
+    "llama-biases-llama3-rope": lambda: _llama(
+        attention_bias=True, mlp_bias=True, rope_parameters=LLAMA3_ROPE
+    ),
+    "qwen3": _qwen3,
+    "mistral": _mistral,
+}
+
+
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_other_decoders_generate_as_transformers_and_report_its_logprobs(
+    architecture: str, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    model = ARCHITECTURES[architecture]().eval()
+    # transformers starts biases at 0 and norms at 1: drawn instead, so that a bias or a norm
+    # the engine left out or misplaced changes the answers.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+            elif name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    engine = _engine(tmp_path)
+
+    got = engine.generate(PROMPTS, GREEDY)
+
+    assert got == [_hf_greedy(model, p, GREEDY.max_new_tokens) for p in PROMPTS]
+    assert len({tuple(r) for r in got}) == len(PROMPTS)
+    # Sampled, the log-probs the engine reports are transformers' for the same tokens.
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
+    for prompt, completion in zip(
+        PROMPTS, engine.generate_with_logprobs(PROMPTS, sampling), strict=True
+    ):
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        expected = token_logprobs(logits, ids[0, len(prompt) :], 1.0).logprobs
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+
+
+def test_llama3_rope_scaling_against_hand_computed_frequencies() -> None:
+    # Original context 16, factor 8, low/high frequency factors 1 and 4: wavelengths above 16
+    # are divided by 8, below 4 kept, between them interpolated with
+    # s = (16 / wavelength - 1) / (4 - 1).
+    rope = Llama3Rope(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_positions=16)  # fmt: skip
+    inv_freq = torch.tensor([2.0, 1.0, 0.1, 0.001])
+    # 2.0: wavelength pi, under 4: kept. 1.0: wavelength 2 pi, s = (16 / 2pi - 1) / 3 =
+    # 0.515494, so (1 - s) / 8 + s = 0.576057. 0.1 and 0.001: wavelengths 62.8 and 6283: / 8.
+    expected = torch.tensor([2.0, 0.576057, 0.0125, 0.000125])
+    assert torch.allclose(rope.scale(inv_freq), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"model_type": "gpt2"}, r"model_type='gpt2' is not supported.*qwen2, qwen3, llama, mistral"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "mistral sliding-window attention"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "qwen2 sliding-window attention"),
+        ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
+         "rope_type='yarn'"),
+    ],
+)  # fmt: skip
+def test_an_unsupported_decoder_is_refused_with_what_it_lacks(
+    config: dict[str, Any], message: str
+) -> None:
+    from types import SimpleNamespace
+
+    base = {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2,
+            "rms_norm_eps": 1e-6, "vocab_size": 97, "rope_theta": 1e4}  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        DecoderShape.from_config(SimpleNamespace(**{**base, **config}))

@@ -17,10 +17,11 @@ import yaml
 from support.model_cache import fresh_model_cache
 
 from rljob.api import RLJobSpec, ValidationSpec, WakeUp, parse_manifest
+from rljob.plan import TINY_QWEN2_CONFIG
 from rljob.report import IterationReport, Stage
 from rljob_worker.driver.local import LocalRun, run_local
 from rljob_worker.memory import OOMInjection
-from rljob_worker.model import load_causal_lm, resolve_model_path
+from rljob_worker.model import build_tokenizer, load_causal_lm, resolve_model_path
 from rljob_worker.stages import STAGED_ORDER, stage_order
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,13 +29,15 @@ RANKS = 2
 ITERATIONS = 2
 
 
-def _spec(wake_up: str = "staged", **algorithm: Any) -> RLJobSpec:
+def _spec(
+    wake_up: str = "staged", model: str = "builtin:tiny-qwen2", **algorithm: Any
+) -> RLJobSpec:
     doc = {
         "apiVersion": "rljob.dev/v1alpha1",
         "kind": "RLJob",
         "metadata": {"name": "worker-test"},
         "spec": {
-            "model": {"path": "builtin:tiny-qwen2", "dtype": "bfloat16"},
+            "model": {"path": model, "dtype": "bfloat16"},
             # A large learning rate so the weights visibly move between iterations.
             "algorithm": {
                 "name": "grpo",
@@ -125,10 +128,13 @@ def test_report_has_every_stage_for_every_rank(staged_run: LocalRun) -> None:
 
 
 def test_engine_weights_equal_training_weights_after_each_update(staged_run: LocalRun) -> None:
-    path = resolve_model_path("builtin:tiny-qwen2")
+    _assert_engine_got_every_update(staged_run, resolve_model_path("builtin:tiny-qwen2"))
+
+
+def _assert_engine_got_every_update(run: LocalRun, path: Path | str) -> None:
     names = {n for n, _ in load_causal_lm(path, torch.float32).named_parameters()}
     digests: dict[int, dict[str, str]] = {}
-    for item in staged_run.iterations:
+    for item in run.iterations:
         assert item.weights is not None
         assert set(item.weights.sent) == names, "every parameter is sent once per update"
         assert item.weights.mismatched == [], f"rank {item.rank} iteration {item.iteration}"
@@ -136,6 +142,46 @@ def test_engine_weights_equal_training_weights_after_each_update(staged_run: Loc
         assert digests.setdefault(item.iteration, item.weights.engine) == item.weights.engine
     # Training moved the weights, so equality above is not the checkpoint matching itself.
     assert digests[1] != digests[0] and digests[2] != digests[1]
+
+
+def _save_user_model(architecture: str, directory: Path) -> None:
+    """A tiny Llama or Qwen3 saved with the builtin tokenizer, as a user's checkpoint folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_tokenizer()
+    shape: dict[str, Any] = {
+        **TINY_QWEN2_CONFIG,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    torch.manual_seed(0)
+    if architecture == "llama":
+        # Llama's biases on and Llama 3.1's RoPE scaling, untied.
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}  # fmt: skip
+        config = LlamaConfig(**{**shape, "tie_word_embeddings": False}, attention_bias=True,
+                             mlp_bias=True, rope_parameters=rope)  # fmt: skip
+        model: Any = LlamaForCausalLM(config)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=32))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_a_users_llama_or_qwen3_trains_and_its_engine_gets_every_update(
+    architecture: str, tmp_path: Path
+) -> None:
+    """The whole loop on another decoder the torch engine runs, loaded from a folder."""
+    _save_user_model(architecture, tmp_path)
+    run = run_local(_spec(model=str(tmp_path)), RANKS, "cpu", verify_weights=True)
+    assert run.ok, run.errors
+    assert sorted((i.rank, i.iteration) for i in run.iterations) == [
+        (rank, iteration) for rank in range(RANKS) for iteration in range(ITERATIONS + 1)
+    ]
+    _assert_engine_got_every_update(run, tmp_path)
 
 
 def test_status_block_has_driver_fields_and_memory(staged_run: LocalRun) -> None:

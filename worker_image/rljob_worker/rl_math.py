@@ -124,7 +124,7 @@ def token_logprobs(
 ) -> TokenLogprobs:
     """log p(target) and the entropy of p, with p = softmax(logits / temperature), in float32.
 
-    The engines sample from logits / temperature (engines/paged_qwen2.sample_next, sglang):
+    The engines sample from logits / temperature (engines/paged_decoder.sample_next, sglang):
     the policy being trained is that distribution, so its log-probs are taken the same way.
     The entropy is a metric only: no gradient.
     """

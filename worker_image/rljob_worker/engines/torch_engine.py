@@ -36,10 +36,10 @@ from rljob_worker.engines.base import (
     Completion,
     SamplingParams,
 )
-from rljob_worker.engines.paged_qwen2 import (
+from rljob_worker.engines.paged_decoder import (
     NULL_BLOCK,
     BlockAllocator,
-    Qwen2Shape,
+    DecoderShape,
     forward_paged,
     sample_next,
 )
@@ -138,7 +138,7 @@ class TorchEngine(ColocatedEngine):
             str(model_path), dtype=_as_dtype(dtype) if dtype is not None else "auto"
         )
         self.config = hf_model.config
-        self.shape = Qwen2Shape.from_config(self.config)
+        self.shape = DecoderShape.from_config(self.config)
         self.dtype = _as_dtype(dtype) if dtype is not None else hf_model.dtype
         self._params: dict[str, torch.Tensor] = {}
         with self._saver.region(TAG_WEIGHTS):

@@ -1,7 +1,9 @@
-"""The torch engine's compute: a Qwen2 decoder forward over a paged KV pool, and token sampling.
+"""The torch engine's compute: a dense decoder's forward over a paged KV pool, and token sampling.
 
 Written over the Hugging Face parameter tensors (same names, same math as transformers'
-Qwen2 modules) so that it depends on no transformers internals such as its Cache classes.
+Qwen2, Qwen3, Llama and Mistral modules) so that it depends on no transformers internals such
+as its Cache classes. These are the model types the memory plan sizes exactly
+(rljob.api.model.PLANNED_MODEL_TYPES), with the same bias rules (rljob.plan.model_shape).
 """
 
 from __future__ import annotations
@@ -21,10 +23,38 @@ from rljob_worker.engines.base import SamplingParams
 # arbitrary, possibly NaN, and 0 * NaN is NaN even under a zero attention weight).
 NULL_BLOCK = 0
 
+# The decoders this engine runs: transformers' model_type values.
+MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+# Those with a per-head RMSNorm on the queries and keys before RoPE (q_norm, k_norm).
+QK_NORM_MODEL_TYPES = frozenset({"qwen3"})
+
 
 @dataclass(frozen=True)
-class Qwen2Shape:
-    """The few config numbers the forward needs, read once from a transformers Qwen2Config."""
+class Llama3Rope:
+    """Llama 3.1's RoPE scaling (rope_type "llama3"): long wavelengths divided by `factor`,
+    short ones kept, the band between interpolated."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        low_wavelen = self.original_max_positions / self.low_freq_factor
+        high_wavelen = self.original_max_positions / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_positions / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The config numbers and options the forward needs, read once from a transformers config."""
 
     num_layers: int
     num_heads: int
@@ -33,42 +63,74 @@ class Qwen2Shape:
     rms_norm_eps: float
     rope_theta: float
     vocab_size: int
+    qk_norm: bool = False
+    llama3_rope: Llama3Rope | None = None
 
     @classmethod
-    def from_config(cls, config: Any) -> Qwen2Shape:
-        if getattr(config, "model_type", None) != "qwen2":
+    def from_config(cls, config: Any) -> DecoderShape:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in MODEL_TYPES:
             raise ValueError(
-                f"torch engine: model_type={getattr(config, 'model_type', None)!r} is not "
-                "supported; the reference engine implements the Qwen2 architecture only"
+                f"torch engine: model_type={model_type!r} is not supported; the reference engine "
+                f"runs {', '.join(MODEL_TYPES)} decoders (use engine sglang for others)"
             )
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("torch engine: Qwen2 sliding-window attention is not supported")
-        # transformers 5 keeps RoPE settings in rope_parameters; 4.x had rope_theta/rope_scaling.
-        rope = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type") or (getattr(config, "rope_scaling", None) or {}).get(
-            "rope_type", "default"
+        # Qwen2/Qwen3 switch sliding windows on with use_sliding_window; Mistral's config has
+        # the window itself (None: full attention, as in Mistral 7B v0.2 and later).
+        sliding = getattr(config, "use_sliding_window", False) or (
+            model_type == "mistral" and getattr(config, "sliding_window", None) is not None
         )
-        if rope_type != "default":
+        if sliding:
+            raise ValueError(
+                f"torch engine: {model_type} sliding-window attention is not supported"
+            )
+        activation = getattr(config, "hidden_act", "silu")
+        if activation != "silu":
+            raise ValueError(f"torch engine: hidden_act={activation!r} is not supported (silu)")
+        # transformers 5 keeps RoPE settings in rope_parameters; 4.x had rope_theta/rope_scaling.
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        scaling = dict(getattr(config, "rope_scaling", None) or {})
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+        rope_type = rope_type or "default"
+        if rope_type not in ("default", "llama3"):
             raise ValueError(f"torch engine: rope_type={rope_type!r} is not supported")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("torch engine: a partial rotary factor is not supported")
         rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
         if rope_theta is None:
             raise ValueError("torch engine: the model config has no rope_theta")
+        llama3 = None
+        if rope_type == "llama3":
+            options = {**scaling, **rope}
+            llama3 = Llama3Rope(
+                factor=float(options["factor"]),
+                low_freq_factor=float(options["low_freq_factor"]),
+                high_freq_factor=float(options["high_freq_factor"]),
+                original_max_positions=int(options["original_max_position_embeddings"]),
+            )
         num_heads = int(config.num_attention_heads)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         return cls(
             num_layers=int(config.num_hidden_layers),
             num_heads=num_heads,
-            num_kv_heads=int(config.num_key_value_heads),
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(config.rms_norm_eps),
             rope_theta=float(rope_theta),
             vocab_size=int(config.vocab_size),
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
+            llama3_rope=llama3,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token across all layers."""
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """RoPE's inverse frequencies (fp32), as transformers' rope init functions compute them."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device)
+        inv_freq = 1.0 / (self.rope_theta ** (exponents / self.head_dim))
+        return inv_freq if self.llama3_rope is None else self.llama3_rope.scale(inv_freq)
 
 
 class BlockAllocator:
@@ -98,13 +160,10 @@ class BlockAllocator:
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, shape: Qwen2Shape, dtype: torch.dtype
+    positions: torch.Tensor, shape: DecoderShape, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, T, head_dim] as transformers' default RoPE computes them (fp32, then cast)."""
-    dim = shape.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.float, device=positions.device) / dim
-    inv_freq = 1.0 / (shape.rope_theta**exponents)
-    freqs = positions[..., None].float() * inv_freq
+    """cos/sin [B, T, head_dim] as transformers' RoPE computes them (fp32, then cast)."""
+    freqs = positions[..., None].float() * shape.inv_freq(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -115,7 +174,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as Qwen2RMSNorm: fp32 statistics, cast back, then scale.
+    # Same order of operations as Qwen2RMSNorm (and Llama's, Qwen3's): fp32 statistics, cast
+    # back, then scale.
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -132,7 +192,7 @@ def token_slots(
 @torch.no_grad()
 def forward_paged(
     params: Mapping[str, torch.Tensor],
-    shape: Qwen2Shape,
+    shape: DecoderShape,
     kv_pool: torch.Tensor,
     block_tables: torch.Tensor,
     tokens: torch.Tensor,
@@ -174,12 +234,17 @@ def forward_paged(
         residual = hidden
         x = _rms_norm(hidden, params[prefix + "input_layernorm.weight"], shape.rms_norm_eps)
         attn = prefix + "self_attn."
-        q = F.linear(x, params[attn + "q_proj.weight"], params[attn + "q_proj.bias"])
-        k = F.linear(x, params[attn + "k_proj.weight"], params[attn + "k_proj.bias"])
-        v = F.linear(x, params[attn + "v_proj.weight"], params[attn + "v_proj.bias"])
+        # Biases as the checkpoint has them: Qwen2's q/k/v always, Llama's and Qwen3's with
+        # attention_bias (o_proj too), Llama's gate/up/down with mlp_bias, Mistral's none.
+        q = F.linear(x, params[attn + "q_proj.weight"], params.get(attn + "q_proj.bias"))
+        k = F.linear(x, params[attn + "k_proj.weight"], params.get(attn + "k_proj.bias"))
+        v = F.linear(x, params[attn + "v_proj.weight"], params.get(attn + "v_proj.bias"))
         q = q.view(batch, steps, hq, hd)
         k = k.view(batch, steps, hkv, hd)
         v = v.view(batch, steps, hkv, hd)
+        if shape.qk_norm:
+            q = _rms_norm(q, params[attn + "q_norm.weight"], shape.rms_norm_eps)
+            k = _rms_norm(k, params[attn + "k_norm.weight"], shape.rms_norm_eps)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
 
@@ -201,16 +266,21 @@ def forward_paged(
             enable_gqa=hq != hkv,
         )
         out = out.transpose(1, 2).reshape(batch, steps, hq * hd)
-        hidden = residual + F.linear(out, params[attn + "o_proj.weight"])
+        hidden = residual + F.linear(
+            out, params[attn + "o_proj.weight"], params.get(attn + "o_proj.bias")
+        )
 
         residual = hidden
         x = _rms_norm(
             hidden, params[prefix + "post_attention_layernorm.weight"], shape.rms_norm_eps
         )
         mlp = prefix + "mlp."
-        gate = F.silu(F.linear(x, params[mlp + "gate_proj.weight"]))
+        gate = F.silu(
+            F.linear(x, params[mlp + "gate_proj.weight"], params.get(mlp + "gate_proj.bias"))
+        )
+        up = F.linear(x, params[mlp + "up_proj.weight"], params.get(mlp + "up_proj.bias"))
         hidden = residual + F.linear(
-            gate * F.linear(x, params[mlp + "up_proj.weight"]), params[mlp + "down_proj.weight"]
+            gate * up, params[mlp + "down_proj.weight"], params.get(mlp + "down_proj.bias")
         )
 
     last = hidden[torch.arange(batch, device=device), last_index]
