@@ -53,8 +53,11 @@ def reconcile(
     spec, problems = parse_spec(body)
     try:
         if spec is None or problems:
-            write_status(namespace, name, Observing(spec, None, None, problems), logger, uid=uid)
             text = "; ".join(f"{path}: {msg}" for path, msg in problems)
+            if _refuse_invalid_update(namespace, name, uid, logger):
+                logger.warning(f"RLJob {namespace}/{name}: update refused: {text}")
+                return
+            write_status(namespace, name, Observing(spec, None, None, problems), logger, uid=uid)
             raise kopf.PermanentError(f"RLJob {name}: {text}")
         run_spec = status.applied_after_update(spec, APPLIED.read(namespace, name, uid))
         if status.timed_out(body.get("status") or {}):
@@ -98,6 +101,25 @@ def reconcile(
         raise kube.as_kopf_error(exc, f"RLJob {namespace}/{name}") from exc
 
 
+def _refuse_invalid_update(
+    namespace: str, name: str, uid: str, logger: kopf.Logger | logging.Logger
+) -> bool:
+    """An invalid spec of a job whose children exist (it runs, or ran, with the spec in its
+    ConfigMap): the update is refused and status observes the job as it runs (Observing), its
+    attempts and RayJob kept; True. A job with no children yet: False (it fails InvalidSpec)."""
+    applied = APPLIED.read(namespace, name, uid)
+    if applied is None:
+        return False
+    with LOCKS.hold(namespace, name):
+        rljob = kube.get_rljob(namespace, name)
+        if rljob is None or rljob["metadata"]["uid"] != uid:
+            return True  # gone meanwhile: nothing to write
+        attempt = attempts.current(name, applied, rljob.get("status") or {})
+        rayjob = identity.own(kube.get_rayjob(namespace, attempt.ray_job), uid)
+        write_status(namespace, name, Observing(None, applied, rayjob), logger, uid=uid)
+    return True
+
+
 REASON_VOLUME_ACCESS = "VolumeAccessMode"
 
 
@@ -132,12 +154,18 @@ def rayjob_changed(
     name = labels[render.JOB_LABEL]
     assert namespace is not None  # RayJobs are namespaced
     uid = identity.job_uid(body)
-    if uid is None or (type != "DELETED" and identity.terminating(body)):
-        # Not made by this operator for a job it can name by uid, or on its way out (KubeRay's
-        # finalizer holds a deleted RayJob, still showing its last status): nothing to mirror.
-        # Its DELETED event comes next.
-        return
-    rayjob = None if type == "DELETED" else dict(body)
+    if uid is None:
+        return  # not made by this operator for a job it can name by uid
+    rayjob: dict[str, Any] | None = dict(body)
+    # On its way out (KubeRay's finalizer holds a deleted RayJob, still showing its last
+    # status), or gone. Where that last status says the job ended, it is mirrored: if the write
+    # of that end failed, this is the last chance to record it, and a job whose end is not
+    # recorded would be applied again (run a second time) as a job not started.
+    leaving = type == "DELETED" or identity.terminating(body)
+    if leaving and attempts.ended(body) == attempts.RUNNING:
+        if type != "DELETED":
+            return  # nothing to mirror yet: its DELETED event comes next
+        rayjob = None
     try:
         with LOCKS.hold(namespace, name):
             if MIRRORED.holds(namespace, name, rayjob):
@@ -244,8 +272,17 @@ def _time_out(owner: render.Owner, logger: kopf.Logger) -> None:
             rljob = kube.get_rljob(namespace, name)
             if rljob is None or rljob["metadata"]["uid"] != owner.uid:
                 return  # deleted (and maybe applied again) since the timer fired
+            deadline = status.startup_deadline(rljob)
+            if deadline is None or datetime.datetime.now(datetime.UTC) < deadline:
+                return  # status moved on since the timer's body (running, suspended, retried)
             attempt = attempts.current(name, applied, rljob.get("status") or {})
             rayjob = identity.own(kube.get_rayjob(namespace, attempt.ray_job), owner.uid)
+            if rayjob is not None and status.rayjob_started(rayjob):
+                # It runs, or has ended, and status has not said so yet (that write failed,
+                # or it started just now): mirror it; suspending would stop a running job.
+                write_status(namespace, name, Observing(None, applied, rayjob), logger,
+                             uid=owner.uid)  # fmt: skip
+                return
             if rayjob is not None and applied is not None:
                 # Suspend first: if this fails the job is still Starting and the timer retries.
                 suspended = applied.model_copy(update={"suspend": True})
@@ -302,11 +339,13 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
             rljob = kube.get_rljob(namespace, name)
             if rljob is None or identity.terminating(rljob):
                 return  # a job being deleted starts no attempt (kopf's finalizer may hold it)
-            spec, problems = parse_spec(rljob)
-            if spec is None or problems:
-                return
             uid = str(rljob["metadata"]["uid"])
             applied = APPLIED.read(namespace, name, uid)
+            spec, problems = parse_spec(rljob)
+            if spec is None or problems:
+                if applied is None:
+                    return
+                spec = applied  # an invalid update, refused: the job goes on as it runs
             run_spec = status.applied_after_update(spec, applied)
             current = dict(rljob.get("status") or {})
             attempt = attempts.current(name, run_spec, current)

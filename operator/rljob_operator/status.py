@@ -123,6 +123,10 @@ class Observed:
     oom_stop: tuple[str, str] | None = None
     # The driver's status.checkpointFailure of the current attempt: Failed says CheckpointFailed.
     checkpoint_failure: CheckpointFailure | None = None
+    # An update of a job that has its children already (a live or finished job) whose spec
+    # fails validation: refused (SpecApplied UpdateRefused, these problems), and the job is
+    # observed with the spec it runs with (`spec` is that one then), not failed.
+    invalid_update: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -192,11 +196,17 @@ def _phase_and_reasons(obs: Observed) -> tuple[Phase, dict[str, tuple[bool, str,
         }
     conditions: dict[str, tuple[bool, str, str]] = {}
     refused = refused_fields(obs.spec, obs.applied_spec)
-    conditions[SPEC_APPLIED] = (
-        (False, REASON_UPDATE_REFUSED, "cannot change a live job: " + ", ".join(refused))
-        if refused
-        else (True, REASON_APPLIED, "the RayJob reflects the spec")
-    )
+    if obs.invalid_update:
+        text = "; ".join(f"{path}: {msg}" for path, msg in obs.invalid_update)
+        conditions[SPEC_APPLIED] = (
+            False, REASON_UPDATE_REFUSED, f"the update is invalid, the job runs as before: {text}"
+        )  # fmt: skip
+    elif refused:
+        conditions[SPEC_APPLIED] = (
+            False, REASON_UPDATE_REFUSED, "cannot change a live job: " + ", ".join(refused)
+        )  # fmt: skip
+    else:
+        conditions[SPEC_APPLIED] = (True, REASON_APPLIED, "the RayJob reflects the spec")
     if obs.rayjob is None:
         what = "RayJob not created yet"
         if obs.attempts and len(obs.attempts) > 1:
@@ -548,6 +558,13 @@ def startup_deadline(rljob: Mapping[str, Any]) -> datetime.datetime | None:
     spec = rljob.get("spec") or {}
     timeout = int(spec.get("startupTimeoutSeconds") or DEFAULT_STARTUP_TIMEOUT_SECONDS)
     return since + datetime.timedelta(seconds=timeout)
+
+
+def rayjob_started(rayjob: Mapping[str, Any]) -> bool:
+    """Whether the RayJob's Ray job runs or has ended: a job past that has started, whatever its
+    RLJob's status says yet (the startup deadline no longer applies to it)."""
+    job_status = (rayjob.get("status") or {}).get("jobStatus", "")
+    return job_status == "RUNNING" or attempts.ended(rayjob) != attempts.RUNNING
 
 
 def timed_out(current: Mapping[str, Any]) -> bool:

@@ -84,10 +84,16 @@ class Observing:
         self, rljob: dict[str, Any]
     ) -> tuple[dict[str, Any], list[status.Transition]] | None:
         spec, problems = self.spec, self.problems
+        invalid_update: list[tuple[str, str]] = []
         if spec is None and not problems:
             spec, problems = parse_spec(rljob)
             if spec is None or problems:
-                return None
+                if self.applied is None:
+                    return None  # reconcile() owns the InvalidSpec status of a job not applied
+                # An invalid update of a job that runs (or ran) with `applied`: refused; the
+                # job is observed as it runs, its status and attempts kept.
+                invalid_update = problems or [("spec", "invalid")]
+                spec, problems = self.applied, []
         current = dict(rljob.get("status") or {})
         meta = rljob["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
@@ -98,8 +104,13 @@ class Observing:
         about = self.rayjob["metadata"]["name"] if self.rayjob is not None else self.rayjob_name
         if about is not None and about != attempts.current_ray_job(meta["name"], current):
             return None  # an earlier attempt's RayJob: its outcome is recorded already
-        if self.rayjob is None and attempts.finished(meta["name"], current):
-            return None  # the current attempt's RayJob ended, then went: the outcome stands
+        if attempts.finished(meta["name"], current) and (
+            self.rayjob is None or attempts.ended(self.rayjob) == attempts.RUNNING
+        ):
+            # The current attempt's RayJob ended, then went, or an event older than that end
+            # (a watch behind a fresh read) shows it running: the outcome stands. An ended
+            # RayJob does not run again; KubeRay's own retries (backoffLimit) do not end it.
+            return None
         rayjob, step = self.rayjob, attempts.Step(None)
         if spec is not None and not problems:
             run_spec = status.applied_after_update(spec, self.applied)
@@ -128,6 +139,7 @@ class Observing:
             checkpoint_failure=status.checkpoint_failure(
                 current, int((step.attempts or [{"attempt": 1}])[-1]["attempt"])
             ),
+            invalid_update=invalid_update,
         )
         return status.compute(observed, now())
 

@@ -72,6 +72,28 @@ def test_keep_deletes_only_older_than_the_newest_complete(
     assert sorted(int(p.name.split("-")[1]) for p in tmp_path.iterdir()) == left
 
 
+def test_a_checkpoint_that_cannot_be_deleted_is_kept_and_the_others_pruned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """keep 1 after iteration 3's save: iteration 1's marker cannot be removed (EACCES: another
+    owner's directory), so it is kept and logged, iteration 2 still goes, and prune returns
+    only what it deleted. Before, the OSError failed the save that had just completed."""
+    for iteration in (1, 2, 3):
+        _make(tmp_path, iteration, complete=True)
+    stuck = checkpoint_dir(tmp_path, 1) / MARKER
+    unlink = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self == stuck:
+            raise PermissionError(13, "Permission denied", str(self))
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    deleted = prune(tmp_path, 1)
+    assert deleted == [checkpoint_dir(tmp_path, 2)]
+    assert sorted(int(p.name.split("-")[1]) for p in tmp_path.iterdir()) == [1, 3]
+
+
 def test_a_checkpoint_of_another_model_is_refused_with_what_to_do(tmp_path: Path) -> None:
     spec = RLJobSpec.model_validate({"model": {"path": "Qwen/Qwen2.5-1.5B"}})
     check_compatible({"modelPath": "Qwen/Qwen2.5-1.5B"}, spec, tmp_path)
@@ -258,3 +280,52 @@ def test_a_directory_the_worker_may_not_write_fails_at_the_start(field: str) -> 
     assert "; it runs as uid " in said and "spec.resources.fsGroup" in said, said
     assert ours is None
     assert left == (["run"] if field == "checkpoint" else [])
+
+
+class _OneCard:
+    """Stand-in for torch.cuda on a process that sees one card (no GPU on this machine): the
+    generator states it is asked to set, by device."""
+
+    def __init__(self) -> None:
+        self.set: list[tuple[int, str]] = []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": "state-of-0")
+
+        def set_rng_state(state: str, device: int | str = "cuda") -> None:
+            index = 0 if device == "cuda" else int(device)
+            if index >= 1:
+                raise IndexError("tuple index out of range")  # what torch raises there
+            self.set.append((index, state))
+
+        def set_rng_state_all(states: list[str]) -> None:
+            for index, state in enumerate(states):
+                set_rng_state(state, index)
+
+        monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_rng_state_all)
+
+
+@pytest.mark.parametrize("written", ["now", "before"])
+def test_a_checkpoint_resumes_where_the_process_sees_fewer_cards_than_the_saver(
+    monkeypatch: pytest.MonkeyPatch, written: str
+) -> None:
+    """A rank's CUDA RNG state is its own device's: a checkpoint saved by a process that saw
+    the host's 8 cards (the local driver) resumes in one that sees 1 (under Ray). Checkpoints
+    written before kept every card's state: the rank's device's is restored, the rest left."""
+    from rljob_worker import checkpoint
+
+    card = _OneCard()
+    card.install(monkeypatch)
+    state = checkpoint._rng_state()
+    assert state["cuda_device"] == "state-of-0" and "cuda" not in state
+    if written == "before":
+        del state["cuda_device"]
+        state["cuda"] = [f"state-of-{i}" for i in range(8)]
+    checkpoint._set_rng_state(state)
+    assert card.set == [(0, "state-of-0")]

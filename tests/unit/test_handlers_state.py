@@ -353,3 +353,164 @@ def test_a_kill_whose_write_failed_is_recorded_from_the_pods_deletion(
     _pod_event("DELETED", pod)  # a repeated event counts nothing twice
     assert store.rljobs["gone"]["status"]["oomEvents"] == events
     assert _left()["kills"] == 0
+
+
+def _applying(monkeypatch: pytest.MonkeyPatch, store: Store, name: str, uid: str) -> list[Any]:
+    """The job's ConfigMap in place (so the spec it runs with is known) and every apply
+    recorded: the list of objects applied."""
+    kube = handlers.kube
+    owner = render.Owner(name=name, namespace="ns", uid=uid)
+    config = render.config_map(owner, RLJobSpec.model_validate(SPEC))
+    config["metadata"] |= {"uid": f"cm-{uid}", "resourceVersion": "1"}
+    monkeypatch.setattr(kube, "get_config_map", lambda ns, n: config)
+    monkeypatch.setattr(kube, "get_child", lambda kind, ns, n: None)
+    applied: list[Any] = []
+
+    def apply(obj: dict[str, Any]) -> dict[str, Any]:
+        applied.append(obj)
+        return {**obj, "metadata": {**obj["metadata"], "uid": "u", "resourceVersion": "2"}}
+
+    monkeypatch.setattr(kube, "apply", apply)
+    return applied
+
+
+@pytest.mark.parametrize("job_status", ["RUNNING", "SUCCEEDED"])
+def test_the_startup_timer_leaves_a_job_that_started_since_its_last_status_alone(
+    store: Store, monkeypatch: pytest.MonkeyPatch, job_status: str
+) -> None:
+    """The timer's body says Starting past the deadline, but the RayJob runs (or has ended) by
+    the time the timer reads it (its status write had failed, or it started just before the
+    deadline): the job is not suspended nor failed for not starting; status mirrors the RayJob."""
+    applied = _applying(monkeypatch, store, "late", "uid-l")
+    job = _rljob("late", "uid-l")
+    job["metadata"]["creationTimestamp"] = "2026-11-26T00:00:00Z"
+    job["status"] = {"phase": "Starting"}
+    store.rljobs["late"] = job
+    rayjob = _rayjob("late", "uid-l", job_status)
+    if job_status == "SUCCEEDED":
+        rayjob["status"]["jobDeploymentStatus"] = "Complete"
+    store.rayjobs["late"] = rayjob
+    handlers._time_out(render.Owner(name="late", namespace="ns", uid="uid-l"), LOG)
+    assert [o["kind"] for o in applied if (o.get("spec") or {}).get("suspend")] == []
+    phase = store.rljobs["late"]["status"]["phase"]
+    assert phase == ("Running" if job_status == "RUNNING" else "Succeeded"), phase
+
+
+def test_the_startup_timer_suspends_a_job_still_starting_past_its_deadline(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check above changes nothing for a job that is still not running."""
+    applied = _applying(monkeypatch, store, "slow", "uid-s")
+    job = _rljob("slow", "uid-s")
+    job["metadata"]["creationTimestamp"] = "2026-11-26T00:00:00Z"
+    job["status"] = {"phase": "Starting"}
+    store.rljobs["slow"] = job
+    rayjob = _rayjob("slow", "uid-s", "PENDING")
+    rayjob["status"]["jobDeploymentStatus"] = "Initializing"
+    store.rayjobs["slow"] = rayjob
+    handlers._time_out(render.Owner(name="slow", namespace="ns", uid="uid-s"), LOG)
+    assert [o["kind"] for o in applied if (o.get("spec") or {}).get("suspend")] == ["RayJob"]
+    assert store.rljobs["slow"]["status"]["phase"] == "Failed"
+
+
+def test_an_end_whose_write_failed_is_recorded_from_the_rayjobs_deletion_and_not_run_again(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The RayJob's SUCCEEDED event's status write fails, then the RayJob is deleted (by a user,
+    or by KubeRay's DELETE_RAYJOB_CR_AFTER_JOB_FINISHES): its terminating and DELETED events
+    still show how it ended, and that is recorded; the operator's resume then applies no
+    RayJob (the job is not run a second time). Before, both events were taken as "no RayJob":
+    the job went back to Pending and a resume applied it again."""
+    from kubernetes.client.exceptions import ApiException
+
+    applied = _applying(monkeypatch, store, "done", "uid-d")
+    store.rljobs["done"] = _rljob("done", "uid-d")
+    running = _rayjob("done", "uid-d")
+    store.rayjobs["done"] = running
+    _rayjob_event("ADDED", running)
+    assert store.rljobs["done"]["status"]["phase"] == "Running"
+    ended = {**running, "status": {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}}
+    kube = handlers.kube
+    write = kube.apply_status
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ApiException(status=500, reason="etcd timeout")
+
+    monkeypatch.setattr(kube, "apply_status", refuse)
+    _rayjob_event("MODIFIED", ended)
+    assert store.rljobs["done"]["status"]["phase"] == "Running"  # the write failed
+    monkeypatch.setattr(kube, "apply_status", write)
+    terminating = {**ended, "metadata": {**ended["metadata"], "deletionTimestamp": "now"}}
+    del store.rayjobs["done"]
+    _rayjob_event("MODIFIED", terminating)
+    _rayjob_event("DELETED", terminating)
+    assert store.rljobs["done"]["status"]["phase"] == "Succeeded"
+    reconcile: Any = handlers.reconcile
+    reconcile(body=store.rljobs["done"], name="done", namespace="ns", uid="uid-d", logger=LOG)
+    assert [o["kind"] for o in applied if o["kind"] == "RayJob"] == []
+    assert store.rljobs["done"]["status"]["phase"] == "Succeeded"
+
+
+def test_a_running_rayjob_deleted_leaves_its_job_pending(store: Store) -> None:
+    """A RayJob deleted while its Ray job ran (not ended): its terminating event mirrors nothing
+    and its DELETED event says the RayJob is gone, as before."""
+    store.rljobs["cut"] = _rljob("cut", "uid-c")
+    running = _rayjob("cut", "uid-c")
+    store.rayjobs["cut"] = running
+    _rayjob_event("ADDED", running)
+    terminating = {**running, "metadata": {**running["metadata"], "deletionTimestamp": "now"}}
+    _rayjob_event("MODIFIED", terminating)
+    assert store.rljobs["cut"]["status"]["phase"] == "Running"
+    del store.rayjobs["cut"]
+    _rayjob_event("DELETED", terminating)
+    assert store.rljobs["cut"]["status"]["phase"] == "Pending"
+
+
+def test_an_invalid_update_of_a_live_job_is_refused_and_keeps_its_status(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A running job whose spec is updated to a checkpoint path on no volume (a problem the
+    handler finds, not the CRD): the update is refused (SpecApplied UpdateRefused, naming the
+    field), the job stays Running with its RayJob and attempts as they were, and a later RayJob
+    event is still mirrored. Before, the job went Failed (InvalidSpec) with its RayJob and
+    attempts dropped from status, while its RayJob ran on."""
+    _applying(monkeypatch, store, "live", "uid-v")
+    job = _rljob("live", "uid-v")
+    store.rljobs["live"] = job
+    running = _rayjob("live", "uid-v")
+    store.rayjobs["live"] = running
+    _rayjob_event("ADDED", running)
+    before = dict(job["status"])
+    assert before["phase"] == "Running" and before["rayJob"]["name"] == "live"
+    job["spec"] = {**SPEC, "checkpoint": {"path": "/nowhere/ckpt"}}
+    reconcile: Any = handlers.reconcile
+    reconcile(body=job, name="live", namespace="ns", uid="uid-v", logger=LOG)
+    held = job["status"]
+    assert held["phase"] == "Running", held
+    assert held["rayJob"] == before["rayJob"]
+    assert held.get("attempts") == before.get("attempts")
+    spec_applied = next(c for c in held["conditions"] if c["type"] == "SpecApplied")
+    assert spec_applied["status"] == "False" and spec_applied["reason"] == "UpdateRefused"
+    assert "spec.checkpoint.path" in spec_applied["message"]
+    ended = {**running, "status": {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}}
+    store.rayjobs["live"] = ended
+    _rayjob_event("MODIFIED", ended)
+    assert job["status"]["phase"] == "Succeeded"
+
+
+def test_a_stale_running_event_after_the_end_was_recorded_changes_nothing(
+    store: Store,
+) -> None:
+    """The RayJob's end is recorded from a fresh read (a pod's cause changed), then the RayJob
+    watch delivers its older RUNNING state: the job stays Succeeded, with no second Running and
+    Succeeded transition. Before, the phase went Succeeded, Running, Succeeded."""
+    store.rljobs["stale"] = _rljob("stale", "uid-t")
+    running = _rayjob("stale", "uid-t")
+    ended = {**running, "status": {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}}
+    store.rayjobs["stale"] = ended
+    _pod_event("MODIFIED", _pod("stale", "uid-t", oom_killed=False))  # reads the RayJob
+    assert store.rljobs["stale"]["status"]["phase"] == "Succeeded"
+    writes = store.status_writes
+    _rayjob_event("MODIFIED", running)
+    assert store.rljobs["stale"]["status"]["phase"] == "Succeeded"
+    assert store.status_writes == writes

@@ -129,7 +129,9 @@ def newest_complete(root: Path) -> tuple[int, Path] | None:
 def prune(root: Path, keep: int) -> list[Path]:
     """Delete complete checkpoints older than the newest `keep`, and unfinished ones older
     than the newest complete (a crashed save: never picked, never finished). Run only after a
-    save completed, so at least one complete checkpoint always remains. Returns the deleted."""
+    save completed, so at least one complete checkpoint always remains. Returns the deleted.
+    One that cannot be deleted (its marker not removable: another owner, a read-only mount) is
+    logged and kept: the save that just completed stands, and the next save tries again."""
     complete = complete_checkpoints(root)
     if not complete:
         return []
@@ -141,25 +143,45 @@ def prune(root: Path, keep: int) -> list[Path]:
         for p in root.iterdir()
         if (i := _iteration_of(p)) is not None and i < newest and not (p / MARKER).exists()
     ]
+    deleted = []
     for path in doomed:
         # The marker first: a deletion cut short leaves a directory that is no longer picked.
-        (path / MARKER).unlink(missing_ok=True)
+        try:
+            (path / MARKER).unlink(missing_ok=True)
+        except OSError as error:
+            log.warning("checkpoint: %s not deleted (kept; the next save tries again): %s",
+                        path, error)  # fmt: skip
+            continue
         shutil.rmtree(path, ignore_errors=True)
-    return sorted(doomed)
+        deleted.append(path)
+    return sorted(deleted)
 
 
 def _rng_state() -> dict[str, Any]:
+    """The RNG states a rank restores on resume. CUDA's: the rank's own device only, not every
+    device the process sees (all of the host's under the local driver, one under Ray): a
+    checkpoint resumed where fewer devices are visible would otherwise set a generator that
+    does not exist there (IndexError) and fail every retry."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.get_rng_state()
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available():
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"])
+    elif "cuda" in state:
+        # Written before the above: one state per device the saving process saw. This rank's
+        # device, where it was seen; nothing samples from the CUDA generator (the engines seed
+        # each request), so a state not found is not restored.
+        device = torch.cuda.current_device()
+        if device < len(state["cuda"]):
+            torch.cuda.set_rng_state(state["cuda"][device])
 
 
 def _rank() -> tuple[int, int]:
