@@ -341,11 +341,15 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
                 return  # a job being deleted starts no attempt (kopf's finalizer may hold it)
             uid = str(rljob["metadata"]["uid"])
             applied = APPLIED.read(namespace, name, uid)
-            spec, problems = parse_spec(rljob)
-            if spec is None or problems:
-                if applied is None:
-                    return
-                spec = applied  # an invalid update, refused: the job goes on as it runs
+            said, problems = parse_spec(rljob)
+            if problems:
+                said = None
+            # An invalid update (said None) of a job with children is refused: the job goes on
+            # as it runs. Observing is given no spec then: it parses the RLJob's again and says
+            # the update is refused.
+            spec = said if said is not None else applied
+            if spec is None:
+                return
             run_spec = status.applied_after_update(spec, applied)
             current = dict(rljob.get("status") or {})
             attempt = attempts.current(name, run_spec, current)
@@ -363,9 +367,9 @@ def _follow_attempt(namespace: str, name: str, logger: kopf.Logger | logging.Log
                 stored = apply_children(owner, spec, run_spec, 0, logger, attempt=attempt)
                 APPLIED.remember(namespace, name, stored["ConfigMap"], run_spec)
                 logger.info(f"RLJob {namespace}/{name}: attempt {attempt.number} started")
-                observing = Observing(spec, run_spec, stored.get("RayJob"), reconciled=True)
+                observing = Observing(said, run_spec, stored.get("RayJob"), reconciled=True)
             else:
-                observing = Observing(spec, applied, rayjob)
+                observing = Observing(said, applied, rayjob)
             write_status(namespace, name, observing, logger, uid=uid)
     except (ApiException, HTTPError, kopf.TemporaryError, kopf.PermanentError) as exc:
         logger.warning(f"RLJob {namespace}/{name}: OOM policy attempt not advanced yet: {exc}")

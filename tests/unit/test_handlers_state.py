@@ -492,6 +492,11 @@ def test_an_invalid_update_of_a_live_job_is_refused_and_keeps_its_status(
     spec_applied = next(c for c in held["conditions"] if c["type"] == "SpecApplied")
     assert spec_applied["status"] == "False" and spec_applied["reason"] == "UpdateRefused"
     assert "spec.checkpoint.path" in spec_applied["message"]
+    # The OOM policy's step (an RLJob event, the timer) observes the job as it runs and keeps
+    # the refusal: SpecApplied does not turn True for a spec that was never applied.
+    handlers._follow_attempt("ns", "live", LOG)
+    spec_applied = next(c for c in job["status"]["conditions"] if c["type"] == "SpecApplied")
+    assert spec_applied["status"] == "False" and spec_applied["reason"] == "UpdateRefused"
     ended = {**running, "status": {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}}
     store.rayjobs["live"] = ended
     _rayjob_event("MODIFIED", ended)

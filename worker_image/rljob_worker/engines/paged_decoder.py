@@ -2,8 +2,9 @@
 
 Written over the Hugging Face parameter tensors (same names, same math as transformers'
 Qwen2, Qwen3, Llama and Mistral modules) so that it depends on no transformers internals such
-as its Cache classes. These are the model types the memory plan sizes exactly
-(rljob.api.model.PLANNED_MODEL_TYPES), with the same bias rules (rljob.plan.model_shape).
+as its Cache classes. It runs the model types the memory plan sizes exactly (MODEL_TYPES is
+rljob.api.model.PLANNED_MODEL_TYPES), with the same bias and q/k-norm rules
+(rljob.plan.model_shape).
 """
 
 from __future__ import annotations
@@ -16,17 +17,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rljob.api.model import PLANNED_MODEL_TYPES as MODEL_TYPES
+from rljob.plan.model_shape import QK_NORM_MODEL_TYPES
 from rljob_worker.engines.base import SamplingParams
 
 # Block 0 of the pool is never handed out: masked-out keys and padded queries point at it, so
 # the attention never reads memory that was never written (after a resume its contents are
 # arbitrary, possibly NaN, and 0 * NaN is NaN even under a zero attention weight).
 NULL_BLOCK = 0
-
-# The decoders this engine runs: transformers' model_type values.
-MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
-# Those with a per-head RMSNorm on the queries and keys before RoPE (q_norm, k_norm).
-QK_NORM_MODEL_TYPES = frozenset({"qwen3"})
 
 
 @dataclass(frozen=True)
